@@ -1,0 +1,28 @@
+"""nxd_smp: a ZeRO-1 sharded optimizer with standard mixed precision, compatible with
+neuronx-distributed's ``NeuronZero1Optimizer`` and ``mixed_precision_config``."""
+
+from .mixed_precision_config import (
+    ConfigError,
+    MixedPrecisionConfig,
+    OptimizerConfig,
+    neuronx_distributed_config,
+)
+from .zero1_optimizer import (
+    ClippedOptimizer,
+    NeuronZero1Optimizer,
+    Zero1Optimizer,
+    initialize_parallel_optimizer,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClippedOptimizer",
+    "ConfigError",
+    "MixedPrecisionConfig",
+    "NeuronZero1Optimizer",
+    "OptimizerConfig",
+    "Zero1Optimizer",
+    "initialize_parallel_optimizer",
+    "neuronx_distributed_config",
+]

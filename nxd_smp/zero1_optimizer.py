@@ -1,0 +1,865 @@
+"""ZeRO-1 sharded optimizer with standard mixed precision.
+
+``Zero1Optimizer`` wraps any element-wise ``torch.optim`` optimizer. Parameters are
+packed into flat buckets (see ``layout``); each data-parallel rank owns one contiguous
+shard of every bucket and keeps, for its shard only, the master weights and the inner
+optimizer's states. One ``step()``:
+
+1. per bucket, reduce-scatter the accumulated gradient (a sum; the 1/world_size of the
+   mean is folded into step 3),
+2. the global gradient norm in fp32 (shards, then ``grad_norm_groups``, then DP),
+3. scale the shard gradients by ``min(1, max_norm / (norm + 1e-6)) / world_size``,
+4. the inner optimizer's step on the master shards,
+5. cast each shard to the parameter dtype and all-gather it into the parameters.
+
+``NeuronZero1Optimizer`` keeps torch_xla's / NxD's signature and maps it onto this;
+``initialize_parallel_optimizer`` builds either from an NxD config dict.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .collectives import Collectives, is_replica_groups, make_collectives
+from .grad_accum import MainGradBuffers, flatten_grads
+from .layout import BucketLayout, plan_buckets
+from .mixed_precision_config import (
+    ConfigError,
+    MixedPrecisionConfig,
+    check_no_xla_downcast,
+    configs_from_nxd_dict,
+    validate_max_norm,
+)
+
+__all__ = [
+    "Zero1Optimizer",
+    "NeuronZero1Optimizer",
+    "ClippedOptimizer",
+    "initialize_parallel_optimizer",
+    "DEFAULT_BUCKET_CAP_MB",
+]
+
+#: Default bucket size: 128 MiB of fp32 gradient (32M elements). NxD reports NaNs on
+#: Neuron with buckets above ~140 MB, so stay below that.
+DEFAULT_BUCKET_CAP_MB = 128.0
+
+SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Inner optimizers whose update of an element depends on other elements (factored or
+# orthogonalised updates, line searches, sparse gradients): sharding changes their result.
+_NOT_ELEMENTWISE = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
+
+# Parameter attribute NxD sets on tensor-parallel-split parameters.
+_TP_SPLIT_ATTRIBUTE = "tensor_model_parallel"
+
+GroupSpec = dist.ProcessGroup | Sequence[Sequence[int]] | None
+NormGroupSpec = dist.ProcessGroup | Sequence[dist.ProcessGroup] | Sequence[Sequence[int]] | None
+
+
+def _param_groups(params: Any) -> list[dict[str, Any]]:
+    """Normalise ``params`` (tensors or dicts of groups) into a list of group dicts."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            "params must be an iterable of tensors or of param-group dicts, got a single "
+            "Tensor; pass [tensor] or model.parameters()."
+        )
+    groups = list(params)
+    if not groups:
+        raise ValueError("Zero1Optimizer got an empty parameter list; pass model.parameters().")
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    normalised = []
+    for i, group in enumerate(groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError(
+                f"param group {i} must be a dict with a 'params' key, got {type(group).__name__}."
+            )
+        tensors = group["params"]
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        for p in tensors:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(
+                    f"param group {i} holds a {type(p).__name__}, not a Tensor; "
+                    f"pass parameters (e.g. model.parameters())."
+                )
+        normalised.append({**group, "params": tensors})
+    return normalised
+
+
+def _check_params(groups: list[dict[str, Any]]) -> tuple[list[torch.Tensor], torch.device]:
+    """Validate the managed parameters; return them in layout order and their device."""
+    seen: dict[int, int] = {}
+    managed: list[torch.Tensor] = []
+    for gi, group in enumerate(groups):
+        for p in group["params"]:
+            if id(p) in seen:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} is listed twice (param groups "
+                    f"{seen[id(p)]} and {gi}); list each parameter once."
+                )
+            seen[id(p)] = gi
+            if not p.requires_grad:
+                continue
+            if not p.is_leaf:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} is not a leaf tensor; the "
+                    f"optimizer can only update leaves (e.g. nn.Parameter)."
+                )
+            if p.dtype not in SUPPORTED_PARAM_DTYPES:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} has dtype {p.dtype}; Zero1Optimizer "
+                    f"supports {[str(d) for d in SUPPORTED_PARAM_DTYPES]}. Cast the model, e.g. "
+                    f"model.to(torch.bfloat16), or freeze that parameter."
+                )
+            if p.is_sparse:
+                raise ValueError("sparse parameters are not supported; use dense parameters.")
+            managed.append(p)
+    if not managed:
+        raise ValueError(
+            "Zero1Optimizer got no trainable parameters (all have requires_grad=False)."
+        )
+    devices = sorted({str(p.device) for p in managed})
+    if len(devices) > 1:
+        raise ValueError(
+            f"parameters are on several devices {devices}; move the whole model to one "
+            f"device (each data-parallel rank owns one) before building the optimizer."
+        )
+    return managed, managed[0].device
+
+
+def _check_optimizer_class(optimizer_class: Any, *, sharded: bool = True) -> None:
+    if not (inspect.isclass(optimizer_class) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass such as "
+            f"torch.optim.AdamW, got {optimizer_class!r}."
+        )
+    if not sharded:
+        return
+    for name in _NOT_ELEMENTWISE:
+        refused = getattr(torch.optim, name, None)
+        if refused is not None and issubclass(optimizer_class, refused):
+            raise ValueError(
+                f"{optimizer_class.__name__} is not element-wise (its update of one element "
+                f"depends on others), so sharding it would change its result. Use an "
+                f"element-wise optimizer such as AdamW, Adam or SGD."
+            )
+
+
+def _auto_fuse(
+    optimizer_class: type, defaults: dict[str, Any], device: torch.device, all_fp32: bool
+) -> dict[str, Any]:
+    """Ask for the fused kernel on CPU/CUDA fp32 shards when the caller chose no variant.
+
+    The inner optimizer sees a few large flat tensors, where the fused kernel is the
+    fastest and allocates no temporaries. Low-precision shards keep the stock path so
+    legacy mode rounds exactly like the stock optimizer.
+    """
+    chosen = {"fused", "foreach", "capturable", "differentiable"} & set(defaults)
+    try:
+        accepts_fused = "fused" in inspect.signature(optimizer_class.__init__).parameters
+    except (TypeError, ValueError):
+        accepts_fused = False
+    if chosen or not accepts_fused or not all_fp32 or device.type not in ("cpu", "cuda"):
+        return defaults
+    return {**defaults, "fused": True}
+
+
+def _norm_collectives(groups: NormGroupSpec, device: torch.device, pin_layout: bool) -> list[Collectives]:
+    if groups is None:
+        return []
+    if isinstance(groups, dist.ProcessGroup) or is_replica_groups(groups):
+        return [make_collectives(groups, device, pin_layout)]
+    return [make_collectives(g, device, pin_layout) for g in groups]
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squared elements over ``tensors``, accumulated in fp32 (a 0-dim tensor)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
+
+
+class Zero1Optimizer(torch.optim.Optimizer):
+    """A ZeRO-1 optimizer with standard mixed precision.
+
+    Args:
+        params: parameters or param-group dicts (each group may carry its own
+            hyperparameters). Parameters with ``requires_grad=False`` are not managed.
+            All managed parameters must be on one device, in bf16, fp16 or fp32.
+        optimizer_class: an element-wise ``torch.optim.Optimizer`` subclass (AdamW,
+            Adam, SGD, ...), built over this rank's flat shards with ``**defaults``.
+            On CPU/CUDA with fp32 shards it gets ``fused=True`` unless the caller set
+            ``fused``, ``foreach``, ``capturable`` or ``differentiable``.
+        mixed_precision: ``MixedPrecisionConfig`` (None: SMP on).
+        grad_clipping: clip the global gradient norm at ``max_norm``.
+        max_norm: positive; ``inf`` measures the norm without clipping.
+        process_group: the data-parallel group: a torch.distributed process group,
+            torch_xla replica groups (list of lists of ranks), or None (the default group;
+            on an XLA device without torch.distributed, all replicas).
+        reduce_dtype: dtype of the gradient reduce-scatter (None: fp32 with fp32
+            accumulation, else the parameter dtype).
+        bucket_cap_mb: largest bucket in MiB of fp32 elements; ``0`` puts each parameter
+            in a bucket of its own, ``inf`` makes one bucket per (group, dtype).
+        grad_norm_groups: extra groups the global norm is reduced over (tensor/pipeline
+            parallel): a process group, a list of them, or torch_xla replica groups.
+            Parameters marked ``tensor_model_parallel=True`` count each member's part,
+            the others are counted once.
+        pin_layout: passed to torch_xla collectives.
+        lazy_init: defer building shards and buffers until ``init_zero()``.
+        **defaults: hyperparameters for ``optimizer_class`` (lr, weight_decay, ...).
+
+    ``optimizer.zero_grad()`` clears the fp32 ``main_grad`` buffers; ``model.zero_grad()``
+    does not.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        mixed_precision: MixedPrecisionConfig | None = None,
+        grad_clipping: bool = True,
+        max_norm: float = 1.0,
+        process_group: GroupSpec = None,
+        reduce_dtype: torch.dtype | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        grad_norm_groups: NormGroupSpec = None,
+        pin_layout: bool = True,
+        lazy_init: bool = False,
+        **defaults: Any,
+    ):
+        _check_optimizer_class(optimizer_class)
+        if mixed_precision is None:
+            mixed_precision = MixedPrecisionConfig()
+        if not isinstance(mixed_precision, MixedPrecisionConfig):
+            raise TypeError(
+                f"mixed_precision must be a MixedPrecisionConfig or None, got "
+                f"{type(mixed_precision).__name__}; build one with MixedPrecisionConfig(...) "
+                f"or MixedPrecisionConfig.from_dict(d, zero_one_enabled=True)."
+            )
+        if mixed_precision.use_master_weights:
+            check_no_xla_downcast()
+        if not isinstance(grad_clipping, bool):
+            raise ConfigError(f"grad_clipping must be True or False, got {grad_clipping!r}.")
+        max_norm = validate_max_norm(max_norm, "max_norm")
+        if reduce_dtype is not None and (
+            not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"reduce_dtype must be None or a floating torch.dtype, got {reduce_dtype!r}."
+            )
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not (
+            bucket_cap_mb >= 0
+        ):
+            raise ValueError(
+                f"bucket_cap_mb must be a number >= 0 (0: one bucket per parameter, inf: no "
+                f"limit), got {bucket_cap_mb!r}."
+            )
+
+        groups = _param_groups(params)
+        self._managed, self._device = _check_params(groups)
+        self._mp = mixed_precision
+        self._grad_clipping = grad_clipping
+        self._max_norm = max_norm
+        self._reduce_dtype = reduce_dtype
+        self._comm = make_collectives(process_group, self._device, pin_layout)
+        self._norm_comms = _norm_collectives(grad_norm_groups, self._device, pin_layout)
+        self._optimizer_class = optimizer_class
+        all_fp32 = all(self._shard_dtype(p.dtype) == torch.float32 for p in self._managed)
+        self._inner_defaults = _auto_fuse(optimizer_class, dict(defaults), self._device, all_fp32)
+        # Every hyperparameter the inner optimizer will see, with its class defaults, so
+        # the wrapper's param_groups are complete (LR schedulers read them) before the
+        # shards exist. Building it also validates the hyperparameters now.
+        probe = optimizer_class([torch.zeros(1, device=self._device)], **self._inner_defaults)
+        full_defaults = {k: v for k, v in probe.param_groups[0].items() if k != "params"}
+        del probe
+
+        managed_ids = {id(p) for p in self._managed}
+        wrapper_groups = [
+            {**group, "params": [p for p in group["params"] if id(p) in managed_ids]}
+            for group in groups
+        ]
+        self._layout_frozen = False
+        super().__init__(wrapper_groups, full_defaults)
+        self._layout_frozen = True
+
+        cap = bucket_cap_mb * 2**20 / 4
+        self._cap_numel = None if math.isinf(cap) else max(1, int(cap))
+        self._initialized = False
+        self._grad_norm: torch.Tensor | None = None
+        self._rebuild_master_pending = False
+        if not lazy_init:
+            self.init_zero()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def mixed_precision(self) -> MixedPrecisionConfig:
+        return self._mp
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """Global gradient norm of the last step (fp32 tensor, before clipping); None
+        before the first step."""
+        return self._grad_norm
+
+    @property
+    def world_size(self) -> int:
+        return self._comm.world_size
+
+    @property
+    def rank(self) -> int:
+        return self._comm.rank
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        self._require_initialized()
+        return self._inner
+
+    @property
+    def bucket_layouts(self) -> list[BucketLayout]:
+        self._require_initialized()
+        return list(self._layouts)
+
+    # ------------------------------------------------------------------ dtypes
+    def _shard_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """Dtype of master weights and optimizer states for a parameter dtype."""
+        return torch.float32 if self._mp.use_master_weights else param_dtype
+
+    def _accum_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if self._mp.use_fp32_grad_acc else param_dtype
+
+    def _wire_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """Dtype the gradient is reduce-scattered in."""
+        return self._reduce_dtype or self._accum_dtype(param_dtype)
+
+    # ------------------------------------------------------------------ construction
+    def init_zero(self) -> None:
+        """Build the layout, flat buffers, master shards, hooks and inner optimizer.
+
+        Called by the constructor unless ``lazy_init=True``; then call it once before
+        the first backward pass.
+        """
+        if self._initialized:
+            return
+        params = self._managed  # in param-group order, as the layout wants them
+        keys = [
+            (gi, p.dtype, bool(getattr(p, _TP_SPLIT_ATTRIBUTE, False)))
+            for gi, group in enumerate(self.param_groups)
+            for p in group["params"]
+        ]
+        self._layouts = plan_buckets(
+            [p.numel() for p in params], keys, self._comm.world_size, self._cap_numel
+        )
+        self._views = self._device.type in ("cpu", "cuda")
+
+        self._flat_params: list[torch.Tensor] = []
+        self._masters: list[torch.Tensor] = []
+        self._param_ptrs: list[int] = []
+        self._masters_alias_params = self._views and not self._mp.use_master_weights
+        with torch.no_grad():
+            for layout in self._layouts:
+                dtype = params[layout.param_indices[0]].dtype
+                flat = torch.zeros(layout.padded_numel, dtype=dtype, device=self._device)
+                for i, index in enumerate(layout.param_indices):
+                    start, end = layout.param_range(i)
+                    flat[start:end].copy_(params[index].detach().reshape(-1))
+                    if self._views:
+                        params[index].data = flat[start:end].view(params[index].shape)
+                self._flat_params.append(flat)
+                shard = self._comm.shard(flat)
+                if self._masters_alias_params:
+                    master = shard
+                else:
+                    master = torch.empty(shard.shape, dtype=self._shard_dtype(dtype), device=self._device)
+                    master.copy_(shard)
+                self._masters.append(master)
+        if self._views:
+            self._param_ptrs = [p.data_ptr() for p in params]
+
+        self._main_grads = (
+            MainGradBuffers(params, self._layouts, torch.float32, self._device)
+            if self._mp.use_fp32_grad_acc
+            else None
+        )
+
+        inner_groups = []
+        for gi, group in enumerate(self.param_groups):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            shards = [m for layout, m in zip(self._layouts, self._masters) if layout.key[0] == gi]
+            inner_groups.append({**hyper, "params": shards})
+        self._inner = self._optimizer_class(inner_groups, **self._inner_defaults)
+        self._fused = all(g.get("fused", False) for g in self._inner.param_groups)
+        self._split_buckets = [b for b, layout in enumerate(self._layouts) if layout.key[2]]
+        self._replicated_buckets = [b for b, layout in enumerate(self._layouts) if not layout.key[2]]
+        self._initialized = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_layout_frozen", False):
+            raise RuntimeError(
+                "Zero1Optimizer cannot add a param group after construction (its buffers "
+                "are laid out once); pass every group to the constructor."
+            )
+        super().add_param_group(param_group)
+
+    def _require_initialized(self) -> None:
+        if not self._initialized:
+            raise RuntimeError(
+                "this optimizer was built with lazy_init=True; call init_zero() before "
+                "training or using its state."
+            )
+
+    def _check_params_unmoved(self) -> None:
+        for i, p in enumerate(self._managed):
+            if p.data_ptr() != self._param_ptrs[i]:
+                raise RuntimeError(
+                    f"parameter {i} (shape {tuple(p.shape)}) no longer lives in the "
+                    f"optimizer's flat buffer: it was replaced after the optimizer was built "
+                    f"(model.to(...), load_state_dict(assign=True), or assigning .data). "
+                    f"Build the optimizer after the model has its final device and dtype, "
+                    f"and load weights in place."
+                )
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step over every rank's shard; every rank of the group calls it."""
+        self._require_initialized()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._views:
+            self._check_params_unmoved()
+        if self._rebuild_master_pending:
+            self._load_masters_from_params()
+        self._sync_hyperparameters()
+        grads = self._reduce_gradients()
+        norm = self._global_norm(grads)
+        self._scale_gradients(grads, norm)
+        for master, grad in zip(self._masters, grads):
+            master.grad = grad
+        self._inner.step()
+        for master in self._masters:
+            master.grad = None
+        self._publish_params()
+        self._grad_norm = norm
+        return loss
+
+    def _sync_hyperparameters(self) -> None:
+        """The wrapper's param_groups are the truth (LR schedulers act on them)."""
+        for outer, inner in zip(self.param_groups, self._inner.param_groups):
+            for key, value in outer.items():
+                if key != "params":
+                    inner[key] = value
+
+    def _reduce_gradients(self) -> list[torch.Tensor]:
+        """Per bucket, this rank's shard of the summed gradient, in the shard dtype."""
+        flats = []
+        for b, layout in enumerate(self._layouts):
+            dtype = self._flat_params[b].dtype
+            wire = self._wire_dtype(dtype)
+            if self._main_grads is not None:
+                flat = self._main_grads.buffers[b]
+                flats.append(flat if flat.dtype == wire else flat.to(wire))
+            else:
+                flats.append(flatten_grads(self._managed, layout, wire))
+        self._comm.reduce_scatter_(flats)
+        grads = []
+        for b, flat in enumerate(flats):
+            shard = self._comm.shard(flat)
+            dtype = self._masters[b].dtype
+            if shard.dtype != dtype:
+                if self._main_grads is not None and self._main_grads.buffers[b].dtype == dtype:
+                    target = self._comm.shard(self._main_grads.buffers[b])  # reuse its memory
+                    shard = target.copy_(shard)
+                else:
+                    shard = shard.to(dtype)
+            grads.append(shard)
+        return grads
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """L2 norm of the mean gradient over the whole model, fp32, as a tensor."""
+        # Parameters split over grad_norm_groups (tensor parallel) add up over the group;
+        # replicated ones are counted once.
+        replicated_sq = _sum_of_squares([grads[b] for b in self._replicated_buckets], self._device)
+        if self._split_buckets:
+            split_sq = _sum_of_squares([grads[b] for b in self._split_buckets], self._device)
+            for comm in self._norm_comms:
+                comm.all_reduce_(split_sq)
+            total = (split_sq + replicated_sq).reshape(1)
+        else:
+            total = replicated_sq.reshape(1)
+        self._comm.all_reduce_(total)
+        norm = total.sqrt().reshape(())
+        if self._comm.world_size > 1:
+            norm = norm / self._comm.world_size
+        return norm
+
+    def _scale_gradients(self, grads: list[torch.Tensor], norm: torch.Tensor) -> None:
+        """Multiply the summed shard gradients by clip coefficient / world_size."""
+        coef: torch.Tensor | float | None = None
+        if self._grad_clipping and math.isfinite(self._max_norm):
+            coef = (self._max_norm / (norm + 1e-6)).clamp(max=1.0)
+        if self._comm.world_size > 1:
+            coef = 1.0 / self._comm.world_size if coef is None else coef / self._comm.world_size
+        if self._fused:
+            # The fused kernels divide by ``grad_scale`` while they read the gradient:
+            # no extra pass over it.
+            if coef is None:
+                self._inner.grad_scale = None
+            else:
+                self._inner.grad_scale = torch.as_tensor(
+                    coef, dtype=torch.float32, device=self._device
+                ).reciprocal()
+        elif coef is not None:
+            torch._foreach_mul_(grads, coef)
+
+    def _publish_params(self) -> None:
+        """Cast each master shard into the parameter buffer and all-gather it."""
+        if not self._masters_alias_params:
+            for flat, master in zip(self._flat_params, self._masters):
+                self._comm.shard(flat).copy_(master)
+        self._comm.all_gather_(self._flat_params)
+        if not self._views:
+            targets, sources = [], []
+            for layout, flat in zip(self._layouts, self._flat_params):
+                for i, index in enumerate(layout.param_indices):
+                    start, end = layout.param_range(i)
+                    targets.append(self._managed[index])
+                    sources.append(flat[start:end].view(self._managed[index].shape))
+            torch._foreach_copy_(targets, sources)
+
+    def _load_masters_from_params(self) -> None:
+        """Rebuild the master shards from the current parameters (loses precision)."""
+        with torch.no_grad():
+            if not self._views:
+                for layout, flat in zip(self._layouts, self._flat_params):
+                    for i, index in enumerate(layout.param_indices):
+                        start, end = layout.param_range(i)
+                        flat[start:end].copy_(self._managed[index].detach().reshape(-1))
+            if not self._masters_alias_params:
+                for flat, master in zip(self._flat_params, self._masters):
+                    master.copy_(self._comm.shard(flat))
+        self._rebuild_master_pending = False
+
+    # ------------------------------------------------------------------ grads
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the fp32 ``main_grad`` buffers and the parameters' ``.grad``."""
+        self._require_initialized()
+        if self._main_grads is not None:
+            self._main_grads.zero_()
+        for p in self._managed:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    def main_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """The fp32 accumulated gradient of ``param`` (a view shaped like it)."""
+        self._require_initialized()
+        if self._main_grads is None:
+            raise RuntimeError("main_grad exists only with use_fp32_grad_acc=True.")
+        for i, p in enumerate(self._managed):
+            if p is param:
+                return self._main_grads.main_grad(i)
+        raise ValueError("this parameter is not managed by the optimizer.")
+
+    # ------------------------------------------------------------------ state
+    def _layout_signature(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "group": layout.key[0],
+                "dtype": str(layout.key[1]),
+                "tensor_model_parallel": layout.key[2],
+                "numels": list(layout.numels),
+                "padded_numel": layout.padded_numel,
+            }
+            for layout in self._layouts
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: inner optimizer state over its shards, hyperparameters,
+        the layout it was written with, and the master shards if
+        ``use_master_weights_in_ckpt``. Load it at the same DP size and rank; to
+        change the DP size use ``nxd_smp.checkpoint``."""
+        self._require_initialized()
+        groups = []
+        start = 0
+        for group in self.param_groups:
+            n = len(group["params"])
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": list(range(start, start + n))})
+            start += n
+        state = {
+            "format": "nxd_smp.zero1.rank_local/1",
+            "world_size": self._comm.world_size,
+            "rank": self._comm.rank,
+            "mixed_precision": self._mp.to_dict(),
+            "layout": self._layout_signature(),
+            "param_groups": groups,
+            "inner": self._inner.state_dict(),
+        }
+        if self._mp.use_master_weights_in_ckpt:
+            state["master_weights"] = [m.detach().clone() for m in self._masters]
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what ``state_dict()`` returned on the same rank at the same DP size.
+
+        Without master weights in it (and master weights on), the masters are rebuilt
+        from the parameters at the next ``step()``, so load the model's weights before
+        that step; precision below the parameter dtype is lost (a warning says so).
+        Everything is checked before anything changes.
+        """
+        self._require_initialized()
+        if not isinstance(state_dict, dict) or state_dict.get("format") != "nxd_smp.zero1.rank_local/1":
+            raise ValueError(
+                "not a Zero1Optimizer state dict (missing format 'nxd_smp.zero1.rank_local/1'); "
+                "pass what Zero1Optimizer.state_dict() returned."
+            )
+        problems = []
+        for key, mine in (("world_size", self._comm.world_size), ("rank", self._comm.rank)):
+            if state_dict.get(key) != mine:
+                problems.append(f"{key} {state_dict.get(key)} (this optimizer: {mine})")
+        if state_dict.get("layout") != self._layout_signature():
+            problems.append("bucket layout (parameters, shapes, dtypes, groups or bucket size differ)")
+        if len(state_dict.get("param_groups", [])) != len(self.param_groups):
+            problems.append(
+                f"{len(state_dict.get('param_groups', []))} param groups (this optimizer: "
+                f"{len(self.param_groups)})"
+            )
+        masters = state_dict.get("master_weights")
+        if masters is not None:
+            if len(masters) != len(self._masters) or any(
+                tuple(a.shape) != tuple(b.shape) for a, b in zip(masters, self._masters)
+            ):
+                problems.append("master weight shard shapes")
+        if problems:
+            raise ValueError(
+                "this state dict does not fit the optimizer: " + "; ".join(problems) + ". "
+                "Rank-local state dicts load only into the same model, DP size and rank; "
+                "use nxd_smp.checkpoint to change the DP size."
+            )
+        self._inner.load_state_dict(state_dict["inner"])
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = value
+        if masters is not None:
+            with torch.no_grad():
+                for master, saved in zip(self._masters, masters):
+                    master.copy_(saved)
+                self._publish_params()
+            self._rebuild_master_pending = False
+        elif self._mp.use_master_weights:
+            warnings.warn(
+                "the optimizer state has no master weights: they will be rebuilt from the "
+                "model's parameters at the next step, so precision below the parameter "
+                "dtype is lost. Save with use_master_weights_in_ckpt=True to keep it.",
+                stacklevel=2,
+            )
+            self._rebuild_master_pending = True
+
+
+class NeuronZero1Optimizer(Zero1Optimizer):
+    """torch_xla's / NxD's ``ZeroRedundancyOptimizer`` signature mapped onto
+    ``Zero1Optimizer``.
+
+    ``optimizer_dtype`` is the master/state dtype (None, fp32 or fp64: fp32 masters;
+    bf16/fp16: none); ``use_grad_acc_hook`` turns on fp32 gradient accumulation;
+    ``higher_cc_precision`` reduces gradients in the master dtype instead of the
+    parameter dtype; ``save_master_weights`` puts master weights in the state dict;
+    ``max_norm=None`` means 1.0; ``sharding_groups`` / ``grad_norm_groups`` are replica
+    groups (XLA) or process groups. The bucket caps are MB per collective as in
+    torch_xla (0: one collective per parameter). ``zero_grad`` keeps gradients
+    allocated by default, as torch_xla does.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        optimizer_class: type[torch.optim.Optimizer],
+        optimizer_dtype: torch.dtype | None = None,
+        grad_clipping: bool = True,
+        max_norm: float | None = None,
+        pin_layout: bool = True,
+        sharding_groups: GroupSpec = None,
+        grad_norm_groups: NormGroupSpec = None,
+        lazy_init: bool = False,
+        bucket_cap_mb_all_gather: float = 0,
+        bucket_cap_mb_reduce_scatter: float = 0,
+        use_grad_acc_hook: bool = False,
+        save_master_weights: bool = False,
+        higher_cc_precision: bool = False,
+        **defaults: Any,
+    ):
+        if optimizer_dtype in (None, torch.float32, torch.float64):
+            use_master_weights = True
+        elif optimizer_dtype in (torch.bfloat16, torch.float16):
+            use_master_weights = False
+        else:
+            raise ValueError(
+                f"optimizer_dtype must be None, torch.float32, torch.float64, torch.bfloat16 "
+                f"or torch.float16, got {optimizer_dtype!r}."
+            )
+        if optimizer_dtype is torch.float64:
+            warnings.warn("optimizer_dtype=torch.float64: nxd_smp keeps fp32 master weights.", stacklevel=2)
+        for name, value in (("save_master_weights", save_master_weights),
+                            ("use_grad_acc_hook", use_grad_acc_hook),
+                            ("higher_cc_precision", higher_cc_precision)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} must be True or False, got {value!r}.")
+        if save_master_weights and not use_master_weights:
+            raise ConfigError(
+                f"save_master_weights=True needs fp32 master weights, but optimizer_dtype="
+                f"{optimizer_dtype} keeps none; use optimizer_dtype=torch.float32."
+            )
+        self._higher_cc_precision = higher_cc_precision
+        mixed_precision = MixedPrecisionConfig(
+            use_master_weights=use_master_weights,
+            use_fp32_grad_acc=use_grad_acc_hook,
+            use_master_weights_in_ckpt=save_master_weights,
+        )
+        super().__init__(
+            params,
+            optimizer_class,
+            mixed_precision=mixed_precision,
+            grad_clipping=grad_clipping,
+            max_norm=1.0 if max_norm is None else max_norm,
+            process_group=sharding_groups,
+            bucket_cap_mb=_torch_xla_bucket_cap(bucket_cap_mb_reduce_scatter, bucket_cap_mb_all_gather),
+            grad_norm_groups=grad_norm_groups,
+            pin_layout=pin_layout,
+            lazy_init=lazy_init,
+            **defaults,
+        )
+
+    def _wire_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        # torch_xla: the gradient travels in the parameter dtype unless
+        # higher_cc_precision asks for the optimizer dtype.
+        return self._shard_dtype(param_dtype) if self._higher_cc_precision else param_dtype
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+
+
+def _torch_xla_bucket_cap(reduce_scatter_mb: float, all_gather_mb: float) -> float:
+    """One bucket size (MiB of fp32) that honours both torch_xla caps.
+
+    torch_xla counts the reduce-scatter cap on the full gradient and the all-gather cap
+    on the shards; 0 disables coalescing, i.e. one bucket per parameter.
+    """
+    for name, value in (("bucket_cap_mb_reduce_scatter", reduce_scatter_mb),
+                        ("bucket_cap_mb_all_gather", all_gather_mb)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"{name} must be a number >= 0, got {value!r}.")
+    if reduce_scatter_mb == 0 or all_gather_mb == 0:
+        return 0.0
+    return float(min(reduce_scatter_mb, all_gather_mb))
+
+
+class ClippedOptimizer(torch.optim.Optimizer):
+    """A plain (unsharded) optimizer that clips the global gradient norm first.
+
+    What ``initialize_parallel_optimizer`` returns with ZeRO-1 off: it shares
+    ``param_groups`` and ``state`` with the inner optimizer, so LR schedulers and
+    checkpoints see the inner optimizer's. ``grad_norm`` is the fp32 norm of the last
+    step before clipping. Gradients are not averaged over data-parallel ranks here
+    (that is DDP's job when ZeRO-1 is off).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, grad_clipping: bool = True, max_norm: float = 1.0):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+        if not isinstance(grad_clipping, bool):
+            raise ConfigError(f"grad_clipping must be True or False, got {grad_clipping!r}.")
+        self.optimizer = optimizer
+        self._grad_clipping = grad_clipping
+        self._max_norm = validate_max_norm(max_norm, "max_norm")
+        self._grad_norm: torch.Tensor | None = None
+        super().__init__(optimizer.param_groups, optimizer.defaults)  # shares the group dicts
+        self.state = optimizer.state
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        return self._grad_norm
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        norm = _sum_of_squares(grads, device).sqrt()
+        if grads and self._grad_clipping and math.isfinite(self._max_norm):
+            coef = (self._max_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        self.optimizer.step()
+        self._grad_norm = norm
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+
+def initialize_parallel_optimizer(
+    nxd_config: dict[str, Any],
+    optimizer_class: type[torch.optim.Optimizer],
+    parameters: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+    *,
+    process_group: GroupSpec = None,
+    grad_norm_groups: NormGroupSpec = None,
+    **defaults: Any,
+) -> torch.optim.Optimizer:
+    """Build the optimizer an NxD config asks for.
+
+    ZeRO-1 on: a ``Zero1Optimizer`` with the config's mixed precision, clipping and
+    ``max_grad_norm`` (which NxD drops; we pass it). ZeRO-1 off: a ``ClippedOptimizer``
+    over ``optimizer_class(parameters, **defaults)``. ``process_group`` is the
+    data-parallel group (default: all ranks); with tensor or pipeline parallelism in the
+    config it must be given, since nxd_smp does not own model-parallel state.
+    """
+    opt_cfg, mp_cfg = configs_from_nxd_dict(nxd_config)
+    if opt_cfg.zero_one_enabled:
+        model_parallel = {
+            k: nxd_config.get(k, 1)
+            for k in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size")
+        }
+        if any(v != 1 for v in model_parallel.values()) and process_group is None:
+            raise ConfigError(
+                f"the config has model parallelism {model_parallel}; pass the data-parallel "
+                f"group as process_group=... (and the tensor-parallel groups as "
+                f"grad_norm_groups=...), since nxd_smp does not set up model parallelism."
+            )
+        return Zero1Optimizer(
+            parameters,
+            optimizer_class,
+            mixed_precision=mp_cfg,
+            grad_clipping=opt_cfg.grad_clipping,
+            max_norm=opt_cfg.max_grad_norm,
+            process_group=process_group,
+            grad_norm_groups=grad_norm_groups,
+            **defaults,
+        )
+    _check_optimizer_class(optimizer_class, sharded=False)
+    return ClippedOptimizer(
+        optimizer_class(parameters, **defaults),
+        grad_clipping=opt_cfg.grad_clipping,
+        max_norm=opt_cfg.max_grad_norm,
+    )
