@@ -66,6 +66,12 @@ class ProcessGroupCollectives(Collectives):
         if group is None and not (dist.is_available() and dist.is_initialized()):
             self.rank, self.world_size = 0, 1
             return
+        if group is not None and group is dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(
+                f"this process (global rank {dist.get_rank()}) is not a member of the given "
+                f"process_group (torch.distributed.new_group returned NON_GROUP_MEMBER here); "
+                f"pass the data-parallel group that contains this rank."
+            )
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(
                 f"process_group must be a torch.distributed ProcessGroup or None, got "

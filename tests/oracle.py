@@ -1,0 +1,191 @@
+"""A plain, unsharded reference for the sharded optimizer, and the test model and data.
+
+The oracle is DESIGN.md section 9 written out as a loop in one process: per rank and
+micro-batch a bf16 forward/backward, gradients summed in the accumulation dtype, summed
+over ranks in the wire dtype, divided by the number of ranks, clipped by the global fp32
+norm, one stock ``torch.optim`` step on separate master copies, and the result cast back
+into the bf16 model. No buckets, no padding, no collectives.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+IN, HIDDEN, OUT = 7, 13, 6
+BATCH = 5
+
+
+class OddModel(nn.Module):
+    """Odd shapes, a 0-dim parameter, a frozen one and one that never gets a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(IN, HIDDEN)
+        self.kernel = nn.Parameter(torch.randn(5, 3, 2) * 0.3)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+        self.lin2 = nn.Linear(HIDDEN, OUT, bias=False)
+        self.frozen = nn.Parameter(torch.randn(4), requires_grad=False)
+        self.unused = nn.Parameter(torch.randn(3) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin1(x))
+        h = self.norm(h) * self.temperature
+        out = self.lin2(h)
+        return out + F.pad(self.kernel.sum(dim=(1, 2)), (0, 1)) + self.frozen.sum()
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> OddModel:
+    torch.manual_seed(seed)
+    return OddModel().to(dtype)
+
+
+def param_groups(model: OddModel, *, lr_a: float, lr_b: float) -> list[dict[str, Any]]:
+    """Two groups with their own lr and weight decay; the frozen param rides in group A."""
+    a = [model.lin1.weight, model.lin1.bias, model.kernel, model.frozen, model.lin2.weight, model.unused]
+    b = [model.norm.weight, model.norm.bias, model.temperature]
+    return [
+        {"params": a, "lr": lr_a, "weight_decay": 0.1},
+        {"params": b, "lr": lr_b, "weight_decay": 0.0},
+    ]
+
+
+def batch(seed: int, rank: int, step: int, micro: int, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + step * 101 + micro)
+    x = torch.randn(BATCH, IN, generator=g)
+    y = torch.randn(BATCH, OUT, generator=g)
+    return x.to(dtype), y.to(dtype)
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x).float() - y.float()) ** 2).mean()
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One training setup, run both by the oracle and by the sharded optimizer."""
+
+    name: str
+    optimizer: str  # "AdamW" or "SGD"
+    opt_kwargs: dict[str, Any] = field(default_factory=dict)
+    lr_a: float = 1e-3
+    lr_b: float = 3e-3
+    master: bool = True
+    fp32_acc: bool = True
+    wire: torch.dtype | None = None  # None: fp32 if fp32_acc else bf16
+    grad_clipping: bool = True
+    max_norm: float = 0.5
+    steps: int = 4
+    micro: int = 3
+    seed: int = 0
+    api: str = "zero1"  # "zero1", "nxd_config" or "neuron"
+    bucket_cap_mb: float = 0.0004  # ~100 fp32 elements: several buckets per group
+
+    @property
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        return getattr(torch.optim, self.optimizer)
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        if self.wire is not None:
+            return self.wire
+        return torch.float32 if self.fp32_acc else torch.bfloat16
+
+
+def run_oracle(s: Scenario, world_size: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Train ``s`` unsharded; return the final bf16 parameters by name and the
+    per-step global gradient norms.
+
+    Runs single-threaded like the spawned ranks: CPU kernels sum in a thread-count
+    dependent order, and Adam turns a last-bit difference in a near-zero gradient into a
+    full ``lr`` step.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run_oracle(s, world_size)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_oracle(s: Scenario, world_size: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = make_model(s.seed)
+    groups = param_groups(model, lr_a=s.lr_a, lr_b=s.lr_b)
+    managed = [p for g in groups for p in g["params"] if p.requires_grad]
+    shard_dtype = torch.float32 if s.master else torch.bfloat16
+    acc_dtype = torch.float32 if s.fp32_acc else torch.bfloat16
+    masters = {id(p): p.detach().to(shard_dtype).clone() for p in managed}
+    inner = s.optimizer_class(
+        [{**g, "params": [masters[id(p)] for p in g["params"] if p.requires_grad]} for g in groups],
+        **s.opt_kwargs,
+    )
+    norms = []
+    for step in range(s.steps):
+        total = [None] * len(managed)
+        for rank in range(world_size):
+            acc = [torch.zeros(p.shape, dtype=acc_dtype) for p in managed]
+            for micro in range(s.micro):
+                model.zero_grad(set_to_none=True)
+                x, y = batch(s.seed, rank, step, micro)
+                loss_fn(model, x, y).backward()
+                for i, p in enumerate(managed):
+                    if p.grad is not None:
+                        acc[i] = acc[i] + p.grad.to(acc_dtype)
+            for i in range(len(managed)):
+                wire = acc[i].to(s.wire_dtype)
+                total[i] = wire if rank == 0 else total[i] + wire
+        grads = [t.to(shard_dtype) / world_size for t in total]
+        norm = math.sqrt(sum(float(g.float().pow(2).sum()) for g in grads))
+        if s.grad_clipping:
+            coef = min(1.0, s.max_norm / (norm + 1e-6))
+            grads = [g * coef for g in grads]
+        for p, g in zip(managed, grads):
+            masters[id(p)].grad = g
+        inner.step()
+        with torch.no_grad():
+            for p in managed:
+                p.copy_(masters[id(p)].to(p.dtype))
+        norms.append(norm)
+    model.zero_grad(set_to_none=True)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per element, how many representable values of the (common) float dtype lie
+    between ``a`` and ``b`` (0: equal; +0 and -0 are equal)."""
+    assert a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    int_dtype = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[a.dtype]
+    sign_mask = 0x7FFF if int_dtype is torch.int16 else 0x7FFFFFFF
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        i = t.contiguous().view(int_dtype).to(torch.int64)
+        return torch.where(i < 0, -(i & sign_mask), i)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def assert_params_close(
+    actual: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    *,
+    max_ulp: int = 1,
+    max_flip_fraction: float = 0.02,
+) -> None:
+    """bf16 params equal up to rare flips of at most ``max_ulp`` units in the last place
+    (reduction order differs between gloo and a Python sum)."""
+    assert actual.keys() == expected.keys()
+    total = flips = 0
+    for name in expected:
+        a, e = actual[name], expected[name]
+        assert a.shape == e.shape and a.dtype == e.dtype, name
+        d = ulp_distance(a, e)
+        assert int(d.max()) <= max_ulp, f"{name}: {int(d.max())} ulp apart (max {max_ulp})\n{a}\n{e}"
+        total += d.numel()
+        flips += int((d > 0).sum())
+    assert flips <= max(2, max_flip_fraction * total), f"{flips} of {total} elements differ"
