@@ -18,6 +18,7 @@ optimizer's states. One ``step()``:
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import warnings
@@ -648,7 +649,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 "Rank-local state dicts load only into the same model, DP size and rank; "
                 "use nxd_smp.checkpoint to change the DP size."
             )
-        self._inner.load_state_dict(state_dict["inner"])
+        # torch.optim keeps the given tensors where dtype and device already match; copy
+        # them so training never writes into the caller's state dict.
+        self._inner.load_state_dict(copy.deepcopy(state_dict["inner"]))
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             for key, value in saved.items():
                 if key != "params":
