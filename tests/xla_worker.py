@@ -1,0 +1,90 @@
+"""Run on the XLA CPU device (PJRT_DEVICE=CPU) by test_xla.py in a child process.
+
+Trains the oracle's parameters with the same optimizer on plain CPU and on the XLA
+device and reports the parameters, gradient norms and XLA metrics as a torch.save'd
+dict. The loss is ``sum(p * g)`` with fixed bf16 tensors ``g``, so both devices see
+bit-identical gradients: XLA computes bf16 model code with other intermediate rounding
+than eager, and this test is about the optimizer.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def variants():
+    from nxd_smp import MixedPrecisionConfig, NeuronZero1Optimizer, Zero1Optimizer
+
+    def smp(params, on_xla):
+        return Zero1Optimizer(params, torch.optim.AdamW, max_norm=0.5, bucket_cap_mb=0.0004)
+
+    def legacy(params, on_xla):
+        mp = MixedPrecisionConfig(use_master_weights=False, use_fp32_grad_acc=False)
+        return Zero1Optimizer(params, torch.optim.SGD, mixed_precision=mp, momentum=0.9, max_norm=0.05)
+
+    def neuron(params, on_xla):
+        return NeuronZero1Optimizer(
+            params, torch.optim.AdamW, use_grad_acc_hook=True, higher_cc_precision=True,
+            pin_layout=False, sharding_groups=[[0]] if on_xla else None, max_norm=0.5,
+        )
+
+    return {"smp": smp, "legacy": legacy, "neuron": neuron}
+
+
+def run(build, device, steps, warmup):
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    from tests.oracle import make_model, param_groups
+
+    on_xla = device.type == "xla"
+    model = make_model(0).to(device)
+    opt = build(param_groups(model, lr_a=1e-2, lr_b=3e-2), on_xla)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(0)
+    grads = [
+        [[(torch.randn(p.shape, generator=g) * 0.3).bfloat16().to(device) for p in trained] for _ in range(2)]
+        for _ in range(steps)
+    ]
+    if on_xla:
+        torch_xla.sync()
+    norms, marks = [], {}
+    for step in range(steps):
+        for micro in grads[step]:
+            sum((p * d).sum() for p, d in zip(trained, micro)).backward()
+        opt.step()
+        opt.zero_grad()
+        norms.append(opt.grad_norm)
+        if on_xla:
+            torch_xla.sync()
+            if step + 1 in (warmup, steps):
+                marks[step + 1] = {
+                    "compiles": (met.metric_data("CompileTime") or [0])[0],
+                    "from_device": (met.metric_data("TransferFromDeviceTime") or [0])[0],
+                    "item_calls": met.counter_value("xla::_local_scalar_dense") or 0,
+                }
+    params = {n: p.detach().cpu() for n, p in model.named_parameters()}
+    return params, [float(n.cpu()) for n in norms], marks
+
+
+def main(out_path: str) -> None:
+    import torch_xla
+
+    # The XLA device must exist before the first backward, or autograd's engine has no
+    # queue for it.
+    device = torch_xla.device()
+    steps, warmup = 6, 3
+    results = {}
+    for name, build in variants().items():
+        results[name] = {
+            "cpu": run(build, torch.device("cpu"), steps, warmup),
+            "xla": run(build, device, steps, warmup),
+        }
+    results["steps"], results["warmup"] = steps, warmup
+    torch.save(results, out_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
