@@ -1,0 +1,28 @@
+# The two commands of the README: `make train` runs the demo, `make test` the tests.
+# Each creates .venv with the pinned environment (constraints.txt) when it is missing.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: train test bench clean-venv
+
+$(STAMP): pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "nxd_smp pins torch 2.9 + torch-xla 2.9 for Python 3.11; found " + sys.version.split()[0])'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade --quiet pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[xla,test,scripts]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	PJRT_DEVICE=CPU $(PY) scripts/train.py $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests $(ARGS)
+
+bench: $(STAMP)
+	$(PY) scripts/bench_step.py $(ARGS)
+
+clean-venv:
+	rm -rf $(VENV)
