@@ -7,6 +7,7 @@ from .mixed_precision_config import (
     OptimizerConfig,
     neuronx_distributed_config,
 )
+from . import fused_adamw
 from .zero1_optimizer import (
     ClippedOptimizer,
     NeuronZero1Optimizer,

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import Collectives, is_replica_groups, make_collectives
+from .fused_adamw import CompiledAdamW, applies_to
 from .grad_accum import MainGradBuffers, flatten_grads
 from .layout import BucketLayout, plan_buckets
 from .mixed_precision_config import (
@@ -222,6 +223,11 @@ class Zero1Optimizer(torch.optim.Optimizer):
             the others are counted once.
         pin_layout: passed to torch_xla collectives.
         lazy_init: defer building shards and buffers until ``init_zero()``.
+        compile_update: for Adam/AdamW on CPU with fp32 shards, run the update, the
+            gradient scaling and the cast to the parameter dtype as one compiled pass
+            (``nxd_smp.fused_adamw``) instead of the fused kernel plus a copy. None: when
+            nxd_smp picked the fused kernel itself; True: required (error if it cannot
+            apply); False: never.
         **defaults: hyperparameters for ``optimizer_class`` (lr, weight_decay, ...).
 
     ``optimizer.zero_grad()`` clears the fp32 ``main_grad`` buffers; ``model.zero_grad()``
@@ -242,9 +248,12 @@ class Zero1Optimizer(torch.optim.Optimizer):
         grad_norm_groups: NormGroupSpec = None,
         pin_layout: bool = True,
         lazy_init: bool = False,
+        compile_update: bool | None = None,
         **defaults: Any,
     ):
         _check_optimizer_class(optimizer_class)
+        if compile_update not in (None, True, False):
+            raise ValueError(f"compile_update must be None, True or False, got {compile_update!r}.")
         if mixed_precision is None:
             mixed_precision = MixedPrecisionConfig()
         if not isinstance(mixed_precision, MixedPrecisionConfig):
@@ -283,6 +292,12 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._optimizer_class = optimizer_class
         all_fp32 = all(self._shard_dtype(p.dtype) == torch.float32 for p in self._managed)
         self._inner_defaults = _auto_fuse(optimizer_class, dict(defaults), self._device, all_fp32)
+        self._compile_update = compile_update
+        # The compiled one-pass update stands in for the fused kernel nxd_smp chose itself;
+        # a caller who picked a variant (fused=..., foreach=...) gets exactly that.
+        self._may_compile = compile_update is True or (
+            compile_update is None and self._inner_defaults.get("fused") and "fused" not in defaults
+        )
         # Every hyperparameter the inner optimizer will see, with its class defaults, so
         # the wrapper's param_groups are complete (LR schedulers read them) before the
         # shards exist. Building it also validates the hyperparameters now.
@@ -405,6 +420,16 @@ class Zero1Optimizer(torch.optim.Optimizer):
             inner_groups.append({**hyper, "params": shards})
         self._inner = self._optimizer_class(inner_groups, **self._inner_defaults)
         self._fused = all(g.get("fused", False) for g in self._inner.param_groups)
+        self._compiled = None
+        if self._may_compile:
+            if applies_to(self._inner, self._device):
+                self._compiled = CompiledAdamW(self._inner)
+            elif self._compile_update:
+                raise ValueError(
+                    "compile_update=True needs torch.optim.Adam or AdamW on CPU with fp32 master "
+                    "shards and without amsgrad, maximize or differentiable; pass "
+                    "compile_update=None to use it only where it applies."
+                )
         self._split_buckets = [b for b, layout in enumerate(self._layouts) if layout.key[2]]
         self._replicated_buckets = [b for b, layout in enumerate(self._layouts) if not layout.key[2]]
         self._initialized = True
@@ -451,13 +476,18 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._sync_hyperparameters()
         grads = self._reduce_gradients()
         norm = self._global_norm(grads)
-        self._scale_gradients(grads, norm)
-        for master, grad in zip(self._masters, grads):
-            master.grad = grad
-        self._inner.step()
-        for master in self._masters:
-            master.grad = None
-        self._publish_params()
+        coef = self._grad_coefficient(norm)
+        shards = [self._comm.shard(flat) for flat in self._flat_params]
+        if self._compiled is not None and self._compiled.step(grads, shards, coef):
+            self._gather_params()  # the compiled pass already cast into the shards
+        else:
+            self._apply_coefficient(grads, coef)
+            for master, grad in zip(self._masters, grads):
+                master.grad = grad
+            self._inner.step()
+            for master in self._masters:
+                master.grad = None
+            self._publish_params()
         self._grad_norm = norm
         return loss
 
@@ -511,13 +541,17 @@ class Zero1Optimizer(torch.optim.Optimizer):
             norm = norm / self._comm.world_size
         return norm
 
-    def _scale_gradients(self, grads: list[torch.Tensor], norm: torch.Tensor) -> None:
-        """Multiply the summed shard gradients by clip coefficient / world_size."""
+    def _grad_coefficient(self, norm: torch.Tensor) -> torch.Tensor | float | None:
+        """What the summed shard gradients are multiplied by: clip coefficient /
+        world_size (None: 1)."""
         coef: torch.Tensor | float | None = None
         if self._grad_clipping and math.isfinite(self._max_norm):
             coef = (self._max_norm / (norm + 1e-6)).clamp(max=1.0)
         if self._comm.world_size > 1:
             coef = 1.0 / self._comm.world_size if coef is None else coef / self._comm.world_size
+        return coef
+
+    def _apply_coefficient(self, grads: list[torch.Tensor], coef: torch.Tensor | float | None) -> None:
         if self._fused:
             # The fused kernels divide by ``grad_scale`` while they read the gradient:
             # no extra pass over it.
@@ -535,6 +569,10 @@ class Zero1Optimizer(torch.optim.Optimizer):
         if not self._masters_alias_params:
             for flat, master in zip(self._flat_params, self._masters):
                 self._comm.shard(flat).copy_(master)
+        self._gather_params()
+
+    def _gather_params(self) -> None:
+        """All-gather the parameter buffers from their shards into the parameters."""
         self._comm.all_gather_(self._flat_params)
         if not self._views:
             targets, sources = [], []

@@ -1,0 +1,128 @@
+"""One-pass Adam/AdamW update of flat fp32 shards on CPU, compiled with torch.compile.
+
+``torch.optim.AdamW(fused=True)`` followed by the cast into the bf16 parameters reads the
+fp32 master twice, and applying the clip coefficient through its ``grad_scale`` writes
+the gradient back: three passes over memory where one will do. This module compiles
+"scale the gradient, AdamW step, cast into the parameter buffer" into one loop.
+
+It is a drop-in for ``inner.step()`` of a ``torch.optim.Adam``/``AdamW`` built over the
+shards: it reads and updates that optimizer's own state tensors (``step``, ``exp_avg``,
+``exp_avg_sq``) with torch's formulas, so its ``state_dict()`` stays torch's. Used only
+where it applies (see ``applies_to``); if compiling fails it says so once and the
+caller falls back to the stock step.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+
+__all__ = ["CompiledAdamW", "applies_to"]
+
+
+def _adamw_and_cast(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    out: torch.Tensor,
+    scalars: torch.Tensor,
+    decoupled: bool,
+) -> None:
+    """torch.optim.Adam(W)'s single-tensor update of ``param`` in place, then
+    ``out.copy_(param)``. ``scalars`` = [grad_coef, lr, beta1, beta2, weight_decay, eps,
+    bias_correction1, sqrt(bias_correction2)] as one fp32 tensor, so a changing
+    learning rate does not recompile."""
+    coef, lr, beta1, beta2, weight_decay, eps, bc1, bc2_sqrt = scalars.unbind()
+    grad = grad * coef
+    if decoupled:
+        param.mul_(1 - lr * weight_decay)
+    else:
+        grad = grad + param * weight_decay
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / bc1)
+    out.copy_(param)
+
+
+_compiled = None
+
+
+def _kernel():
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_adamw_and_cast, dynamic=True, fullgraph=True)
+    return _compiled
+
+
+def applies_to(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
+    """True for a stock Adam/AdamW on CPU whose groups use no option the kernel lacks."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or device.type != "cpu":
+        return False
+    for group in optimizer.param_groups:
+        if group.get("amsgrad") or group.get("maximize") or group.get("differentiable"):
+            return False
+        if isinstance(group.get("lr"), torch.Tensor) or not isinstance(group.get("betas"), tuple):
+            return False
+        if any(p.dtype != torch.float32 for p in group["params"]):
+            return False
+    return True
+
+
+class CompiledAdamW:
+    """Steps a stock Adam/AdamW over flat fp32 shards and casts them into ``outs``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.enabled = True
+
+    def step(self, grads: list[torch.Tensor], outs: list[torch.Tensor], coef: torch.Tensor | float | None) -> bool:
+        """One step: ``grads[i]`` (scaled by ``coef``) updates the optimizer's i-th shard,
+        which is then cast into ``outs[i]``. Returns False (nothing changed) if the
+        kernel cannot be compiled here; the caller then uses the stock step."""
+        if not self.enabled:
+            return False
+        kernel = _kernel()
+        index = 0
+        for group in self.optimizer.param_groups:
+            beta1, beta2 = group["betas"]
+            decoupled = bool(group.get("decoupled_weight_decay", type(self.optimizer) is torch.optim.AdamW))
+            for shard in group["params"]:
+                grad, out = grads[index], outs[index]
+                index += 1
+                state = self._state(shard)
+                step = float(state["step"]) + 1  # a CPU tensor: no device sync
+                scalars = torch.tensor(
+                    [1.0, group["lr"], beta1, beta2, group["weight_decay"], group["eps"],
+                     1 - beta1**step, math.sqrt(1 - beta2**step)],
+                    dtype=torch.float32,
+                )
+                if coef is not None:
+                    scalars[0] = coef
+                try:
+                    kernel(shard, grad, state["exp_avg"], state["exp_avg_sq"], out, scalars, decoupled)
+                except Exception as e:  # noqa: BLE001 - any compiler failure means "not here"
+                    if index > 1:
+                        raise  # it ran for earlier shards: a real error, not a missing compiler
+                    warnings.warn(
+                        f"nxd_smp: compiling the one-pass AdamW update failed ({type(e).__name__}: "
+                        f"{e}); using the inner optimizer's own step instead.",
+                        stacklevel=3,
+                    )
+                    self.enabled = False
+                    return False
+                state["step"].add_(1)
+        return True
+
+    def _state(self, shard: torch.Tensor) -> dict[str, Any]:
+        """The optimizer's state for ``shard``, created as torch.optim.Adam(W) creates it."""
+        state = self.optimizer.state[shard]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=shard.device)
+            state["exp_avg"] = torch.zeros_like(shard, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(shard, memory_format=torch.preserve_format)
+        return state

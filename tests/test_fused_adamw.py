@@ -1,0 +1,87 @@
+"""The compiled one-pass Adam/AdamW update against torch.optim's own step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nxd_smp import Zero1Optimizer, fused_adamw
+from nxd_smp.fused_adamw import CompiledAdamW, applies_to
+from tests.oracle import batch, loss_fn, make_model
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_matches_torch_adam_and_writes_the_cast(cls):
+    g = torch.Generator().manual_seed(0)
+    shapes = [1000, 37]
+    ours = [torch.randn(n, generator=g) for n in shapes]
+    reference = [t.clone() for t in ours]
+    kwargs = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    compiled = CompiledAdamW(cls([{"params": [ours[0]]}, {"params": [ours[1]], "lr": 3e-2}], **kwargs))
+    stock = cls([{"params": [reference[0]]}, {"params": [reference[1]], "lr": 3e-2}], **kwargs)
+    outs = [torch.empty(n, dtype=torch.bfloat16) for n in shapes]
+    for step in range(4):
+        grads = [torch.randn(n, generator=g) for n in shapes]
+        coef = torch.tensor(0.25 + 0.25 * step)
+        assert compiled.step([x.clone() for x in grads], outs, coef)
+        for p, x in zip(reference, grads):
+            p.grad = x * coef
+        stock.step()
+        for p, q, out in zip(ours, reference, outs):
+            torch.testing.assert_close(p, q, rtol=2e-6, atol=1e-7)
+            assert torch.equal(out, p.to(torch.bfloat16))
+    ours_state = compiled.optimizer.state_dict()["state"]
+    ref_state = stock.state_dict()["state"]
+    for i in ref_state:
+        assert ours_state[i].keys() == ref_state[i].keys()
+        assert float(ours_state[i]["step"]) == float(ref_state[i]["step"]) == 4
+        torch.testing.assert_close(ours_state[i]["exp_avg_sq"], ref_state[i]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+
+
+def test_applies_only_where_it_computes_the_same_thing():
+    p = [torch.zeros(4)]
+    assert applies_to(torch.optim.AdamW(p), torch.device("cpu"))
+    assert not applies_to(torch.optim.AdamW(p, amsgrad=True), torch.device("cpu"))
+    assert not applies_to(torch.optim.AdamW(p, maximize=True), torch.device("cpu"))
+    assert not applies_to(torch.optim.SGD(p, lr=0.1), torch.device("cpu"))
+    assert not applies_to(torch.optim.AdamW([torch.zeros(4, dtype=torch.bfloat16)]), torch.device("cpu"))
+    assert not applies_to(torch.optim.AdamW(p), torch.device("cuda"))
+
+
+def _train(opt, model, steps=3):
+    for step in range(steps):
+        for m in range(2):
+            loss_fn(model, *batch(0, 0, step, m)).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_zero1_uses_it_by_default_on_cpu_and_not_when_told_otherwise():
+    model = make_model()
+    assert Zero1Optimizer(model.parameters(), torch.optim.AdamW)._compiled is not None
+    assert Zero1Optimizer(model.parameters(), torch.optim.AdamW, compile_update=False)._compiled is None
+    assert Zero1Optimizer(model.parameters(), torch.optim.AdamW, fused=True)._compiled is None
+    with pytest.raises(ValueError, match="compile_update=True"):
+        Zero1Optimizer(model.parameters(), torch.optim.SGD, lr=0.1, compile_update=True)
+
+
+def test_a_compiler_failure_falls_back_to_the_stock_step(monkeypatch):
+    expected = _train(*_opt_and_model(compile_update=False))
+
+    def broken():
+        def kernel(*args):
+            raise RuntimeError("no C++ compiler")
+        return kernel
+
+    monkeypatch.setattr(fused_adamw, "_kernel", broken)
+    opt, model = _opt_and_model(compile_update=None)
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+        got = _train(opt, model)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def _opt_and_model(compile_update):
+    model = make_model()
+    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, compile_update=compile_update)
+    return opt, model
