@@ -8,6 +8,7 @@ from .mixed_precision_config import (
     neuronx_distributed_config,
 )
 from . import fused_adamw
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .zero1_optimizer import (
     ClippedOptimizer,
     NeuronZero1Optimizer,
@@ -18,6 +19,7 @@ from .zero1_optimizer import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "ClippedOptimizer",
     "ConfigError",
     "MixedPrecisionConfig",
@@ -25,5 +27,7 @@ __all__ = [
     "OptimizerConfig",
     "Zero1Optimizer",
     "initialize_parallel_optimizer",
+    "load_checkpoint",
     "neuronx_distributed_config",
+    "save_checkpoint",
 ]

@@ -79,6 +79,32 @@ class BucketLayout:
         """``[start, end)`` of the ``i``-th parameter of this bucket in the flat buffer."""
         return self.offsets[i], self.offsets[i] + self.numels[i]
 
+    def pieces(self, rank: int) -> list["Piece"]:
+        """The parts of this bucket's parameters that ``rank``'s shard holds, in order."""
+        shard = self.shard_range(rank)
+        out = []
+        for i in range(len(self.param_indices)):
+            overlap = intersect(self.param_range(i), shard)
+            if overlap is not None:
+                start, end = overlap
+                out.append(Piece(i, start - self.offsets[i], end - self.offsets[i], start - shard[0]))
+        return out
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[param_start, param_end)`` of a flattened parameter (the
+    ``index``-th of its bucket), stored from ``shard_start`` in a rank's shard."""
+
+    index: int
+    param_start: int
+    param_end: int
+    shard_start: int
+
+    @property
+    def numel(self) -> int:
+        return self.param_end - self.param_start
+
 
 def plan_buckets(
     numels: Sequence[int],

@@ -351,6 +351,44 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._require_initialized()
         return list(self._layouts)
 
+    @property
+    def managed_params(self) -> list[torch.Tensor]:
+        """The parameters this optimizer updates, in layout order."""
+        return list(self._managed)
+
+    @property
+    def master_shards(self) -> list[torch.Tensor]:
+        """This rank's shard of each bucket, in the shard dtype: the inner optimizer's
+        parameters (fp32 master weights under SMP)."""
+        self._require_initialized()
+        return list(self._masters)
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The torch.distributed data-parallel group (None: the default group, or
+        torch_xla replica groups)."""
+        return getattr(self._comm, "group", None)
+
+    def load_master_shards(self, shards: Sequence[torch.Tensor]) -> None:
+        """Set the master shards (same shapes as ``master_shards``) and make every rank's
+        parameters ``master.to(param dtype)``. Every rank of the group calls it."""
+        self._require_initialized()
+        if len(shards) != len(self._masters) or any(
+            tuple(a.shape) != tuple(b.shape) for a, b in zip(shards, self._masters)
+        ):
+            raise ValueError("master shards do not match this optimizer's layout.")
+        with torch.no_grad():
+            for master, saved in zip(self._masters, shards):
+                master.copy_(saved)
+            self._publish_params()
+        self._rebuild_master_pending = False
+
+    def rebuild_master_from_params(self) -> None:
+        """Rebuild the master shards from the current parameters now (precision below
+        the parameter dtype is lost)."""
+        self._require_initialized()
+        self._load_masters_from_params()
+
     # ------------------------------------------------------------------ dtypes
     def _shard_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         """Dtype of master weights and optimizer states for a parameter dtype."""
@@ -703,11 +741,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 if key != "params":
                     group[key] = value
         if masters is not None:
-            with torch.no_grad():
-                for master, saved in zip(self._masters, masters):
-                    master.copy_(saved)
-                self._publish_params()
-            self._rebuild_master_pending = False
+            self.load_master_shards(masters)
         elif self._mp.use_master_weights:
             warnings.warn(
                 "the optimizer state has no master weights: they will be rebuilt from the "

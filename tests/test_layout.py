@@ -94,3 +94,25 @@ def test_layout_invariants(sizes, keys, world_size, cap):
     for key in "xyz":
         order = [i for b in buckets if b.key == key for i in b.param_indices]
         assert order == [i for i, k in enumerate(key_list) if k == key]
+
+
+@settings(max_examples=100, deadline=None)
+@given(sizes=st.lists(st.integers(0, 200), min_size=1, max_size=10), world_size=st.integers(1, 9))
+def test_pieces_cover_every_parameter_once(sizes, world_size):
+    (bucket,) = plan_buckets(sizes, [0] * len(sizes), world_size, None)
+    covered = [[] for _ in sizes]
+    for rank in range(world_size):
+        start, end = bucket.shard_range(rank)
+        for piece in bucket.pieces(rank):
+            offset = bucket.offsets[piece.index]
+            # the piece sits at the same flat position seen from the param and the shard
+            assert offset + piece.param_start == start + piece.shard_start
+            assert start <= start + piece.shard_start < start + piece.shard_start + piece.numel <= end
+            covered[piece.index].append((piece.param_start, piece.param_end))
+    for i, n in enumerate(sizes):
+        ranges = sorted(covered[i])
+        position = 0
+        for lo, hi in ranges:
+            assert lo == position and hi > lo
+            position = hi
+        assert position == n

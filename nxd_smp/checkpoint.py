@@ -1,0 +1,725 @@
+"""Sharded, reshardable, atomic checkpoints of a model and its ``Zero1Optimizer``.
+
+Format: a PyTorch Distributed Checkpoint (``torch.distributed.checkpoint``) directory,
+keyed by parameter name:
+
+* ``model/<state_dict key>``: the full model tensors (replicated, written once);
+* ``optim/<param>/<state key>/<start>``: elements ``[start, end)`` of the flattened
+  parameter's optimizer state (``exp_avg``, ``momentum_buffer``, ...), one entry per
+  contiguous piece a rank owned; ``optim/<param>/<state key>`` for 0-dim state (``step``);
+* ``master/<param>/<start>``: the same for fp32 master weights, when they are saved;
+
+plus ``nxd_smp_meta.pt`` (shapes, dtypes, param groups, which pieces exist, the DP size
+written at), ``extra.pt`` (the caller's ``extra``) and, written last, ``COMPLETE.json``
+(size and CRC-32 of every file). Because every piece is addressed by parameter name and
+element range, a checkpoint written at DP size N loads at any DP size M.
+
+Atomicity: ``path`` is a symbolic link to a sibling directory ``.<name>.v-<id>``. A save
+writes a new sibling, fsyncs it, then swaps the link with ``os.replace`` and removes the
+old sibling, so ``path`` always resolves to a complete checkpoint. A save cut off before
+the swap leaves a sibling without ``COMPLETE.json``, which ``load_checkpoint`` reports.
+
+Loading reads and checks everything into staging buffers before it changes the model or
+the optimizer; a refused load changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import uuid
+import warnings
+import zlib
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+
+from .zero1_optimizer import Zero1Optimizer
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "inspect_checkpoint", "consolidate"]
+
+FORMAT = "nxd_smp.checkpoint/1"
+META_FILE = "nxd_smp_meta.pt"
+EXTRA_FILE = "extra.pt"
+COMPLETE_FILE = "COMPLETE.json"
+_CRC_BLOCK = 16 << 20
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is incomplete, damaged, or does not fit the model/optimizer."""
+
+
+# ---------------------------------------------------------------------------- helpers
+def _version_prefix(path: Path) -> str:
+    return f".{path.name}.v-"
+
+
+def _dist_active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _group(optimizer: Zero1Optimizer | None) -> dist.ProcessGroup | None:
+    return optimizer.process_group if optimizer is not None else None
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if _dist_active() else 0
+
+
+def _broadcast(value: Any, group) -> Any:
+    """Rank 0's ``value`` on every rank of ``group``."""
+    if not _dist_active():
+        return value
+    box = [value]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def _barrier(group) -> None:
+    if _dist_active():
+        dist.barrier(group=group)
+
+
+@contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """DCP warns that it runs in a single process (which we chose) and about its own use
+    of TypedStorage; neither is news to our caller."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+        yield
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(_CRC_BLOCK):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _progress(enabled: bool | None, rank: int, total: int, desc: str):
+    if enabled is None:
+        enabled = log.isEnabledFor(logging.INFO)
+    if not enabled or rank != 0:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step")
+
+
+@contextmanager
+def _phases(enabled: bool | None, rank: int, names: list[str], desc: str) -> Iterator[Any]:
+    bar = _progress(enabled, rank, len(names), desc)
+
+    def advance(name: str) -> None:
+        log.info("%s: %s", desc, name)
+        if bar is not None:
+            bar.set_postfix_str(name)
+            bar.update(1)
+
+    try:
+        yield advance
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _param_names(model: nn.Module, optimizer: Zero1Optimizer) -> list[str]:
+    """The model name of each parameter the optimizer manages, in layout order."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    out = []
+    for i, p in enumerate(optimizer.managed_params):
+        if id(p) not in names:
+            raise CheckpointError(
+                f"the optimizer's parameter {i} (shape {tuple(p.shape)}) is not a parameter "
+                f"of the model; pass the model the optimizer was built for."
+            )
+        out.append(names[id(p)])
+    return out
+
+
+def _check_args(model: Any, optimizer: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if optimizer is not None and not isinstance(optimizer, Zero1Optimizer):
+        raise TypeError(
+            f"optimizer must be a nxd_smp Zero1Optimizer (or None), got {type(optimizer).__name__}; "
+            f"save a plain torch optimizer with torch.save(optimizer.state_dict())."
+        )
+
+
+def _group_records(optimizer: Zero1Optimizer, names: list[str]) -> list[dict[str, Any]]:
+    index = {id(p): i for i, p in enumerate(optimizer.managed_params)}
+    records = []
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        records.append({"hyper": hyper, "params": [names[index[id(p)]] for p in group["params"]]})
+    return records
+
+
+# ---------------------------------------------------------------------------- save
+def save_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: Zero1Optimizer | None = None,
+    extra: Any = None,
+    save_master_weights: bool | None = None,
+    progress: bool | None = None,
+) -> Path:
+    """Write ``model`` (and ``optimizer``'s sharded state) to ``path``; every rank calls it.
+
+    Args:
+        path: the checkpoint's name: a symbolic link that is swapped atomically to the
+            new version once it is complete. Its parent directory must exist.
+        model: the model; its ``state_dict()`` is written once (it is replicated).
+        optimizer: a ``Zero1Optimizer``; each rank writes only the pieces it owns.
+        extra: anything picklable (step counter, RNG state, ...), returned by ``load_checkpoint``.
+        save_master_weights: write the fp32 master weights (default: the optimizer's
+            ``use_master_weights_in_ckpt``).
+        progress: show a progress bar on rank 0 (default: when this module's logger is
+            at INFO or below).
+
+    Returns:
+        The path of the version directory now behind ``path``.
+    """
+    _check_args(model, optimizer)
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"the parent directory of {path} does not exist; create it first.")
+    if path.exists() and not path.is_symlink():
+        raise CheckpointError(
+            f"{path} exists and is not an nxd_smp checkpoint link; pass a new path or remove it."
+        )
+    masters_on = optimizer is not None and optimizer.mixed_precision.use_master_weights
+    if save_master_weights is None:
+        save_master_weights = optimizer is not None and optimizer.mixed_precision.use_master_weights_in_ckpt
+    if save_master_weights and not masters_on:
+        raise CheckpointError(
+            "save_master_weights=True, but the optimizer keeps no master weights "
+            "(use_master_weights=False); pass save_master_weights=None or False."
+        )
+    group = _group(optimizer)
+    rank = _rank(group)
+    phases = ["gather state", "write shards", "checksum", "publish"]
+    with _phases(progress, rank, phases, f"save {path.name}") as advance:
+        version = _broadcast(f"{_version_prefix(path)}{uuid.uuid4().hex[:12]}", group)
+        target = path.parent / version
+        if rank == 0:
+            target.mkdir()
+        _barrier(group)
+
+        state, meta = _state_to_save(model, optimizer, bool(save_master_weights))
+        advance("gather state")
+        with _quiet_dcp():
+            dcp.save(
+                state,
+                storage_writer=dcp.FileSystemWriter(target, sync_files=True),
+                process_group=group,
+                no_dist=not _dist_active(),
+            )
+        advance("write shards")
+        own = {f.name: [f.stat().st_size, _crc32(f)] for f in target.glob(f"__{rank}_*.distcp")}
+        gathered = [own]
+        if _dist_active():
+            gathered = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, own, group=group)
+        advance("checksum")
+        if rank == 0:
+            torch.save(meta, target / META_FILE)
+            torch.save(extra, target / EXTRA_FILE)
+            files = {name: v for part in gathered for name, v in part.items()}
+            for name in (".metadata", META_FILE, EXTRA_FILE):
+                f = target / name
+                files[name] = [f.stat().st_size, _crc32(f)]
+            for name in (META_FILE, EXTRA_FILE):
+                with open(target / name, "rb") as f:
+                    os.fsync(f.fileno())
+            complete = target / COMPLETE_FILE
+            with open(complete, "w") as f:
+                json.dump({"format": FORMAT, "files": files}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(target)
+            _publish(path, version)
+        _barrier(group)
+        advance("publish")
+    return target
+
+
+def _publish(path: Path, version: str) -> None:
+    """Point ``path`` at ``version`` atomically and remove the version it replaced."""
+    old = os.readlink(path) if path.is_symlink() else None
+    link = path.parent / f".{path.name}.link-{uuid.uuid4().hex[:12]}"
+    os.symlink(version, link)
+    os.replace(link, path)
+    _fsync_dir(path.parent)
+    if old is not None and Path(old).name.startswith(_version_prefix(path)) and old != version:
+        shutil.rmtree(path.parent / old, ignore_errors=True)
+    # versions left by saves that were cut off before their swap
+    for stale in path.parent.glob(f"{_version_prefix(path)}*"):
+        if stale.name != version and not (stale / COMPLETE_FILE).exists():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t if t.device.type == "cpu" else t.cpu()
+
+
+def _state_to_save(
+    model: nn.Module, optimizer: Zero1Optimizer | None, with_masters: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    state: dict[str, torch.Tensor] = {}
+    model_keys = {}
+    for key, value in model.state_dict().items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"model state '{key}' is not a tensor; nxd_smp saves tensors only.")
+        state[f"model/{key}"] = _cpu(value)
+        model_keys[key] = {"shape": tuple(value.shape), "dtype": str(value.dtype)}
+    meta: dict[str, Any] = {"format": FORMAT, "model": model_keys, "optimizer": None}
+    if optimizer is None:
+        return state, meta
+
+    names = _param_names(model, optimizer)
+    inner = optimizer.inner_optimizer
+    layouts, masters = optimizer.bucket_layouts, optimizer.master_shards
+    tensor_keys: set[str] = set()
+    scalar_keys: set[str] = set()
+    for layout, master in zip(layouts, masters):
+        shard_state = inner.state.get(master, {})
+        for key, value in shard_state.items():
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(f"inner optimizer state '{key}' is not a tensor; it cannot be sharded.")
+            if value.dim() == 0:
+                scalar_keys.add(key)
+            elif tuple(value.shape) == tuple(master.shape):
+                tensor_keys.add(key)
+            else:
+                raise CheckpointError(
+                    f"inner optimizer state '{key}' has shape {tuple(value.shape)}, neither a "
+                    f"scalar nor the shard's {tuple(master.shape)}; it cannot be resharded."
+                )
+        for piece in layout.pieces(optimizer.rank):
+            name = names[layout.param_indices[piece.index]]
+            span = slice(piece.shard_start, piece.shard_start + piece.numel)
+            for key, value in shard_state.items():
+                if value.dim() == 0:
+                    state[f"optim/{name}/{key}"] = _cpu(value)
+                else:
+                    state[f"optim/{name}/{key}/{piece.param_start}"] = _cpu(value[span])
+            if with_masters:
+                state[f"master/{name}/{piece.param_start}"] = _cpu(master[span])
+
+    pieces: dict[str, list[tuple[int, int]]] = {name: [] for name in names}
+    for layout in layouts:
+        for r in range(optimizer.world_size):
+            for piece in layout.pieces(r):
+                pieces[names[layout.param_indices[piece.index]]].append((piece.param_start, piece.param_end))
+    params = {
+        name: {"shape": tuple(p.shape), "dtype": str(p.dtype)}
+        for name, p in zip(names, optimizer.managed_params)
+    }
+    meta["optimizer"] = {
+        "world_size": optimizer.world_size,
+        "mixed_precision": optimizer.mixed_precision.to_dict(),
+        "master_weights": with_masters,
+        "params": params,
+        "pieces": {name: sorted(v) for name, v in pieces.items()},
+        "groups": _group_records(optimizer, names),
+        "tensor_keys": sorted(tensor_keys),
+        "scalar_keys": sorted(scalar_keys),
+        "inner_class": type(inner).__name__,
+    }
+    return state, meta
+
+
+# ---------------------------------------------------------------------------- load
+def _resolve(path: Path) -> Path:
+    """The complete version directory behind ``path``, or an error that says why not."""
+    if not os.path.lexists(path):
+        partial = [p for p in path.parent.glob(f"{_version_prefix(path)}*") if not (p / COMPLETE_FILE).exists()]
+        if partial:
+            raise CheckpointError(
+                f"no complete checkpoint at {path}: the save into {partial[0]} was cut off before "
+                f"it finished (incomplete: it has no {COMPLETE_FILE}). Resume from an earlier checkpoint."
+            )
+        raise FileNotFoundError(f"no checkpoint at {path}: the path does not exist.")
+    target = path.resolve()
+    if not target.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint directory.")
+    if not (target / COMPLETE_FILE).exists():
+        raise CheckpointError(
+            f"the checkpoint at {target} is incomplete (no {COMPLETE_FILE}): its save was cut off. "
+            f"Resume from an earlier checkpoint."
+        )
+    return target
+
+
+def _verify_files(target: Path, checksums: bool = True) -> None:
+    with open(target / COMPLETE_FILE) as f:
+        record = json.load(f)
+    if record.get("format") != FORMAT:
+        raise CheckpointError(f"{target} has format {record.get('format')!r}; this nxd_smp reads {FORMAT!r}.")
+    problems = []
+    for name, (size, crc) in sorted(record["files"].items()):
+        f = target / name
+        if not f.exists():
+            problems.append(f"{name} is missing")
+        elif f.stat().st_size != size:
+            problems.append(f"{name} is truncated or altered ({f.stat().st_size} bytes, expected {size})")
+        elif checksums and _crc32(f) != crc:
+            problems.append(f"{name} is corrupted (CRC-32 mismatch)")
+    if problems:
+        raise CheckpointError(f"the checkpoint at {target} is damaged: " + "; ".join(problems) + ".")
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint's metadata (after checking that it is complete)."""
+    target = _resolve(Path(path))
+    return torch.load(target / META_FILE, weights_only=True)
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: Zero1Optimizer | None = None,
+    verify_checksums: bool = True,
+    progress: bool | None = None,
+) -> Any:
+    """Load a checkpoint written by ``save_checkpoint`` at any DP size; every rank calls it.
+
+    The model gets the saved weights; the optimizer its states, hyperparameters and,
+    when the checkpoint has them, master weights (the parameters then equal
+    ``master.to(param dtype)``). Without saved master weights the masters are rebuilt
+    from the loaded parameters, with a warning that precision was lost. Pending
+    ``main_grad`` is cleared. Everything is read and checked before anything changes.
+
+    Returns:
+        The ``extra`` object that was saved.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``.
+        CheckpointError: incomplete, truncated or corrupted files, or names, shapes or
+            dtypes that do not fit, each named.
+    """
+    _check_args(model, optimizer)
+    path = Path(path)
+    group = _group(optimizer)
+    rank = _rank(group)
+    with _phases(progress, rank, ["verify", "read", "commit"], f"load {path.name}") as advance:
+        error = None
+        if rank == 0:
+            try:
+                target = _resolve(path)
+                _verify_files(target, verify_checksums)
+            except (CheckpointError, FileNotFoundError) as e:
+                error = e
+        error = _broadcast(error, group)
+        if error is not None:
+            raise error
+        target = _resolve(path)
+        meta = torch.load(target / META_FILE, weights_only=True)
+        advance("verify")
+
+        staging, plan = _plan_load(meta, model, optimizer)
+        with _quiet_dcp():
+            dcp.load(
+                staging,
+                storage_reader=dcp.FileSystemReader(target),
+                process_group=group,
+                no_dist=not _dist_active(),
+            )
+        shards = _assemble(staging, plan, optimizer)
+        extra = torch.load(target / EXTRA_FILE, weights_only=False)
+        advance("read")
+        _commit(staging, shards, meta, model, optimizer)
+        advance("commit")
+    return extra
+
+
+def _plan_load(meta: Mapping[str, Any], model: nn.Module, optimizer: Zero1Optimizer | None):
+    """Check the checkpoint against the live objects; allocate staging buffers."""
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"unknown checkpoint format {meta.get('format')!r}; expected {FORMAT!r}.")
+    live = model.state_dict()
+    saved = meta["model"]
+    problems = []
+    missing = sorted(set(live) - set(saved))
+    unexpected = sorted(set(saved) - set(live))
+    if missing:
+        problems.append(f"missing from the checkpoint: {missing}")
+    if unexpected:
+        problems.append(f"in the checkpoint but not in the model: {unexpected}")
+    for key in sorted(set(live) & set(saved)):
+        shape, dtype = tuple(live[key].shape), str(live[key].dtype)
+        if tuple(saved[key]["shape"]) != shape:
+            problems.append(f"{key}: shape {tuple(saved[key]['shape'])} in the checkpoint, {shape} in the model")
+        elif saved[key]["dtype"] != dtype:
+            problems.append(f"{key}: dtype {saved[key]['dtype']} in the checkpoint, {dtype} in the model")
+    if problems:
+        raise CheckpointError("the checkpoint does not fit the model: " + "; ".join(problems) + ".")
+    staging: dict[str, torch.Tensor] = {
+        f"model/{key}": torch.empty(info["shape"], dtype=getattr(torch, info["dtype"].split(".")[-1]))
+        for key, info in saved.items()
+    }
+    if optimizer is None:
+        return staging, None
+
+    saved_opt = meta["optimizer"]
+    if saved_opt is None:
+        raise CheckpointError(
+            "the checkpoint holds no optimizer state; load it with optimizer=None and build "
+            "the optimizer afresh."
+        )
+    names = _param_names(model, optimizer)
+    mine = _group_records(optimizer, names)
+    theirs = saved_opt["groups"]
+    if [g["params"] for g in mine] != [g["params"] for g in theirs]:
+        live_names, saved_names = set(names), set(saved_opt["params"])
+        raise CheckpointError(
+            "the checkpoint's optimizer does not fit: "
+            f"parameters missing from it {sorted(live_names - saved_names)}, "
+            f"extra in it {sorted(saved_names - live_names)}"
+            + ("" if live_names != saved_names else "; the param groups are arranged differently")
+            + "."
+        )
+    # plan["tensor"][(kind, key)][name]: the saved pieces [(start, staging key)] of that
+    # parameter that overlap this rank's new shard; plan["scalar"][bucket]: {key: staging
+    # key} from the bucket's first parameter (a shard of only padding still needs ``step``).
+    plan: dict[str, Any] = {"names": names, "tensor": {}, "scalar": {}}
+    kinds = [("optim", key) for key in saved_opt["tensor_keys"]]
+    if saved_opt["master_weights"]:
+        kinds.append(("master", None))
+    for b, layout in enumerate(optimizer.bucket_layouts):
+        first = names[layout.param_indices[0]]
+        for key in saved_opt["scalar_keys"]:
+            entry = f"optim/{first}/{key}"
+            staging[entry] = torch.empty((), dtype=torch.float32)
+            plan["scalar"].setdefault(b, {})[key] = entry
+        for piece in layout.pieces(optimizer.rank):
+            name = names[layout.param_indices[piece.index]]
+            for lo, hi in saved_opt["pieces"][name]:
+                if hi <= piece.param_start or lo >= piece.param_end:
+                    continue
+                for kind, key in kinds:
+                    entry = f"optim/{name}/{key}/{lo}" if kind == "optim" else f"master/{name}/{lo}"
+                    staging[entry] = torch.empty(hi - lo, dtype=torch.float32)  # cast on read
+                    plan["tensor"].setdefault((kind, key), {}).setdefault(name, []).append((lo, entry))
+    return staging, plan
+
+
+def _assemble(staging: dict[str, torch.Tensor], plan, optimizer: Zero1Optimizer | None):
+    """Per bucket, this rank's shard of every saved state tensor, cut from the staged
+    pieces (in the shard dtype; masters in fp32); and the bucket's scalar state."""
+    if optimizer is None:
+        return None
+    names = plan["names"]
+    layouts, masters = optimizer.bucket_layouts, optimizer.master_shards
+    tensors: dict[Any, list[torch.Tensor]] = {}
+    for (kind, key), by_name in plan["tensor"].items():
+        shards = []
+        for layout, master in zip(layouts, masters):
+            dtype = torch.float32 if kind == "master" else master.dtype
+            shard = torch.zeros(layout.shard_numel, dtype=dtype)
+            for piece in layout.pieces(optimizer.rank):
+                for lo, entry in by_name.get(names[layout.param_indices[piece.index]], []):
+                    saved = staging[entry]
+                    start = max(lo, piece.param_start)
+                    end = min(lo + saved.numel(), piece.param_end)
+                    dst = piece.shard_start + (start - piece.param_start)
+                    shard[dst : dst + end - start].copy_(saved[start - lo : end - lo])
+            shards.append(shard)
+        tensors[(kind, key)] = shards
+    scalars = [
+        {key: staging[entry] for key, entry in plan["scalar"].get(b, {}).items()} for b in range(len(layouts))
+    ]
+    return {"tensors": tensors, "scalars": scalars}
+
+
+def _commit(staging, shards, meta, model: nn.Module, optimizer: Zero1Optimizer | None) -> None:
+    model_state = {key[len("model/"):]: value for key, value in staging.items() if key.startswith("model/")}
+    with torch.no_grad():
+        model.load_state_dict(model_state, strict=True)  # copies in place: views stay views
+    if optimizer is None:
+        return
+    saved_opt = meta["optimizer"]
+    inner = optimizer.inner_optimizer
+    state = {}
+    for b, master in enumerate(optimizer.master_shards):
+        entry = {key: value.clone() for key, value in shards["scalars"][b].items()}
+        for (kind, key), tensors in shards["tensors"].items():
+            if kind == "optim":
+                entry[key] = tensors[b]
+        if entry:
+            state[b] = entry
+    groups = []
+    start = 0
+    for group, record in zip(inner.param_groups, saved_opt["groups"]):
+        n = len(group["params"])
+        groups.append({**group, **record["hyper"], "params": list(range(start, start + n))})
+        start += n
+    inner.load_state_dict({"state": state, "param_groups": groups})
+    for group, record in zip(optimizer.param_groups, saved_opt["groups"]):
+        group.update(record["hyper"])
+    optimizer.zero_grad()
+    if not optimizer.mixed_precision.use_master_weights:
+        return
+    if ("master", None) in shards["tensors"]:
+        optimizer.load_master_shards(shards["tensors"][("master", None)])
+    else:
+        optimizer.rebuild_master_from_params()
+        warnings.warn(
+            "the checkpoint has no master weights: they were rebuilt from the loaded "
+            "parameters, so precision below the parameter dtype is lost. Save with "
+            "use_master_weights_in_ckpt=True to keep it.",
+            stacklevel=3,
+        )
+
+
+# ---------------------------------------------------------------------------- offline tools
+def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """What a checkpoint holds: per tensor its shape, dtype and bytes; master weights or
+    not; the DP size it was written at; total bytes on disk."""
+    target = _resolve(Path(path))
+    meta = torch.load(target / META_FILE, weights_only=True)
+    reader = dcp.FileSystemReader(target)
+    entries = reader.read_metadata().state_dict_metadata
+    tensors = {}
+    for key, info in sorted(entries.items()):
+        size = tuple(getattr(info, "size", ()))
+        dtype = getattr(getattr(info, "properties", None), "dtype", None)
+        n = 1
+        for d in size:
+            n *= d
+        tensors[key] = {"shape": size, "dtype": str(dtype), "bytes": n * (dtype.itemsize if dtype else 0)}
+    opt = meta["optimizer"]
+    return {
+        "path": str(target),
+        "model": meta["model"],
+        "optimizer": None if opt is None else {
+            "dp_size_written_at": opt["world_size"],
+            "master_weights": opt["master_weights"],
+            "mixed_precision": opt["mixed_precision"],
+            "state_keys": opt["tensor_keys"] + opt["scalar_keys"],
+            "inner_class": opt["inner_class"],
+            "groups": [{"params": g["params"], **{k: v for k, v in g["hyper"].items()}} for g in opt["groups"]],
+        },
+        "tensors": tensors,
+        "bytes_on_disk": sum(f.stat().st_size for f in target.iterdir() if f.is_file()),
+    }
+
+
+def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Write one plain ``torch.save`` file: ``{"model": state_dict, "optimizer":
+    torch.optim-style state dict over the model's trainable parameters in the saved
+    group order, "master_weights": {name: fp32 tensor} or None, "extra": ...}``.
+    Runs in one process."""
+    target = _resolve(Path(path))
+    _verify_files(target)
+    meta = torch.load(target / META_FILE, weights_only=True)
+    entries = dcp.FileSystemReader(target).read_metadata().state_dict_metadata
+    staging = {}
+    for key, info in entries.items():
+        staging[key] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
+    with _quiet_dcp():
+        dcp.load(staging, storage_reader=dcp.FileSystemReader(target), no_dist=True)
+    result: dict[str, Any] = {
+        "model": {k[len("model/"):]: v for k, v in staging.items() if k.startswith("model/")},
+        "optimizer": None,
+        "master_weights": None,
+        "extra": torch.load(target / EXTRA_FILE, weights_only=False),
+    }
+    opt = meta["optimizer"]
+    if opt is not None:
+        def whole(prefix: str, shape) -> torch.Tensor:
+            parts = sorted(
+                (int(k[len(prefix):]), v) for k, v in staging.items()
+                if k.startswith(prefix) and "/" not in k[len(prefix):]
+            )
+            return torch.cat([v for _, v in parts]).view(shape)
+
+        state, groups, index = {}, [], 0
+        for g in opt["groups"]:
+            ids = []
+            for name in g["params"]:
+                shape = tuple(opt["params"][name]["shape"])
+                entry = {key: whole(f"optim/{name}/{key}/", shape) for key in opt["tensor_keys"]}
+                for key in opt["scalar_keys"]:
+                    entry[key] = staging[f"optim/{name}/{key}"]
+                if entry:
+                    state[index] = entry
+                ids.append(index)
+                index += 1
+            groups.append({**g["hyper"], "params": ids, "param_names": list(g["params"])})
+        result["optimizer"] = {"state": state, "param_groups": groups}
+        if opt["master_weights"]:
+            result["master_weights"] = {
+                name: whole(f"master/{name}/", tuple(info["shape"])) for name, info in opt["params"].items()
+            }
+    torch.save(result, out)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nxd_smp.checkpoint", description="Inspect or convert nxd_smp checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="print what a checkpoint holds")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p = sub.add_parser("consolidate", help="write a plain per-parameter state dict (torch.save)")
+    p.add_argument("path")
+    p.add_argument("out")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            info = inspect_checkpoint(args.path)
+            if args.json:
+                print(json.dumps(info, indent=2, default=str))
+                return 0
+            opt = info["optimizer"]
+            print(f"checkpoint  {info['path']}")
+            print(f"on disk     {info['bytes_on_disk'] / 2**20:.1f} MiB")
+            if opt is None:
+                print("optimizer   none")
+            else:
+                print(f"optimizer   {opt['inner_class']}, written at DP size {opt['dp_size_written_at']}, "
+                      f"master weights {'yes' if opt['master_weights'] else 'no'}, "
+                      f"state {opt['state_keys']}")
+            width = max(len(k) for k in info["tensors"])
+            print(f"{'tensor':<{width}}  {'shape':<20} {'dtype':<16} bytes")
+            for key, t in info["tensors"].items():
+                print(f"{key:<{width}}  {str(tuple(t['shape'])):<20} {t['dtype']:<16} {t['bytes']}")
+        else:
+            consolidate(args.path, args.out)
+            print(f"wrote {args.out}")
+    except (CheckpointError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

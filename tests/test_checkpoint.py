@@ -1,0 +1,407 @@
+"""Checkpoints: resume equivalence across DP sizes, master weights optional, refusals,
+kill-safety, offline inspect/consolidate."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from nxd_smp import (
+    CheckpointError,
+    MixedPrecisionConfig,
+    Zero1Optimizer,
+    load_checkpoint,
+    save_checkpoint,
+)
+from nxd_smp.checkpoint import consolidate, inspect_checkpoint
+from tests.distributed import run_ranks
+from tests.oracle import assert_params_close, batch, loss_fn, make_model, param_groups
+
+GLOBAL_MICRO = 6  # micro-batches per step over all ranks: the same data at DP 1, 2, 3
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build(seed=0, master_in_ckpt=True, master=True, optimizer=torch.optim.AdamW, **kwargs):
+    model = make_model(seed)
+    mp = MixedPrecisionConfig(use_master_weights=master, use_fp32_grad_acc=master,
+                              use_master_weights_in_ckpt=master_in_ckpt and master)
+    opt = Zero1Optimizer(param_groups(model, lr_a=1e-2, lr_b=3e-2), optimizer,
+                         mixed_precision=mp, bucket_cap_mb=0.0004, **kwargs)
+    return model, opt
+
+
+def train(model, opt, steps, start, rank=0, world_size=1):
+    per_rank = GLOBAL_MICRO // world_size
+    for step in range(start, start + steps):
+        for m in range(per_rank):
+            x, y = batch(0, 0, step, rank * per_rank + m)
+            (loss_fn(model, x, y) / per_rank).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def params_of(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------- across DP sizes
+def save_then_continue(rank, world_size, path):
+    model, opt = build(seed=0)
+    train(model, opt, 3, 0, rank, world_size)
+    save_checkpoint(path, model=model, optimizer=opt, extra={"step": 3})
+    train(model, opt, 2, 3, rank, world_size)
+    return params_of(model)
+
+
+def load_then_continue(rank, world_size, path):
+    model, opt = build(seed=5)  # different initial weights: everything must come from the file
+    extra = load_checkpoint(path, model=model, optimizer=opt)
+    assert extra == {"step": 3}
+    train(model, opt, 2, extra["step"], rank, world_size)
+    return params_of(model)
+
+
+@pytest.fixture(scope="module")
+def dp2_run(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("dp2") / "ckpt")
+    return path, run_ranks(2, save_then_continue, path)
+
+
+def test_resume_at_the_same_dp_size_is_bit_exact(dp2_run):
+    path, uninterrupted = dp2_run
+    resumed = run_ranks(2, load_then_continue, path)
+    for rank in range(2):
+        for name, value in uninterrupted[rank].items():
+            assert torch.equal(resumed[rank][name], value), (rank, name)
+
+
+def test_resume_from_dp2_at_dp3_matches_within_rounding(dp2_run):
+    path, uninterrupted = dp2_run
+    resumed = run_ranks(3, load_then_continue, path)
+    assert_params_close(resumed[0], uninterrupted[0], max_ulp=2, max_flip_fraction=0.05)
+
+
+def test_resume_from_dp3_at_dp1_matches_within_rounding(tmp_path):
+    path = str(tmp_path / "ckpt")
+    uninterrupted = run_ranks(3, save_then_continue, path)
+    resumed = load_then_continue(0, 1, path)
+    assert_params_close(resumed, uninterrupted[0], max_ulp=2, max_flip_fraction=0.05)
+
+
+def test_resume_in_process_at_dp1_is_bit_exact(tmp_path):
+    path = tmp_path / "ckpt"
+    uninterrupted = save_then_continue(0, 1, path)
+    resumed = load_then_continue(0, 1, path)
+    assert all(torch.equal(value, uninterrupted[name]) for name, value in resumed.items())
+
+
+# ---------------------------------------------------------------- master weights
+def test_without_master_weights_masters_are_rebuilt_from_the_loaded_params(tmp_path):
+    model, opt = build(seed=0, master_in_ckpt=False)
+    train(model, opt, 3, 0)
+    save_checkpoint(tmp_path / "c", model=model, optimizer=opt)
+    saved_params = params_of(model)
+    saved_state = {b: {k: v.clone() for k, v in opt.inner_optimizer.state[m].items()}
+                   for b, m in enumerate(opt.master_shards)}
+    assert any(not torch.equal(m, p) for m, p in zip(opt.master_shards, (m.bfloat16().float() for m in opt.master_shards)))
+
+    fresh, fresh_opt = build(seed=5, master_in_ckpt=False)
+    with pytest.warns(UserWarning, match="precision"):
+        load_checkpoint(tmp_path / "c", model=fresh, optimizer=fresh_opt)
+    for name, value in params_of(fresh).items():
+        assert torch.equal(value, saved_params[name]), name
+    # Oracle: the masters are the loaded bf16 parameters, widened to fp32.
+    for layout, master in zip(fresh_opt.bucket_layouts, fresh_opt.master_shards):
+        for i, index in enumerate(layout.param_indices):
+            start, end = layout.param_range(i)
+            expected = fresh_opt.managed_params[index].detach().float().reshape(-1)
+            assert torch.equal(master[start:end], expected)
+    for b, m in enumerate(fresh_opt.master_shards):
+        for key, value in saved_state[b].items():
+            assert torch.equal(fresh_opt.inner_optimizer.state[m][key].cpu(), value.cpu()), key
+
+
+@pytest.mark.parametrize("saved_master, loaded_master", [(True, False), (False, True)])
+def test_smp_and_legacy_checkpoints_load_into_each_other(tmp_path, saved_master, loaded_master):
+    model, opt = build(seed=0, master=saved_master)
+    train(model, opt, 2, 0)
+    save_checkpoint(tmp_path / "c", model=model, optimizer=opt)
+    fresh, fresh_opt = build(seed=5, master=loaded_master)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_checkpoint(tmp_path / "c", model=fresh, optimizer=fresh_opt)
+    for name, value in params_of(fresh).items():
+        assert torch.equal(value, params_of(model)[name]), name
+    for m_saved, m_loaded in zip(opt.master_shards, fresh_opt.master_shards):
+        saved = opt.inner_optimizer.state[m_saved]["exp_avg"]
+        loaded = fresh_opt.inner_optimizer.state[m_loaded]["exp_avg"]
+        assert loaded.dtype == m_loaded.dtype
+        torch.testing.assert_close(loaded.float(), saved.float(), rtol=1e-2, atol=1e-6)
+    train(fresh, fresh_opt, 1, 2)  # and it trains on
+
+
+def test_lr_changed_by_a_scheduler_survives(tmp_path):
+    model, opt = build()
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(model, opt, 1, 0)
+    scheduler.step()
+    save_checkpoint(tmp_path / "c", model=model, optimizer=opt)
+    fresh, fresh_opt = build(seed=5)
+    load_checkpoint(tmp_path / "c", model=fresh, optimizer=fresh_opt)
+    assert [g["lr"] for g in fresh_opt.param_groups] == [5e-3, 1.5e-2]
+    assert [g["lr"] for g in fresh_opt.inner_optimizer.param_groups] == [5e-3, 1.5e-2]
+
+
+def test_sgd_momentum_state_survives(tmp_path):
+    model, opt = build(optimizer=torch.optim.SGD, momentum=0.9)
+    train(model, opt, 2, 0)
+    save_checkpoint(tmp_path / "c", model=model, optimizer=opt)
+    train(model, opt, 2, 2)
+    fresh, fresh_opt = build(seed=5, optimizer=torch.optim.SGD, momentum=0.9)
+    load_checkpoint(tmp_path / "c", model=fresh, optimizer=fresh_opt)
+    train(fresh, fresh_opt, 2, 2)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+
+
+# ---------------------------------------------------------------- refusals
+def snapshot_all(model, opt):
+    state = {b: {k: v.clone() for k, v in opt.inner_optimizer.state[m].items()}
+             for b, m in enumerate(opt.master_shards)}
+    return params_of(model), [m.clone() for m in opt.master_shards], state
+
+
+def assert_unchanged(model, opt, before):
+    params, masters, state = before
+    assert all(torch.equal(v, params[n]) for n, v in params_of(model).items())
+    assert all(torch.equal(a, b) for a, b in zip(opt.master_shards, masters))
+    for b, m in enumerate(opt.master_shards):
+        assert state[b].keys() == opt.inner_optimizer.state[m].keys()
+        assert all(torch.equal(v, opt.inner_optimizer.state[m][k]) for k, v in state[b].items())
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model, opt = build()
+    train(model, opt, 2, 0)
+    save_checkpoint(tmp_path / "c", model=model, optimizer=opt)
+    return tmp_path / "c"
+
+
+@pytest.fixture
+def live():
+    model, opt = build(seed=7)
+    train(model, opt, 1, 0)
+    return model, opt
+
+
+class Wider(torch.nn.Module):
+    pass
+
+
+def test_wrong_shape_is_refused_naming_it(saved):
+    model, opt = build(seed=7)
+    model.lin1.weight = torch.nn.Parameter(torch.zeros(14, 7, dtype=torch.bfloat16))
+    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW)
+    before = snapshot_all(model, opt)
+    with pytest.raises(CheckpointError, match=r"lin1\.weight: shape \(13, 7\)"):
+        load_checkpoint(saved, model=model, optimizer=opt)
+    assert_unchanged(model, opt, before)
+
+
+def test_missing_and_extra_names_are_refused_naming_them(saved, live):
+    model, opt = live
+    model.extra_param = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    before = snapshot_all(model, opt)
+    with pytest.raises(CheckpointError, match="extra_param"):
+        load_checkpoint(saved, model=model, optimizer=opt)
+    del model.extra_param
+    del model.unused
+    with pytest.raises(CheckpointError, match="unused"):
+        load_checkpoint(saved, model=model, optimizer=None)
+    assert_unchanged(model, opt, before)
+
+
+def test_wrong_dtype_is_refused(saved):
+    model = make_model(7).float()
+    with pytest.raises(CheckpointError, match="dtype"):
+        load_checkpoint(saved, model=model)
+
+
+def version_dir(path: Path) -> Path:
+    return path.resolve()
+
+
+def test_truncated_shard_file_is_refused_naming_it(saved, live):
+    model, opt = live
+    shard = next(version_dir(saved).glob("__0_*.distcp"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    before = snapshot_all(model, opt)
+    with pytest.raises(CheckpointError, match=f"{shard.name} is truncated"):
+        load_checkpoint(saved, model=model, optimizer=opt)
+    assert_unchanged(model, opt, before)
+
+
+def test_corrupted_shard_file_is_refused_naming_it(saved, live):
+    model, opt = live
+    shard = next(version_dir(saved).glob("__0_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = snapshot_all(model, opt)
+    with pytest.raises(CheckpointError, match=f"{shard.name} is corrupted"):
+        load_checkpoint(saved, model=model, optimizer=opt)
+    assert_unchanged(model, opt, before)
+
+
+@pytest.mark.parametrize("name", [".metadata", "nxd_smp_meta.pt"])
+def test_missing_metadata_is_refused(saved, live, name):
+    model, opt = live
+    (version_dir(saved) / name).unlink()
+    before = snapshot_all(model, opt)
+    with pytest.raises(CheckpointError, match=f"{name} is missing"):
+        load_checkpoint(saved, model=model, optimizer=opt)
+    assert_unchanged(model, opt, before)
+
+
+def test_missing_completion_record_is_refused_as_incomplete(saved, live):
+    model, opt = live
+    (version_dir(saved) / "COMPLETE.json").unlink()
+    with pytest.raises(CheckpointError, match="incomplete"):
+        load_checkpoint(saved, model=model, optimizer=opt)
+
+
+def test_nonexistent_path_is_refused(tmp_path, live):
+    model, opt = live
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_checkpoint(tmp_path / "nothing", model=model, optimizer=opt)
+
+
+def test_bad_arguments_are_refused(tmp_path, live):
+    model, opt = live
+    with pytest.raises(TypeError, match="Zero1Optimizer"):
+        save_checkpoint(tmp_path / "c", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1))
+    with pytest.raises(FileNotFoundError, match="parent directory"):
+        save_checkpoint(tmp_path / "no" / "c", model=model, optimizer=opt)
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(CheckpointError, match="not an nxd_smp checkpoint link"):
+        save_checkpoint(tmp_path / "plain", model=model, optimizer=opt)
+    legacy_model, legacy = build(master=False)
+    with pytest.raises(CheckpointError, match="no master weights"):
+        save_checkpoint(tmp_path / "c", model=legacy_model, optimizer=legacy, save_master_weights=True)
+
+
+def test_saving_again_replaces_the_old_version(tmp_path):
+    model, opt = build()
+    first = save_checkpoint(tmp_path / "c", model=model, optimizer=opt)
+    train(model, opt, 1, 0)
+    second = save_checkpoint(tmp_path / "c", model=model, optimizer=opt)
+    assert not first.exists() and second.exists()
+    assert (tmp_path / "c").resolve() == second.resolve()
+
+
+# ---------------------------------------------------------------- offline tools
+def test_inspect_and_consolidate(tmp_path):
+    model, opt = build()
+    train(model, opt, 2, 0)
+    save_checkpoint(tmp_path / "c", model=model, optimizer=opt, extra={"epoch": 1})
+    info = inspect_checkpoint(tmp_path / "c")
+    assert info["optimizer"]["dp_size_written_at"] == 1 and info["optimizer"]["master_weights"]
+    assert info["tensors"]["model/lin1.weight"]["shape"] == (13, 7)
+    consolidate(tmp_path / "c", tmp_path / "plain.pt")
+    plain = torch.load(tmp_path / "plain.pt", weights_only=False)
+    assert plain["extra"] == {"epoch": 1}
+    # The consolidated optimizer state drops into a plain torch.optim.AdamW over fp32
+    # copies of the trainable parameters, in the saved group order.
+    masters = [plain["master_weights"][n].clone() for g in plain["optimizer"]["param_groups"]
+               for n in g["param_names"]]
+    groups, i = [], 0
+    for g in plain["optimizer"]["param_groups"]:
+        n = len(g["params"])
+        groups.append({"params": masters[i:i + n]})
+        i += n
+    reference = torch.optim.AdamW(groups)
+    reference.load_state_dict(plain["optimizer"])
+    by_name = dict(model.named_parameters())
+    names = [n for g in plain["optimizer"]["param_groups"] for n in g["param_names"]]
+    for name, master in zip(names, masters):
+        assert torch.equal(master.bfloat16(), by_name[name].detach())
+        assert reference.state[master]["exp_avg"].shape == by_name[name].shape
+
+
+def test_cli_inspect_prints_and_fails_cleanly(tmp_path):
+    model, opt = build()
+    save_checkpoint(tmp_path / "c", model=model, optimizer=opt)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "nxd_smp.checkpoint", "inspect", str(tmp_path / "c")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and "model/lin1.weight" in out.stdout and "DP size 1" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "nxd_smp.checkpoint", "inspect", str(tmp_path / "none")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "does not exist" in out.stderr
+
+
+# ---------------------------------------------------------------- kill safety
+KILL_SCRIPT = r"""
+import sys, torch
+from nxd_smp import Zero1Optimizer, MixedPrecisionConfig, save_checkpoint
+path, versions = sys.argv[1], [int(v) for v in sys.argv[2:]]
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, dtype=torch.bfloat16) for _ in range(12)])  # 50.4M
+opt = Zero1Optimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9,
+                     mixed_precision=MixedPrecisionConfig(use_master_weights_in_ckpt=True))
+for v in versions:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(v)
+    save_checkpoint(path, model=model, optimizer=opt)
+    print(f"saved {v}", flush=True)
+"""
+
+
+def _spawn_saver(path, *versions):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(path), *map(str, versions)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+
+
+def _loaded_version(path) -> set[float]:
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, dtype=torch.bfloat16) for _ in range(12)])
+    load_checkpoint(path, model=model)
+    return {float(v) for p in model.parameters() for v in p.detach().unique()}
+
+
+def test_a_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    path = tmp_path / "c"
+    outcomes = []
+    for delay in (0.3, 1.0, 2.0):
+        proc = _spawn_saver(path, 1, 2)
+        assert proc.stdout.readline().strip() == "saved 1"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        seen = _loaded_version(path)
+        assert seen in ({1.0}, {2.0}), f"a mix of versions after a kill at {delay}s: {seen}"
+        outcomes.append(seen)
+    assert {1.0} in outcomes  # at least one kill really landed mid-save
+
+
+def test_a_first_save_killed_midway_is_refused_as_incomplete(tmp_path):
+    path = tmp_path / "c"
+    proc = _spawn_saver(path, 1)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".c.v-*/__0_*")) and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not path.exists()
+    with pytest.raises(CheckpointError, match="incomplete"):
+        _loaded_version(path)
