@@ -53,6 +53,8 @@ META_FILE = "nxd_smp_meta.pt"
 EXTRA_FILE = "extra.pt"
 COMPLETE_FILE = "COMPLETE.json"
 _CRC_BLOCK = 16 << 20
+# DCP writes one file per thread and rank; two writers overlap serialisation with I/O.
+_WRITE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +238,7 @@ def save_checkpoint(
         with _quiet_dcp():
             dcp.save(
                 state,
-                storage_writer=dcp.FileSystemWriter(target, sync_files=True),
+                storage_writer=dcp.FileSystemWriter(target, sync_files=True, thread_count=_WRITE_THREADS),
                 process_group=group,
                 no_dist=not _dist_active(),
             )
@@ -507,14 +509,26 @@ def _plan_load(meta: Mapping[str, Any], model: nn.Module, optimizer: Zero1Optimi
             + ("" if live_names != saved_names else "; the param groups are arranged differently")
             + "."
         )
-    # plan["tensor"][(kind, key)][name]: the saved pieces [(start, staging key)] of that
-    # parameter that overlap this rank's new shard; plan["scalar"][bucket]: {key: staging
-    # key} from the bucket's first parameter (a shard of only padding still needs ``step``).
-    plan: dict[str, Any] = {"names": names, "tensor": {}, "scalar": {}}
+    # Each saved state tensor becomes, per bucket, a buffer of this rank's new shard
+    # (shard dtype; masters fp32). A saved piece that lies inside one of this rank's
+    # pieces is read straight into a view of that buffer; one that straddles a shard
+    # boundary is read into its own staging tensor and the overlap copied afterwards.
+    # plan["scalar"][bucket]: {key: staging key} from the bucket's first parameter (a
+    # shard of only padding still needs ``step``).
+    plan: dict[str, Any] = {"shards": {}, "copies": [], "scalar": {}}
     kinds = [("optim", key) for key in saved_opt["tensor_keys"]]
     if saved_opt["master_weights"]:
         kinds.append(("master", None))
-    for b, layout in enumerate(optimizer.bucket_layouts):
+    layouts, masters = optimizer.bucket_layouts, optimizer.master_shards
+    for kind, key in kinds:
+        buffers = []
+        for layout, master in zip(layouts, masters):
+            buffer = torch.empty(layout.shard_numel, dtype=torch.float32 if kind == "master" else master.dtype)
+            covered = sum(piece.numel for piece in layout.pieces(optimizer.rank))
+            buffer[covered:].zero_()  # padding: the pieces fill a prefix of the shard
+            buffers.append(buffer)
+        plan["shards"][(kind, key)] = buffers
+    for b, layout in enumerate(layouts):
         first = names[layout.param_indices[0]]
         for key in saved_opt["scalar_keys"]:
             entry = f"optim/{first}/{key}"
@@ -523,41 +537,34 @@ def _plan_load(meta: Mapping[str, Any], model: nn.Module, optimizer: Zero1Optimi
         for piece in layout.pieces(optimizer.rank):
             name = names[layout.param_indices[piece.index]]
             for lo, hi in saved_opt["pieces"][name]:
-                if hi <= piece.param_start or lo >= piece.param_end:
+                start, end = max(lo, piece.param_start), min(hi, piece.param_end)
+                if start >= end:
                     continue
+                dst = piece.shard_start + (start - piece.param_start)
+                inside = lo >= piece.param_start and hi <= piece.param_end
                 for kind, key in kinds:
                     entry = f"optim/{name}/{key}/{lo}" if kind == "optim" else f"master/{name}/{lo}"
-                    staging[entry] = torch.empty(hi - lo, dtype=torch.float32)  # cast on read
-                    plan["tensor"].setdefault((kind, key), {}).setdefault(name, []).append((lo, entry))
+                    buffer = plan["shards"][(kind, key)][b]
+                    if inside:
+                        staging[entry] = buffer[dst : dst + hi - lo]
+                    else:
+                        if entry not in staging:
+                            staging[entry] = torch.empty(hi - lo, dtype=buffer.dtype)
+                        plan["copies"].append((entry, buffer, dst, start - lo, end - start))
     return staging, plan
 
 
 def _assemble(staging: dict[str, torch.Tensor], plan, optimizer: Zero1Optimizer | None):
-    """Per bucket, this rank's shard of every saved state tensor, cut from the staged
-    pieces (in the shard dtype; masters in fp32); and the bucket's scalar state."""
+    """Finish this rank's shard buffers from the pieces that straddled shard boundaries."""
     if optimizer is None:
         return None
-    names = plan["names"]
-    layouts, masters = optimizer.bucket_layouts, optimizer.master_shards
-    tensors: dict[Any, list[torch.Tensor]] = {}
-    for (kind, key), by_name in plan["tensor"].items():
-        shards = []
-        for layout, master in zip(layouts, masters):
-            dtype = torch.float32 if kind == "master" else master.dtype
-            shard = torch.zeros(layout.shard_numel, dtype=dtype)
-            for piece in layout.pieces(optimizer.rank):
-                for lo, entry in by_name.get(names[layout.param_indices[piece.index]], []):
-                    saved = staging[entry]
-                    start = max(lo, piece.param_start)
-                    end = min(lo + saved.numel(), piece.param_end)
-                    dst = piece.shard_start + (start - piece.param_start)
-                    shard[dst : dst + end - start].copy_(saved[start - lo : end - lo])
-            shards.append(shard)
-        tensors[(kind, key)] = shards
+    for entry, buffer, dst, src, n in plan["copies"]:
+        buffer[dst : dst + n].copy_(staging[entry][src : src + n])
     scalars = [
-        {key: staging[entry] for key, entry in plan["scalar"].get(b, {}).items()} for b in range(len(layouts))
+        {key: staging[entry] for key, entry in plan["scalar"].get(b, {}).items()}
+        for b in range(len(optimizer.bucket_layouts))
     ]
-    return {"tensors": tensors, "scalars": scalars}
+    return {"tensors": plan["shards"], "scalars": scalars}
 
 
 def _commit(staging, shards, meta, model: nn.Module, optimizer: Zero1Optimizer | None) -> None:
