@@ -46,7 +46,15 @@ import torch.nn as nn
 
 from .zero1_optimizer import Zero1Optimizer
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "inspect_checkpoint", "consolidate"]
+__all__ = [
+    "CheckpointError",
+    "save_checkpoint",
+    "load_checkpoint",
+    "inspect_checkpoint",
+    "consolidate",
+    "export_xla",
+    "import_xla",
+]
 
 FORMAT = "nxd_smp.checkpoint/1"
 META_FILE = "nxd_smp_meta.pt"
@@ -172,11 +180,17 @@ def _check_args(model: Any, optimizer: Any) -> None:
         )
 
 
+# How the inner optimizer computes, not what: chosen per device by whoever loads.
+_IMPLEMENTATION_KEYS = frozenset({"params", "fused", "foreach", "capturable", "differentiable"})
+
+
 def _group_records(optimizer: Zero1Optimizer, names: list[str]) -> list[dict[str, Any]]:
+    """Per param group: its hyperparameters (lr, betas, ... but not kernel choices such as
+    ``fused``, which belong to the device that loads) and its parameters' names."""
     index = {id(p): i for i, p in enumerate(optimizer.managed_params)}
     records = []
     for group in optimizer.param_groups:
-        hyper = {k: v for k, v in group.items() if k != "params"}
+        hyper = {k: v for k, v in group.items() if k not in _IMPLEMENTATION_KEYS}
         records.append({"hyper": hyper, "params": [names[index[id(p)]] for p in group["params"]]})
     return records
 
@@ -573,30 +587,46 @@ def _commit(staging, shards, meta, model: nn.Module, optimizer: Zero1Optimizer |
         model.load_state_dict(model_state, strict=True)  # copies in place: views stay views
     if optimizer is None:
         return
-    saved_opt = meta["optimizer"]
+    tensors = {key: bufs for (kind, key), bufs in shards["tensors"].items() if kind == "optim"}
+    _commit_optimizer(
+        optimizer,
+        tensors,
+        shards["scalars"],
+        [record["hyper"] for record in meta["optimizer"]["groups"]],
+        shards["tensors"].get(("master", None)),
+    )
+
+
+def _commit_optimizer(
+    optimizer: Zero1Optimizer,
+    tensors: Mapping[str, list[torch.Tensor]],
+    scalars: list[Mapping[str, torch.Tensor]],
+    hypers: list[Mapping[str, Any]],
+    masters: list[torch.Tensor] | None,
+) -> None:
+    """Install checked shard states (``tensors[key][bucket]``), per-bucket scalar state,
+    per-group hyperparameters and, if given, master shards; else rebuild the masters from
+    the current parameters with a warning."""
     inner = optimizer.inner_optimizer
     state = {}
-    for b, master in enumerate(optimizer.master_shards):
-        entry = {key: value.clone() for key, value in shards["scalars"][b].items()}
-        for (kind, key), tensors in shards["tensors"].items():
-            if kind == "optim":
-                entry[key] = tensors[b]
+    for b in range(len(optimizer.master_shards)):
+        entry = {key: value.clone() for key, value in scalars[b].items()}
+        entry.update({key: bufs[b] for key, bufs in tensors.items()})
         if entry:
             state[b] = entry
-    groups = []
-    start = 0
-    for group, record in zip(inner.param_groups, saved_opt["groups"]):
+    groups, start = [], 0
+    for group, hyper in zip(inner.param_groups, hypers):
         n = len(group["params"])
-        groups.append({**group, **record["hyper"], "params": list(range(start, start + n))})
+        groups.append({**group, **hyper, "params": list(range(start, start + n))})
         start += n
     inner.load_state_dict({"state": state, "param_groups": groups})
-    for group, record in zip(optimizer.param_groups, saved_opt["groups"]):
-        group.update(record["hyper"])
+    for group, hyper in zip(optimizer.param_groups, hypers):
+        group.update(hyper)
     optimizer.zero_grad()
     if not optimizer.mixed_precision.use_master_weights:
         return
-    if ("master", None) in shards["tensors"]:
-        optimizer.load_master_shards(shards["tensors"][("master", None)])
+    if masters is not None:
+        optimizer.load_master_shards(masters)
     else:
         optimizer.rebuild_master_from_params()
         warnings.warn(
@@ -640,54 +670,188 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     }
 
 
-def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> None:
-    """Write one plain ``torch.save`` file: ``{"model": state_dict, "optimizer":
-    torch.optim-style state dict over the model's trainable parameters in the saved
-    group order, "master_weights": {name: fp32 tensor} or None, "extra": ...}``.
-    Runs in one process."""
+def _read_full(path: str | os.PathLike) -> dict[str, Any]:
+    """Every tensor of a checkpoint, whole: {"model": state_dict, "optimizer": None or
+    {"groups": [{"hyper", "params": names}], "state": {name: {key: tensor shaped like the
+    parameter (or 0-dim)}}, "master_weights": {name: fp32 tensor} or None}, "extra"}."""
     target = _resolve(Path(path))
     _verify_files(target)
     meta = torch.load(target / META_FILE, weights_only=True)
     entries = dcp.FileSystemReader(target).read_metadata().state_dict_metadata
-    staging = {}
-    for key, info in entries.items():
-        staging[key] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
+    staging = {key: torch.empty(tuple(info.size), dtype=info.properties.dtype) for key, info in entries.items()}
     with _quiet_dcp():
         dcp.load(staging, storage_reader=dcp.FileSystemReader(target), no_dist=True)
     result: dict[str, Any] = {
         "model": {k[len("model/"):]: v for k, v in staging.items() if k.startswith("model/")},
         "optimizer": None,
-        "master_weights": None,
         "extra": torch.load(target / EXTRA_FILE, weights_only=False),
     }
     opt = meta["optimizer"]
-    if opt is not None:
-        def whole(prefix: str, shape) -> torch.Tensor:
-            parts = sorted(
-                (int(k[len(prefix):]), v) for k, v in staging.items()
-                if k.startswith(prefix) and "/" not in k[len(prefix):]
-            )
-            return torch.cat([v for _, v in parts]).view(shape)
+    if opt is None:
+        return result
 
+    def whole(prefix: str, shape) -> torch.Tensor:
+        parts = sorted(
+            (int(k[len(prefix):]), v) for k, v in staging.items()
+            if k.startswith(prefix) and "/" not in k[len(prefix):]
+        )
+        return torch.cat([v for _, v in parts]).view(shape)
+
+    state = {}
+    for name, info in opt["params"].items():
+        shape = tuple(info["shape"])
+        entry = {key: whole(f"optim/{name}/{key}/", shape) for key in opt["tensor_keys"]}
+        entry.update({key: staging[f"optim/{name}/{key}"] for key in opt["scalar_keys"]})
+        state[name] = entry
+    result["optimizer"] = {
+        "groups": opt["groups"],
+        "state": state,
+        "master_weights": {
+            name: whole(f"master/{name}/", tuple(info["shape"])) for name, info in opt["params"].items()
+        } if opt["master_weights"] else None,
+    }
+    return result
+
+
+def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Write one plain ``torch.save`` file: ``{"model": state_dict, "optimizer":
+    torch.optim-style state dict (param ids in the saved group order; each group also lists
+    its ``param_names``), "master_weights": {name: fp32 tensor} or None, "extra": ...}``.
+    Runs in one process."""
+    full = _read_full(path)
+    result = {"model": full["model"], "optimizer": None, "master_weights": None, "extra": full["extra"]}
+    opt = full["optimizer"]
+    if opt is not None:
         state, groups, index = {}, [], 0
         for g in opt["groups"]:
             ids = []
             for name in g["params"]:
-                shape = tuple(opt["params"][name]["shape"])
-                entry = {key: whole(f"optim/{name}/{key}/", shape) for key in opt["tensor_keys"]}
-                for key in opt["scalar_keys"]:
-                    entry[key] = staging[f"optim/{name}/{key}"]
-                if entry:
-                    state[index] = entry
+                if opt["state"][name]:
+                    state[index] = opt["state"][name]
                 ids.append(index)
                 index += 1
             groups.append({**g["hyper"], "params": ids, "param_names": list(g["params"])})
         result["optimizer"] = {"state": state, "param_groups": groups}
-        if opt["master_weights"]:
-            result["master_weights"] = {
-                name: whole(f"master/{name}/", tuple(info["shape"])) for name, info in opt["params"].items()
-            }
+        result["master_weights"] = opt["master_weights"]
     torch.save(result, out)
+
+
+def _xla_chunk(tensor: torch.Tensor, dp_size: int, rank: int) -> torch.Tensor:
+    """torch_xla's shard: pad dim 0 to a multiple of ``dp_size``, keep chunk ``rank``."""
+    remainder = tensor.shape[0] % dp_size
+    if remainder:
+        pad = torch.zeros((dp_size - remainder, *tensor.shape[1:]), dtype=tensor.dtype)
+        tensor = torch.cat([tensor, pad])
+    return tensor.chunk(dp_size)[rank].clone()
+
+
+def export_xla(path: str | os.PathLike, out_dir: str | os.PathLike, dp_size: int) -> list[Path]:
+    """Write the optimizer state in torch_xla's / NxD's ZeRO-1 layout for ``dp_size``
+    ranks: ``out_dir/dp_rank_XX_tp_rank_00_pp_rank_00.pt`` holding ``state``,
+    ``param_groups``, ``base_state`` (padded dim-0 shards), ``shape_info`` and, if the
+    checkpoint has them, ``sharded_master_weights``. Load each file with
+    ``ZeroRedundancyOptimizer.load_state_dict`` over the same parameters in the same order."""
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise ValueError(f"dp_size must be a positive int, got {dp_size!r}.")
+    full = _read_full(path)
+    opt = full["optimizer"]
+    if opt is None:
+        raise CheckpointError(f"{path} holds no optimizer state to export.")
+    names = [name for g in opt["groups"] for name in g["params"]]
+    zero_dim = [name for name in names if full["model"][name].dim() == 0]
+    if zero_dim:
+        raise CheckpointError(
+            f"torch_xla's ZeRO-1 shards every parameter along dim 0 and cannot hold the 0-dim "
+            f"parameters {zero_dim}; reshape them to (1,) in the model to export."
+        )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for rank in range(dp_size):
+        groups, base_state, shape_info, masters, index = [], {}, {}, {}, 0
+        for g in opt["groups"]:
+            ids = []
+            for name in g["params"]:
+                shape_info[index] = torch.Size(full["model"][name].shape)
+                state = opt["state"][name]
+                if state:
+                    base_state[index] = {
+                        key: value.clone() if value.dim() == 0 else _xla_chunk(value, dp_size, rank)
+                        for key, value in state.items()
+                    }
+                if opt["master_weights"] is not None:
+                    masters[index] = _xla_chunk(opt["master_weights"][name], dp_size, rank)
+                ids.append(index)
+                index += 1
+            groups.append({**g["hyper"], "params": ids})
+        record = {"state": {}, "param_groups": groups, "base_state": base_state, "shape_info": shape_info}
+        if opt["master_weights"] is not None:
+            record["sharded_master_weights"] = masters
+        f = out_dir / f"dp_rank_{rank:02d}_tp_rank_00_pp_rank_00.pt"
+        torch.save(record, f)
+        written.append(f)
+    return written
+
+
+def import_xla(files: list[str | os.PathLike], *, model: nn.Module, optimizer: Zero1Optimizer) -> None:
+    """Load torch_xla / NxD ZeRO-1 optimizer files (one per DP rank, in rank order) into
+    ``optimizer`` at its own DP size. The files' parameters must be the optimizer's, in
+    the same group order; the model's weights are not in these files (load them first).
+    Without ``sharded_master_weights`` the masters are rebuilt from the parameters."""
+    _check_args(model, optimizer)
+    if optimizer is None or not files:
+        raise ValueError("import_xla needs the per-rank files and a Zero1Optimizer.")
+    records = [torch.load(f, weights_only=False, map_location="cpu") for f in files]
+    first = records[0]
+    names = _param_names(model, optimizer)
+    order = [name for g in _group_records(optimizer, names) for name in g["params"]]
+    shapes = first["shape_info"]
+    problems = []
+    if len(shapes) != len(order):
+        problems.append(f"{len(shapes)} parameters in the files, {len(order)} in the optimizer")
+    live = {n: p for n, p in zip(names, optimizer.managed_params)}
+    for i, name in enumerate(order[: len(shapes)]):
+        if tuple(shapes[i]) != tuple(live[name].shape):
+            problems.append(f"parameter {i} ({name}): shape {tuple(shapes[i])} in the files, {tuple(live[name].shape)} here")
+    if [len(g["params"]) for g in first["param_groups"]] != [len(g["params"]) for g in optimizer.param_groups]:
+        problems.append("the param groups differ")
+    if problems:
+        raise CheckpointError("the torch_xla optimizer files do not fit: " + "; ".join(problems) + ".")
+
+    def full(get, i: int) -> torch.Tensor:
+        size = shapes[i][0]
+        return torch.cat([get(r)[i] for r in records])[:size]
+
+    per_name_state, per_name_master = {}, {}
+    for i, name in enumerate(order):
+        state = first["base_state"].get(i, {})
+        per_name_state[name] = {
+            key: value if value.dim() == 0 else full(lambda r, k=key: {j: s[k] for j, s in r["base_state"].items()}, i)
+            for key, value in state.items()
+        }
+        if "sharded_master_weights" in first:
+            per_name_master[name] = full(lambda r: r["sharded_master_weights"], i)
+    tensor_keys = sorted({k for st in per_name_state.values() for k, v in st.items() if v.dim() > 0})
+    scalars, tensors = [], {key: [] for key in tensor_keys}
+    masters = [] if per_name_master else None
+    for layout, master in zip(optimizer.bucket_layouts, optimizer.master_shards):
+        bucket_names = [names[i] for i in layout.param_indices]
+        scalars.append({k: v for k, v in per_name_state[bucket_names[0]].items() if v.dim() == 0})
+        pieces = layout.pieces(optimizer.rank)
+
+        def shard_of(source: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+            buffer = torch.zeros(layout.shard_numel, dtype=dtype)
+            for piece in pieces:
+                flat = source[bucket_names[piece.index]].reshape(-1)
+                buffer[piece.shard_start : piece.shard_start + piece.numel].copy_(flat[piece.param_start : piece.param_end])
+            return buffer
+
+        for key in tensor_keys:
+            tensors[key].append(shard_of({n: per_name_state[n][key] for n in bucket_names}, master.dtype))
+        if masters is not None:
+            masters.append(shard_of(per_name_master, torch.float32))
+    hypers = [{k: v for k, v in g.items() if k not in _IMPLEMENTATION_KEYS} for g in first["param_groups"]]
+    _commit_optimizer(optimizer, tensors, scalars, hypers, masters)
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -699,6 +863,10 @@ def _main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("consolidate", help="write a plain per-parameter state dict (torch.save)")
     p.add_argument("path")
     p.add_argument("out")
+    p = sub.add_parser("export-xla", help="write torch_xla/NxD ZeRO-1 per-rank optimizer files")
+    p.add_argument("path")
+    p.add_argument("out_dir")
+    p.add_argument("--dp-size", type=int, required=True, help="data-parallel size to shard for")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
@@ -719,9 +887,12 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"{'tensor':<{width}}  {'shape':<20} {'dtype':<16} bytes")
             for key, t in info["tensors"].items():
                 print(f"{key:<{width}}  {str(tuple(t['shape'])):<20} {t['dtype']:<16} {t['bytes']}")
-        else:
+        elif args.command == "consolidate":
             consolidate(args.path, args.out)
             print(f"wrote {args.out}")
+        else:
+            for f in export_xla(args.path, args.out_dir, args.dp_size):
+                print(f"wrote {f}")
     except (CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
