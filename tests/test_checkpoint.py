@@ -405,3 +405,13 @@ def test_a_first_save_killed_midway_is_refused_as_incomplete(tmp_path):
     assert not path.exists()
     with pytest.raises(CheckpointError, match="incomplete"):
         _loaded_version(path)
+
+
+def test_progress_is_shown_when_asked(tmp_path, capsys):
+    model, opt = build()
+    save_checkpoint(tmp_path / "c", model=model, optimizer=opt, progress=True)
+    load_checkpoint(tmp_path / "c", model=model, optimizer=opt, progress=True)
+    err = capsys.readouterr().err
+    assert "save c" in err and "load c" in err
+    save_checkpoint(tmp_path / "c", model=model, optimizer=opt)  # default: quiet unless logging asks
+    assert "save c" not in capsys.readouterr().err
