@@ -7,7 +7,7 @@ from .mixed_precision_config import (
     OptimizerConfig,
     neuronx_distributed_config,
 )
-from . import fused_adamw
+from . import fused_adamw, precision_ops
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .zero1_optimizer import (
     ClippedOptimizer,

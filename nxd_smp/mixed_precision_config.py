@@ -231,7 +231,9 @@ def neuronx_distributed_config(
     (the mixed precision flags follow ``zero_one_enabled``) and checked. NxD's other
     keyword arguments (``tensor_parallel_size``, ``pipeline_parallel_size``, ...) are
     recorded as given, with NxD's defaults for the ones left out; nxd_smp does not set
-    up model parallelism itself.
+    up model parallelism itself. With master weights on, it sets
+    ``NEURON_RT_STOCHASTIC_ROUNDING_EN=0`` (refused if the XLA runtime already started
+    with stochastic rounding on), so call it before the first use of the device.
 
     Returns:
         A new plain dict: ``{"optimizer_config": {...}, "mixed_precision_config": {...},
@@ -256,6 +258,11 @@ def neuronx_distributed_config(
     mp = MixedPrecisionConfig.from_dict(
         mixed_precision_config, zero_one_enabled=opt.zero_one_enabled
     )
+    if mp.use_master_weights:
+        # SMP: the Neuron runtime must round to nearest. It reads this once at start-up.
+        from .precision_ops import set_stochastic_rounding
+
+        set_stochastic_rounding(False)
     config: dict[str, Any] = {**_NXD_OTHER_DEFAULTS, **nxd_kwargs}
     config["optimizer_config"] = opt.to_dict()
     config["mixed_precision_config"] = mp.to_dict()

@@ -77,6 +77,14 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     if world_size > 1:
         dist.init_process_group("gloo")
+    # The config first: with master weights it sets NEURON_RT_STOCHASTIC_ROUNDING_EN=0,
+    # which the XLA runtime reads once when the device is first used.
+    config = nxd_smp.neuronx_distributed_config(
+        optimizer_config={"zero_one_enabled": True, "grad_clipping": True,
+                          "max_grad_norm": args.max_grad_norm},
+        mixed_precision_config={"use_master_weights": not args.no_master_weights,
+                                "use_fp32_grad_acc": not args.no_master_weights},
+    )
     device = pick_device(args.device, world_size)
     sync = (lambda: __import__("torch_xla").sync()) if device.type == "xla" else (lambda: None)
 
@@ -85,12 +93,6 @@ def main() -> None:
     teacher = make_mlp(64, d_in, d_out).eval()
     model = make_mlp(args.hidden, d_in, d_out).to(torch.bfloat16).to(device)
 
-    config = nxd_smp.neuronx_distributed_config(
-        optimizer_config={"zero_one_enabled": True, "grad_clipping": True,
-                          "max_grad_norm": args.max_grad_norm},
-        mixed_precision_config={"use_master_weights": not args.no_master_weights,
-                                "use_fp32_grad_acc": not args.no_master_weights},
-    )
     optimizer = nxd_smp.initialize_parallel_optimizer(
         config, torch.optim.AdamW, model.parameters(), lr=args.lr, weight_decay=0.01
     )
