@@ -9,6 +9,7 @@ from .mixed_precision_config import (
 )
 from . import fused_adamw, precision_ops
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .loss_scaler import DynamicLossScaler
 from .zero1_optimizer import (
     ClippedOptimizer,
     NeuronZero1Optimizer,
@@ -22,6 +23,7 @@ __all__ = [
     "CheckpointError",
     "ClippedOptimizer",
     "ConfigError",
+    "DynamicLossScaler",
     "MixedPrecisionConfig",
     "NeuronZero1Optimizer",
     "OptimizerConfig",

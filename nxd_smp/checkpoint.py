@@ -349,6 +349,11 @@ def _state_to_save(
             if with_masters:
                 state[f"master/{name}/{piece.param_start}"] = _cpu(master[span])
 
+    scaler = optimizer.loss_scaler
+    if scaler is not None:
+        for key, value in scaler.state_dict().items():
+            state[f"loss_scaler/{key}"] = _cpu(value)
+
     pieces: dict[str, list[tuple[int, int]]] = {name: [] for name in names}
     for layout in layouts:
         for r in range(optimizer.world_size):
@@ -368,6 +373,7 @@ def _state_to_save(
         "tensor_keys": sorted(tensor_keys),
         "scalar_keys": sorted(scalar_keys),
         "inner_class": type(inner).__name__,
+        "loss_scaler": scaler is not None,
     }
     return state, meta
 
@@ -542,6 +548,9 @@ def _plan_load(meta: Mapping[str, Any], model: nn.Module, optimizer: Zero1Optimi
             buffer[covered:].zero_()  # padding: the pieces fill a prefix of the shard
             buffers.append(buffer)
         plan["shards"][(kind, key)] = buffers
+    if saved_opt.get("loss_scaler") and optimizer.loss_scaler is not None:
+        for key, value in optimizer.loss_scaler.state_dict().items():
+            staging[f"loss_scaler/{key}"] = torch.empty((), dtype=value.dtype)
     for b, layout in enumerate(layouts):
         first = names[layout.param_indices[0]]
         for key in saved_opt["scalar_keys"]:
@@ -587,6 +596,9 @@ def _commit(staging, shards, meta, model: nn.Module, optimizer: Zero1Optimizer |
         model.load_state_dict(model_state, strict=True)  # copies in place: views stay views
     if optimizer is None:
         return
+    scaler_state = {k[len("loss_scaler/"):]: v for k, v in staging.items() if k.startswith("loss_scaler/")}
+    if scaler_state:
+        optimizer.loss_scaler.load_state_dict(scaler_state)
     tensors = {key: bufs for (kind, key), bufs in shards["tensors"].items() if kind == "optim"}
     _commit_optimizer(
         optimizer,

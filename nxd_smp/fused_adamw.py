@@ -34,18 +34,24 @@ def _adamw_and_cast(
 ) -> None:
     """torch.optim.Adam(W)'s single-tensor update of ``param`` in place, then
     ``out.copy_(param)``. ``scalars`` = [grad_coef, lr, beta1, beta2, weight_decay, eps,
-    bias_correction1, sqrt(bias_correction2)] as one fp32 tensor, so a changing
-    learning rate does not recompile."""
-    coef, lr, beta1, beta2, weight_decay, eps, bc1, bc2_sqrt = scalars.unbind()
+    bias_correction1, sqrt(bias_correction2), skip] as one fp32 tensor, so a changing
+    learning rate does not recompile; ``skip`` = 1 leaves everything as it was (an
+    overflow under loss scaling)."""
+    coef, lr, beta1, beta2, weight_decay, eps, bc1, bc2_sqrt, skip = scalars.unbind()
+    keep = skip > 0
     grad = grad * coef
     if decoupled:
-        param.mul_(1 - lr * weight_decay)
+        new_param = param * (1 - lr * weight_decay)
     else:
+        new_param = param
         grad = grad + param * weight_decay
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bc1)
+    new_avg = exp_avg.lerp(grad, 1 - beta1)
+    new_avg_sq = exp_avg_sq * beta2 + grad * grad * (1 - beta2)
+    denom = new_avg_sq.sqrt() / bc2_sqrt + eps
+    new_param = new_param - (lr / bc1) * new_avg / denom
+    exp_avg.copy_(torch.where(keep, exp_avg, new_avg))
+    exp_avg_sq.copy_(torch.where(keep, exp_avg_sq, new_avg_sq))
+    param.copy_(torch.where(keep, param, new_param))
     out.copy_(param)
 
 
@@ -80,10 +86,17 @@ class CompiledAdamW:
         self.optimizer = optimizer
         self.enabled = True
 
-    def step(self, grads: list[torch.Tensor], outs: list[torch.Tensor], coef: torch.Tensor | float | None) -> bool:
+    def step(
+        self,
+        grads: list[torch.Tensor],
+        outs: list[torch.Tensor],
+        coef: torch.Tensor | float | None,
+        found_inf: torch.Tensor | None = None,
+    ) -> bool:
         """One step: ``grads[i]`` (scaled by ``coef``) updates the optimizer's i-th shard,
-        which is then cast into ``outs[i]``. Returns False (nothing changed) if the
-        kernel cannot be compiled here; the caller then uses the stock step."""
+        which is then cast into ``outs[i]``; where ``found_inf`` nothing changes (and
+        ``step`` does not advance). Returns False (nothing changed) if the kernel cannot
+        be compiled here; the caller then uses the stock step."""
         if not self.enabled:
             return False
         kernel = _kernel()
@@ -98,11 +111,13 @@ class CompiledAdamW:
                 step = float(state["step"]) + 1  # a CPU tensor: no device sync
                 scalars = torch.tensor(
                     [1.0, group["lr"], beta1, beta2, group["weight_decay"], group["eps"],
-                     1 - beta1**step, math.sqrt(1 - beta2**step)],
+                     1 - beta1**step, math.sqrt(1 - beta2**step), 0.0],
                     dtype=torch.float32,
                 )
                 if coef is not None:
                     scalars[0] = coef
+                if found_inf is not None:
+                    scalars[8] = found_inf
                 try:
                     kernel(shard, grad, state["exp_avg"], state["exp_avg_sq"], out, scalars, decoupled)
                 except Exception as e:  # noqa: BLE001 - any compiler failure means "not here"
@@ -115,7 +130,7 @@ class CompiledAdamW:
                     )
                     self.enabled = False
                     return False
-                state["step"].add_(1)
+                state["step"].add_(1 if found_inf is None else (~found_inf).float())
         return True
 
     def _state(self, shard: torch.Tensor) -> dict[str, Any]:

@@ -30,8 +30,10 @@ import torch.distributed as dist
 
 from .collectives import Collectives, is_replica_groups, make_collectives
 from .fused_adamw import CompiledAdamW, applies_to
+from .precision_ops import stochastic_round
 from .grad_accum import MainGradBuffers, flatten_grads
 from .layout import BucketLayout, plan_buckets
+from .loss_scaler import DynamicLossScaler
 from .mixed_precision_config import (
     ConfigError,
     MixedPrecisionConfig,
@@ -228,6 +230,12 @@ class Zero1Optimizer(torch.optim.Optimizer):
             (``nxd_smp.fused_adamw``) instead of the fused kernel plus a copy. None: when
             nxd_smp picked the fused kernel itself; True: required (error if it cannot
             apply); False: never.
+        loss_scaler: a ``DynamicLossScaler`` for fp16: ``scale_loss(loss).backward()``; the
+            gradients are unscaled in fp32 on the shards, a step with an inf/NaN on any rank
+            is skipped on every rank, and the scale is updated, all without a host sync.
+        stochastic_rounding: legacy mode only: the bf16 shard update (parameters and
+            optimizer states) is computed in fp32 and rounded stochastically, as Neuron's
+            hardware does; seeded by ``sr_seed`` (and the rank).
         **defaults: hyperparameters for ``optimizer_class`` (lr, weight_decay, ...).
 
     ``optimizer.zero_grad()`` clears the fp32 ``main_grad`` buffers; ``model.zero_grad()``
@@ -249,9 +257,16 @@ class Zero1Optimizer(torch.optim.Optimizer):
         pin_layout: bool = True,
         lazy_init: bool = False,
         compile_update: bool | None = None,
+        loss_scaler: DynamicLossScaler | None = None,
+        stochastic_rounding: bool = False,
+        sr_seed: int = 0,
         **defaults: Any,
     ):
         _check_optimizer_class(optimizer_class)
+        if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
+            raise TypeError(f"loss_scaler must be a DynamicLossScaler or None, got {type(loss_scaler).__name__}.")
+        if not isinstance(stochastic_rounding, bool):
+            raise ConfigError(f"stochastic_rounding must be True or False, got {stochastic_rounding!r}.")
         if compile_update not in (None, True, False):
             raise ValueError(f"compile_update must be None, True or False, got {compile_update!r}.")
         if mixed_precision is None:
@@ -264,6 +279,12 @@ class Zero1Optimizer(torch.optim.Optimizer):
             )
         if mixed_precision.use_master_weights:
             check_no_xla_downcast()
+        if stochastic_rounding and mixed_precision.use_master_weights:
+            raise ConfigError(
+                "stochastic_rounding=True is for legacy mode (use_master_weights=False), where the "
+                "bf16 shard itself is updated; with master weights the fp32 copy already keeps "
+                "what rounding would lose. Turn one of them off."
+            )
         if not isinstance(grad_clipping, bool):
             raise ConfigError(f"grad_clipping must be True or False, got {grad_clipping!r}.")
         max_norm = validate_max_norm(max_norm, "max_norm")
@@ -291,11 +312,26 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._norm_comms = _norm_collectives(grad_norm_groups, self._device, pin_layout)
         self._optimizer_class = optimizer_class
         all_fp32 = all(self._shard_dtype(p.dtype) == torch.float32 for p in self._managed)
-        self._inner_defaults = _auto_fuse(optimizer_class, dict(defaults), self._device, all_fp32)
+        self._scaler = None if loss_scaler is None else loss_scaler.to(self._device)
+        self._sr = stochastic_rounding
+        if stochastic_rounding:
+            self._sr_generator = None
+            if self._device.type in ("cpu", "cuda"):
+                self._sr_generator = torch.Generator(self._device).manual_seed(sr_seed + 7919 * self._comm.rank)
+        defaults = dict(defaults)
+        if (
+            loss_scaler is not None
+            and self._device.type not in ("cpu", "cuda")
+            and "capturable" not in defaults
+            and "capturable" in inspect.signature(optimizer_class.__init__).parameters
+        ):
+            # Keep the step counter on the device, so a skipped step is undone in-graph.
+            defaults["capturable"] = True
+        self._inner_defaults = _auto_fuse(optimizer_class, defaults, self._device, all_fp32 and not stochastic_rounding)
         self._compile_update = compile_update
         # The compiled one-pass update stands in for the fused kernel nxd_smp chose itself;
         # a caller who picked a variant (fused=..., foreach=...) gets exactly that.
-        self._may_compile = compile_update is True or (
+        self._may_compile = compile_update is True or bool(
             compile_update is None and self._inner_defaults.get("fused") and "fused" not in defaults
         )
         # Every hyperparameter the inner optimizer will see, with its class defaults, so
@@ -514,20 +550,95 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._sync_hyperparameters()
         grads = self._reduce_gradients()
         norm = self._global_norm(grads)
+        found_inf = None
+        if self._scaler is not None:
+            # The norm is reduced over every rank, so all of them see the same overflow.
+            norm = norm / self._scaler.scale
+            found_inf = ~torch.isfinite(norm)
         coef = self._grad_coefficient(norm)
+        if self._scaler is not None:
+            coef = (1.0 if coef is None else coef) / self._scaler.scale
         shards = [self._comm.shard(flat) for flat in self._flat_params]
-        if self._compiled is not None and self._compiled.step(grads, shards, coef):
+        if self._compiled is not None and self._compiled.step(grads, shards, coef, found_inf):
             self._gather_params()  # the compiled pass already cast into the shards
         else:
-            self._apply_coefficient(grads, coef)
-            for master, grad in zip(self._masters, grads):
-                master.grad = grad
-            self._inner.step()
-            for master in self._masters:
-                master.grad = None
+            self._inner_step(grads, coef, found_inf)
             self._publish_params()
+        if self._scaler is not None:
+            self._scaler.update(found_inf)
         self._grad_norm = norm
         return loss
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale (unchanged without a loss scaler)."""
+        return loss if self._scaler is None else self._scaler.scale_loss(loss)
+
+    @property
+    def loss_scaler(self) -> DynamicLossScaler | None:
+        return self._scaler
+
+    def _inner_step(
+        self, grads: list[torch.Tensor], coef: torch.Tensor | float | None, found_inf: torch.Tensor | None
+    ) -> None:
+        """The inner optimizer's step on the master shards, with the gradient scaled by
+        ``coef``; skipped (state unchanged) where ``found_inf``."""
+        if self._fused and not self._sr:
+            self._apply_coefficient(grads, coef)
+            self._inner.found_inf = None if found_inf is None else found_inf.float()
+            self._run_inner(grads)  # the fused kernels skip and undo ``step`` themselves
+            self._inner.found_inf = None
+            return
+        before = self._snapshot_state() if found_inf is not None else None
+        if self._sr:
+            widened = self._widen_for_sr()
+            grads = [g.float() for g in grads]
+        self._apply_coefficient(grads, coef)
+        self._run_inner(grads)
+        if self._sr:
+            self._round_after_sr(widened)
+        if before is not None:
+            self._restore_where(found_inf, before)
+
+    def _run_inner(self, grads: list[torch.Tensor]) -> None:
+        for master, grad in zip(self._masters, grads):
+            master.grad = grad
+        self._inner.step()
+        for master in self._masters:
+            master.grad = None
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        """The master shards and every tensor of the inner optimizer's state."""
+        out = list(self._masters)
+        for master in self._masters:
+            out.extend(v for v in self._inner.state.get(master, {}).values() if isinstance(v, torch.Tensor))
+        return out
+
+    def _snapshot_state(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        return {id(t): (t, t.detach().clone()) for t in self._state_tensors()}
+
+    def _restore_where(self, found_inf: torch.Tensor, before: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Undo the step where ``found_inf``: old values back; state the step created
+        goes back to zero (``step`` counters to 0, buffers to empty)."""
+        for t in self._state_tensors():
+            skip = found_inf.to(t.device)
+            old = before.get(id(t))
+            previous = old[1] if old is not None else torch.zeros_like(t)
+            t.copy_(torch.where(skip, previous, t))
+
+    def _widen_for_sr(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Give every bf16 shard and bf16 state tensor fp32 data for the step; returns
+        (tensor, its bf16 storage) pairs to round back into."""
+        widened = []
+        for t in self._state_tensors():
+            if t.dtype == torch.bfloat16 and t.dim() > 0:
+                widened.append((t, t.data))
+                t.data = t.data.float()
+        return widened
+
+    def _round_after_sr(self, widened: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for t, storage in widened:
+            storage.copy_(stochastic_round(t.data, generator=self._sr_generator))
+            t.data = storage
 
     def _sync_hyperparameters(self) -> None:
         """The wrapper's param_groups are the truth (LR schedulers act on them)."""
@@ -694,6 +805,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
         }
         if self._mp.use_master_weights_in_ckpt:
             state["master_weights"] = [m.detach().clone() for m in self._masters]
+        if self._scaler is not None:
+            state["loss_scaler"] = self._scaler.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -733,6 +846,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 "Rank-local state dicts load only into the same model, DP size and rank; "
                 "use nxd_smp.checkpoint to change the DP size."
             )
+        if self._scaler is not None and "loss_scaler" in state_dict:
+            self._scaler.load_state_dict(state_dict["loss_scaler"])
         # torch.optim keeps the given tensors where dtype and device already match; copy
         # them so training never writes into the caller's state dict.
         self._inner.load_state_dict(copy.deepcopy(state_dict["inner"]))

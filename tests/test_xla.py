@@ -35,7 +35,10 @@ def results(tmp_path_factory):
     return torch.load(out, weights_only=False)
 
 
-@pytest.mark.parametrize("variant", ["smp", "legacy", "neuron"])
+VARIANTS = ["smp", "legacy", "neuron", "scaler"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_xla_matches_cpu_eager(results, variant):
     cpu_params, cpu_norms, _ = results[variant]["cpu"]
     xla_params, xla_norms, _ = results[variant]["xla"]
@@ -49,7 +52,7 @@ def test_xla_matches_cpu_eager(results, variant):
     assert xla_norms == pytest.approx(cpu_norms, rel=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["smp", "legacy", "neuron"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_no_recompilation_and_no_host_transfer_after_warmup(results, variant):
     marks = results[variant]["xla"][2]
     warm, end = marks[results["warmup"]], marks[results["steps"]]
@@ -57,6 +60,14 @@ def test_no_recompilation_and_no_host_transfer_after_warmup(results, variant):
     assert end["compiles"] == warm["compiles"], "step() compiled a new graph after warm-up"
     assert end["from_device"] == warm["from_device"], "step() moved data to the host"
     assert end["item_calls"] == warm["item_calls"], "step() called .item()"
+
+
+def test_an_overflow_is_skipped_in_graph_on_xla(results):
+    """The scaler variant overflowed once after warm-up (no recompilation above): the
+    scale halved from 16 to 8 and the result equals CPU eager's, which skipped too."""
+    cpu_marks, xla_marks = results["scaler"]["cpu"][2], results["scaler"]["xla"][2]
+    assert xla_marks["scale"] == 8.0 and cpu_marks["scale"] == 8.0
+    assert results["scaler"]["xla"][1][-2] == float("inf")  # the norm of that step
 
 
 @pytest.fixture(scope="module")

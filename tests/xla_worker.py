@@ -16,6 +16,7 @@ import torch
 
 def variants():
     from nxd_smp import MixedPrecisionConfig, NeuronZero1Optimizer, Zero1Optimizer
+    from nxd_smp.loss_scaler import DynamicLossScaler
 
     def smp(params, on_xla):
         return Zero1Optimizer(params, torch.optim.AdamW, max_norm=0.5, bucket_cap_mb=0.0004)
@@ -30,7 +31,11 @@ def variants():
             pin_layout=False, sharding_groups=[[0]] if on_xla else None, max_norm=0.5,
         )
 
-    return {"smp": smp, "legacy": legacy, "neuron": neuron}
+    def scaler(params, on_xla):
+        return Zero1Optimizer(params, torch.optim.AdamW, max_norm=0.5,
+                              loss_scaler=DynamicLossScaler(init_scale=16.0, hysteresis=1))
+
+    return {"smp": smp, "legacy": legacy, "neuron": neuron, "scaler": scaler}
 
 
 def run(build, device, steps, warmup):
@@ -48,12 +53,14 @@ def run(build, device, steps, warmup):
         [[(torch.randn(p.shape, generator=g) * 0.3).bfloat16().to(device) for p in trained] for _ in range(2)]
         for _ in range(steps)
     ]
+    if opt.loss_scaler is not None:  # an overflow after warm-up: skipped inside the graph
+        grads[steps - 2][0][0].view(-1)[0] = float("inf")
     if on_xla:
         torch_xla.sync()
     norms, marks = [], {}
     for step in range(steps):
         for micro in grads[step]:
-            sum((p * d).sum() for p, d in zip(trained, micro)).backward()
+            opt.scale_loss(sum((p * d).sum() for p, d in zip(trained, micro))).backward()
         opt.step()
         opt.zero_grad()
         norms.append(opt.grad_norm)
@@ -65,6 +72,8 @@ def run(build, device, steps, warmup):
                     "from_device": (met.metric_data("TransferFromDeviceTime") or [0])[0],
                     "item_calls": met.counter_value("xla::_local_scalar_dense") or 0,
                 }
+    if opt.loss_scaler is not None:
+        marks["scale"] = float(opt.loss_scaler.scale.cpu())
     params = {n: p.detach().cpu() for n, p in model.named_parameters()}
     return params, [float(n.cpu()) for n in norms], marks
 
