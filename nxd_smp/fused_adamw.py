@@ -14,6 +14,7 @@ caller falls back to the stock step.
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from typing import Any
@@ -61,6 +62,8 @@ _compiled = None
 def _kernel():
     global _compiled
     if _compiled is None:
+        # inductor's C++ build says "No CUDA runtime is found" on CPU-only machines: noise here.
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
         _compiled = torch.compile(_adamw_and_cast, dynamic=True, fullgraph=True)
     return _compiled
 

@@ -1,0 +1,84 @@
+"""Smoke tests of the runnable programs with tiny settings: they run, their outputs are
+well-formed and finite, the demo resumes from its checkpoint. The numbers themselves come
+from the scripts, not from here."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_GPT = ["--layers", "1", "--width", "32", "--seq", "32", "--batch", "4"]
+
+
+def run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PJRT_DEVICE": "CPU"}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def finite(*values) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+
+
+def test_train_gpt_runs_checkpoints_and_resumes(tmp_path):
+    out = tmp_path / "gpt"
+    args = [*TINY_GPT, "--device", "cpu", "--eval-every", "2", "--eval-iters", "1", "--ckpt-every", "2",
+            "--out", str(out), "--no-progress"]
+    proc = run("train_gpt.py", "--steps", "4", *args)
+    assert "final train loss" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert finite(summary["final_train_loss"], summary["final_val_loss"], summary["tokens_per_s"], summary["peak_rss_mib"])
+    assert summary["corpus"]["train_bytes"] > 0 and summary["corpus"]["val_bytes"] > 0
+    assert os.path.lexists(summary["checkpoint"])
+    run("train_gpt.py", "--steps", "6", "--resume", *args)
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # resumed at 5, not restarted
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(finite(r["loss"], r["grad_norm"], r["tokens_per_s"]) for r in records)
+
+
+def test_train_gpt_takes_an_nxd_config_file(tmp_path):
+    config = tmp_path / "nxd.json"
+    config.write_text(json.dumps({"optimizer_config": {"zero_one_enabled": True, "max_grad_norm": 0.5},
+                                  "mixed_precision_config": {"use_master_weights_in_ckpt": True}}))
+    out = tmp_path / "gpt"
+    run("train_gpt.py", "--steps", "2", *TINY_GPT, "--device", "cpu", "--config", str(config),
+        "--eval-iters", "1", "--ckpt-every", "0", "--out", str(out), "--no-progress")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["nxd"]["optimizer_config"]["max_grad_norm"] == 0.5
+    assert summary["config"]["nxd"]["mixed_precision_config"]["use_master_weights_in_ckpt"] is True
+
+
+def test_compare_precision_writes_a_plot_and_a_table(tmp_path):
+    out = tmp_path / "cmp"
+    run("compare_precision.py", "--steps", "3", "--eval-every", "3", "--eval-iters", "1", "--layers", "1",
+        "--width", "32", "--seq", "32", "--batch", "4", "--out", str(out), "--no-progress")
+    png = (out / "loss_curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+    results = json.loads((out / "results.json").read_text())
+    assert {r["run"] for r in results["runs"]} == {"fp32", "smp", "bf16", "bf16_sr", "smp_dp2"}
+    assert all(finite(r["final_train_loss"], r["final_val_loss"], r["tokens_per_s"]) for r in results["runs"])
+    assert finite(*results["checks"].values())
+    assert "| smp_dp2 |" in (out / "results.md").read_text()
+
+
+def test_benchmarks_write_finite_json(tmp_path):
+    run("bench_step.py", "--params", "2e5", "--width", "256", "--iters", "3", "--out", str(tmp_path / "step.json"))
+    step = json.loads((tmp_path / "step.json").read_text())
+    assert finite(step["ratio"], step["bytes_per_param_beyond_bf16_params"], step["zero1_step_ms_median"])
+    run("bench_checkpoint.py", "--params", "2e5", "--width", "256", "--repeats", "1",
+        "--out", str(tmp_path / "ckpt.json"))
+    ckpt = json.loads((tmp_path / "ckpt.json").read_text())
+    assert finite(ckpt["save_ratio"], ckpt["load_ratio"], *ckpt["save_MBps"].values())
+    run("bench_peers.py", "--width", "128", "--layers", "2", "--iters", "2", "--warmup", "1",
+        "--out", str(tmp_path / "peers.json"))
+    peers = json.loads((tmp_path / "peers.json").read_text())
+    assert finite(*peers["ratios"].values())
+    assert peers["results"]["nxd_smp_xla"]["compilations_after_warmup"] >= 0
