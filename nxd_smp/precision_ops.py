@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import weakref
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -331,11 +332,8 @@ _NEURON_SR_DEFAULT = "1"  # the Neuron runtime rounds stochastically unless told
 
 
 def _xla_runtime_started() -> bool:
-    try:
-        import torch_xla
-    except ImportError:
-        return False
-    return bool(torch_xla._XLAC._xla_runtime_is_initialized())
+    torch_xla = sys.modules.get("torch_xla")  # not imported: its runtime cannot have started
+    return torch_xla is not None and bool(torch_xla._XLAC._xla_runtime_is_initialized())
 
 
 def set_stochastic_rounding(enabled: bool, *, environ: MutableMapping[str, str] | None = None) -> None:

@@ -80,6 +80,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--out", type=Path, default=Path("runs/compare"))
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--replot", action="store_true", help="only redraw the plot and table from OUT's runs")
     a = p.parse_args()
     if a.steps < 1 or a.batch < 2 or a.batch % 2 or a.lr <= 0:
         p.error("--steps >= 1, an even --batch >= 2 and --lr > 0 are needed")
@@ -90,13 +91,15 @@ def main() -> None:
                      model=GPTConfig(layers=a.layers, width=a.width, seq=a.seq), device="cpu", ckpt_every=0,
                      progress=not a.no_progress)
     runs = {}
-    for mode in ("fp32", "smp", "bf16", "bf16_sr"):
-        out = a.out / mode
-        (out / "metrics.jsonl").unlink(missing_ok=True)
-        runs[mode] = run(replace(base, mode=mode, out=str(out)))
-    out = a.out / "smp_dp2"
-    (out / "metrics.jsonl").unlink(missing_ok=True)
-    runs["smp_dp2"] = run_dp(replace(base, mode="smp", out=str(out)), 2)
+    names = ("fp32", "smp", "bf16", "bf16_sr", "smp_dp2")
+    if a.replot:  # redraw from the runs already in OUT
+        runs = {name: json.loads((a.out / name / "summary.json").read_text()) for name in names}
+    else:
+        for name in names:
+            out = a.out / name
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+            cfg = replace(base, mode=name.replace("_dp2", ""), out=str(out))
+            runs[name] = run_dp(cfg, 2) if name.endswith("_dp2") else run(cfg)
 
     fp32 = runs["fp32"]["final_val_loss"]
     rows = []
@@ -124,18 +127,28 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax, diff) = plt.subplots(2, 1, figsize=(8, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    _, reference, ref_vals = curve(a.out / "fp32")
     for name in runs:
         steps, losses, vals = curve(a.out / name)
-        line, = ax.plot(steps, smooth(losses), label=f"{name} (train, smoothed)", linewidth=1.2,
-                        linestyle="--" if name == "smp_dp2" else "-")
+        style = "--" if name == "smp_dp2" else "-"
+        line, = ax.plot(steps, smooth(losses), style, label=name, linewidth=1.2)
         if vals:
             ax.plot(*zip(*vals), "o", color=line.get_color(), markersize=4)
-    ax.set_xlabel("step")
+        delta = [x - y for x, y in zip(losses, reference)]
+        diff.plot(steps, smooth(delta, 25), style, color=line.get_color(), linewidth=1.2)
+        if vals:
+            diff.plot([s for s, _ in vals], [v - r for (_, v), (_, r) in zip(vals, ref_vals)], "o",
+                      color=line.get_color(), markersize=4)
     ax.set_ylabel("loss (nats per byte)")
-    ax.set_title(f"GPT on stdlib sources, {runs['fp32']['params'] / 1e6:.2f}M params; dots: validation")
+    ax.set_title(f"GPT on stdlib sources, {runs['fp32']['params'] / 1e6:.2f}M params "
+                 f"(lines: train, smoothed; dots: validation)")
     ax.grid(alpha=0.3)
     ax.legend()
+    diff.axhline(0, color="black", linewidth=0.6)
+    diff.set_xlabel("step")
+    diff.set_ylabel("loss minus fp32's")
+    diff.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(a.out / "loss_curves.png", dpi=120)
 

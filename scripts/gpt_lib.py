@@ -55,7 +55,7 @@ def load_corpus(max_bytes: int = 8 << 20) -> tuple[torch.Tensor, torch.Tensor, d
         buf += data[: cap - len(buf)] + b"\n"
         files[side] += 1
     stats = {"root": str(root), "train_bytes": len(train), "val_bytes": len(val), "files": files}
-    return torch.frombuffer(bytes(train), dtype=torch.uint8), torch.frombuffer(bytes(val), dtype=torch.uint8), stats
+    return torch.frombuffer(train, dtype=torch.uint8), torch.frombuffer(val, dtype=torch.uint8), stats
 
 
 def batches(tokens: torch.Tensor, batch: int, seq: int, seed: int):
