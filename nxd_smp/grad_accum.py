@@ -28,16 +28,20 @@ _ACTIVE_HOOKS = WeakIdKeyDictionary()
 
 
 class MainGradBuffers:
-    """Flat gradient-accumulation buffers for a list of buckets.
+    """Gradient-accumulation buffers for a list of buckets.
 
     Args:
         params: all managed parameters; ``layouts`` index into this list.
         layouts: one per bucket.
         dtype: accumulation dtype (fp32 under SMP).
         device: where the buffers live (the parameters' device).
+        contiguous: one flat buffer per bucket with a view per parameter (eager devices:
+            the reduce-scatter reads it in place). False: one buffer per parameter,
+            concatenated at step time (XLA: adding into slices of one large buffer would
+            trace an update of the whole buffer per parameter).
 
-    After ``backward()``, ``buffers[b]`` holds the sum of every micro-batch's gradient for
-    bucket ``b`` (padding stays zero) and each parameter's ``.grad`` is None.
+    After ``backward()``, ``flat(b)`` is the sum of every micro-batch's gradient for
+    bucket ``b`` (padding zero) and each parameter's ``.grad`` is None.
     """
 
     def __init__(
@@ -46,19 +50,28 @@ class MainGradBuffers:
         layouts: Sequence[BucketLayout],
         dtype: torch.dtype,
         device: torch.device,
+        contiguous: bool = True,
     ):
         self.dtype = dtype
-        self.buffers: list[torch.Tensor] = [
-            torch.zeros(layout.padded_numel, dtype=dtype, device=device) for layout in layouts
-        ]
+        self.contiguous = contiguous
+        self._layouts = list(layouts)
+        self._device = device
+        self.buffers: list[torch.Tensor] = (
+            [torch.zeros(layout.padded_numel, dtype=dtype, device=device) for layout in layouts]
+            if contiguous
+            else []
+        )
         self._views: dict[int, torch.Tensor] = {}
         self._handles = []
         owner = weakref.ref(self)
-        for layout, buffer in zip(layouts, self.buffers):
+        for b, layout in enumerate(layouts):
             for i, index in enumerate(layout.param_indices):
                 param = params[index]
-                start, end = layout.param_range(i)
-                self._views[index] = buffer[start:end].view(param.shape)
+                if contiguous:
+                    start, end = layout.param_range(i)
+                    self._views[index] = self.buffers[b][start:end].view(param.shape)
+                else:
+                    self._views[index] = torch.zeros(param.shape, dtype=dtype, device=device)
                 self._attach(param, index, owner)
 
     def _attach(self, param: torch.Tensor, index: int, owner: "weakref.ref[MainGradBuffers]") -> None:
@@ -80,8 +93,20 @@ class MainGradBuffers:
         """The accumulated gradient of managed parameter ``index``, shaped like it."""
         return self._views[index]
 
+    def flat(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s accumulated gradient as one flat, padded tensor (the buffer
+        itself when contiguous, else a new concatenation)."""
+        if self.contiguous:
+            return self.buffers[b]
+        layout = self._layouts[b]
+        parts = [self._views[index].reshape(-1) for index in layout.param_indices]
+        padding = layout.padded_numel - layout.numel
+        if padding:
+            parts.append(torch.zeros(padding, dtype=self.dtype, device=self._device))
+        return torch.cat(parts)
+
     def zero_(self) -> None:
-        for buffer in self.buffers:
+        for buffer in self.buffers if self.contiguous else self._views.values():
             buffer.zero_()
 
     def remove_hooks(self) -> None:

@@ -482,7 +482,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             self._param_ptrs = [p.data_ptr() for p in params]
 
         self._main_grads = (
-            MainGradBuffers(params, self._layouts, torch.float32, self._device)
+            MainGradBuffers(params, self._layouts, torch.float32, self._device, contiguous=self._views)
             if self._mp.use_fp32_grad_acc
             else None
         )
@@ -654,7 +654,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             dtype = self._flat_params[b].dtype
             wire = self._wire_dtype(dtype)
             if self._main_grads is not None:
-                flat = self._main_grads.buffers[b]
+                flat = self._main_grads.flat(b)
                 flats.append(flat if flat.dtype == wire else flat.to(wire))
             else:
                 flats.append(flatten_grads(self._managed, layout, wire))
@@ -664,7 +664,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             shard = self._comm.shard(flat)
             dtype = self._masters[b].dtype
             if shard.dtype != dtype:
-                if self._main_grads is not None and self._main_grads.buffers[b].dtype == dtype:
+                if self._main_grads is not None and self._main_grads.contiguous and self._main_grads.dtype == dtype:
                     target = self._comm.shard(self._main_grads.buffers[b])  # reuse its memory
                     shard = target.copy_(shard)
                 else:
