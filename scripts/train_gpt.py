@@ -59,6 +59,11 @@ class RunConfig:
     corpus_bytes: int = 8 << 20
 
 
+def _xla_accelerator() -> bool:
+    """PJRT_DEVICE names a real accelerator (NEURON, CUDA, TPU), not the XLA CPU device."""
+    return os.environ.get("PJRT_DEVICE", "CPU").upper() != "CPU"
+
+
 def pick_device(choice: str, world_size: int) -> torch.device:
     if choice == "cpu":
         return torch.device("cpu")
@@ -68,7 +73,7 @@ def pick_device(choice: str, world_size: int) -> torch.device:
         if choice == "xla":
             raise SystemExit("--device xla needs torch_xla (pip install -e '.[xla]')")
         return torch.device("cpu")
-    if world_size > 1:
+    if world_size > 1 and not _xla_accelerator():
         if choice == "xla":
             raise SystemExit("XLA:CPU replicas cannot run collectives (pytorch/xla#9089); use --device cpu")
         return torch.device("cpu")
@@ -252,7 +257,12 @@ def parse_args(argv=None) -> RunConfig:
 def main(argv=None) -> None:
     cfg = parse_args(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("gloo")
+        if cfg.device != "cpu" and _xla_accelerator():  # e.g. PJRT_DEVICE=NEURON under torchrun
+            import torch_xla.distributed.xla_backend  # noqa: F401  (registers the "xla" backend)
+
+            dist.init_process_group("xla", init_method="xla://")
+        else:
+            dist.init_process_group("gloo")
     try:
         summary = run(cfg)
     finally:
