@@ -209,7 +209,8 @@ def save_checkpoint(
 
     Args:
         path: the checkpoint's name: a symbolic link that is swapped atomically to the
-            new version once it is complete. Its parent directory must exist.
+            new version once it is complete. Missing parent directories are created; an
+            existing empty directory at ``path`` is replaced, anything else is refused.
         model: the model; its ``state_dict()`` is written once (it is replicated).
         optimizer: a ``Zero1Optimizer``; each rank writes only the pieces it owns.
         extra: anything picklable (step counter, RNG state, ...), returned by ``load_checkpoint``.
@@ -223,9 +224,7 @@ def save_checkpoint(
     """
     _check_args(model, optimizer)
     path = Path(path)
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"the parent directory of {path} does not exist; create it first.")
-    if path.exists() and not path.is_symlink():
+    if path.exists() and not path.is_symlink() and not (path.is_dir() and not any(path.iterdir())):
         raise CheckpointError(
             f"{path} exists and is not an nxd_smp checkpoint link; pass a new path or remove it."
         )
@@ -244,6 +243,9 @@ def save_checkpoint(
         version = _broadcast(f"{_version_prefix(path)}{uuid.uuid4().hex[:12]}", group)
         target = path.parent / version
         if rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.is_dir() and not path.is_symlink():
+                path.rmdir()  # an empty directory made for us: the link takes its place
             target.mkdir()
         _barrier(group)
 

@@ -232,8 +232,9 @@ def neuronx_distributed_config(
     keyword arguments (``tensor_parallel_size``, ``pipeline_parallel_size``, ...) are
     recorded as given, with NxD's defaults for the ones left out; nxd_smp does not set
     up model parallelism itself. With master weights on, it sets
-    ``NEURON_RT_STOCHASTIC_ROUNDING_EN=0`` (refused if the XLA runtime already started
-    with stochastic rounding on), so call it before the first use of the device.
+    ``NEURON_RT_STOCHASTIC_ROUNDING_EN=0``, so call it before the first use of the
+    device: once a Neuron runtime has started with stochastic rounding on, it refuses (on
+    other XLA devices, which have no such rounding, it only warns).
 
     Returns:
         A new plain dict: ``{"optimizer_config": {...}, "mixed_precision_config": {...},
@@ -262,7 +263,7 @@ def neuronx_distributed_config(
         # SMP: the Neuron runtime must round to nearest. It reads this once at start-up.
         from .precision_ops import set_stochastic_rounding
 
-        set_stochastic_rounding(False)
+        set_stochastic_rounding(False, strict=False)
     config: dict[str, Any] = {**_NXD_OTHER_DEFAULTS, **nxd_kwargs}
     config["optimizer_config"] = opt.to_dict()
     config["mixed_precision_config"] = mp.to_dict()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 import weakref
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -336,9 +337,26 @@ def _xla_runtime_started() -> bool:
     return torch_xla is not None and bool(torch_xla._XLAC._xla_runtime_is_initialized())
 
 
-def set_stochastic_rounding(enabled: bool, *, environ: MutableMapping[str, str] | None = None) -> None:
+def _xla_device_type() -> str | None:
+    torch_xla = sys.modules.get("torch_xla")
+    if torch_xla is None:
+        return None
+    import torch_xla.runtime as xr
+
+    return xr.device_type()
+
+
+def set_stochastic_rounding(
+    enabled: bool, *, environ: MutableMapping[str, str] | None = None, strict: bool = True
+) -> None:
     """Set ``NEURON_RT_STOCHASTIC_ROUNDING_EN`` (``0`` under SMP) for the Neuron runtime,
     which reads it once when it starts.
+
+    Args:
+        strict: refuse a change after the runtime started on any device. False (what
+            ``neuronx_distributed_config`` uses): refuse only on Neuron, where the change
+            would silently not happen; on other XLA devices the variable means nothing
+            and a warning says it was set late.
 
     Raises:
         ConfigError: the XLA runtime has already started with a different value (it
@@ -353,11 +371,16 @@ def set_stochastic_rounding(enabled: bool, *, environ: MutableMapping[str, str] 
         env[SR_VARIABLE] = wanted
         return
     if _xla_runtime_started():
-        raise ConfigError(
+        message = (
             f"the XLA runtime has already started with {SR_VARIABLE}={current}, so setting it to "
             f"{wanted} now has no effect. Set {SR_VARIABLE}={wanted} before the first use of the "
             f"XLA device: at the top of the training script, or in the launch command."
         )
+        device = _xla_device_type()
+        if strict or device == "NEURON":
+            raise ConfigError(message)
+        warnings.warn(f"{message} (Harmless on this {device} device, which has no hardware stochastic rounding.)",
+                      stacklevel=3)
     env[SR_VARIABLE] = wanted
 
 

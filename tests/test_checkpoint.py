@@ -289,14 +289,24 @@ def test_bad_arguments_are_refused(tmp_path, live):
     model, opt = live
     with pytest.raises(TypeError, match="Zero1Optimizer"):
         save_checkpoint(tmp_path / "c", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1))
-    with pytest.raises(FileNotFoundError, match="parent directory"):
-        save_checkpoint(tmp_path / "no" / "c", model=model, optimizer=opt)
     (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("the user's")
     with pytest.raises(CheckpointError, match="not an nxd_smp checkpoint link"):
         save_checkpoint(tmp_path / "plain", model=model, optimizer=opt)
+    assert (tmp_path / "plain" / "notes.txt").read_text() == "the user's"
     legacy_model, legacy = build(master=False)
     with pytest.raises(CheckpointError, match="no master weights"):
         save_checkpoint(tmp_path / "c", model=legacy_model, optimizer=legacy, save_master_weights=True)
+
+
+def test_missing_parents_are_created_and_an_empty_directory_is_taken_over(tmp_path, live):
+    model, opt = live
+    save_checkpoint(tmp_path / "runs" / "a" / "c", model=model, optimizer=opt)
+    load_checkpoint(tmp_path / "runs" / "a" / "c", model=model, optimizer=opt)
+    (tmp_path / "empty").mkdir()
+    save_checkpoint(tmp_path / "empty", model=model, optimizer=opt)
+    assert (tmp_path / "empty").is_symlink()
+    load_checkpoint(tmp_path / "empty", model=model, optimizer=opt)
 
 
 def test_saving_again_replaces_the_old_version(tmp_path):
