@@ -129,19 +129,17 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def _progress(enabled: bool | None, rank: int, total: int, desc: str):
-    if enabled is None:
-        enabled = log.isEnabledFor(logging.INFO)
-    if not enabled or rank != 0:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="step")
-
-
 @contextmanager
 def _phases(enabled: bool | None, rank: int, names: list[str], desc: str) -> Iterator[Any]:
-    bar = _progress(enabled, rank, len(names), desc)
+    """Yields ``advance(name)``, which logs each phase and, on rank 0 when ``enabled`` (None:
+    this module's logger is at INFO), moves a tqdm bar."""
+    if enabled is None:
+        enabled = log.isEnabledFor(logging.INFO)
+    bar = None
+    if enabled and rank == 0:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(names), desc=desc, unit="step")
 
     def advance(name: str) -> None:
         log.info("%s: %s", desc, name)
@@ -418,12 +416,6 @@ def _verify_files(target: Path, checksums: bool = True) -> None:
             problems.append(f"{name} is corrupted (CRC-32 mismatch)")
     if problems:
         raise CheckpointError(f"the checkpoint at {target} is damaged: " + "; ".join(problems) + ".")
-
-
-def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """The checkpoint's metadata (after checking that it is complete)."""
-    target = _resolve(Path(path))
-    return torch.load(target / META_FILE, weights_only=True)
 
 
 def load_checkpoint(

@@ -62,7 +62,6 @@ class MainGradBuffers:
             else []
         )
         self._views: dict[int, torch.Tensor] = {}
-        self._handles = []
         owner = weakref.ref(self)
         for b, layout in enumerate(layouts):
             for i, index in enumerate(layout.param_indices):
@@ -87,7 +86,6 @@ class MainGradBuffers:
             previous.remove()
         handle = param.register_post_accumulate_grad_hook(accumulate)
         _ACTIVE_HOOKS[param] = handle
-        self._handles.append(handle)
 
     def main_grad(self, index: int) -> torch.Tensor:
         """The accumulated gradient of managed parameter ``index``, shaped like it."""
@@ -108,12 +106,6 @@ class MainGradBuffers:
     def zero_(self) -> None:
         for buffer in self.buffers if self.contiguous else self._views.values():
             buffer.zero_()
-
-    def remove_hooks(self) -> None:
-        """Stop accumulating: later backward passes leave gradients in ``.grad``."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
 
 def flatten_grads(

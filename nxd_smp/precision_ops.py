@@ -21,12 +21,13 @@ import os
 import sys
 import warnings
 import weakref
-from collections.abc import Mapping, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._pytree import tree_map_only
 
 from .mixed_precision_config import ConfigError
 
@@ -228,20 +229,8 @@ def is_fp32_module(module: nn.Module) -> bool:
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
-    """``obj`` with every floating tensor inside (tuples, lists, dicts) cast to ``dtype``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, tuple):
-        return type(obj)(*(_cast_floats(o, dtype) for o in obj)) if hasattr(obj, "_fields") else tuple(
-            _cast_floats(o, dtype) for o in obj
-        )
-    if isinstance(obj, list):
-        return [_cast_floats(o, dtype) for o in obj]
-    if isinstance(obj, Mapping):
-        return type(obj)({k: _cast_floats(v, dtype) for k, v in obj.items()}) if isinstance(obj, dict) else {
-            k: _cast_floats(v, dtype) for k, v in obj.items()
-        }
-    return obj
+    """``obj`` with every floating tensor inside (tuples, lists, dicts, ...) cast to ``dtype``."""
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, obj)
 
 
 def cast_model(model: nn.Module, dtype: torch.dtype | str) -> nn.Module:

@@ -198,6 +198,13 @@ def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.
     return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
 
 
+def _clip_coefficient(norm: torch.Tensor, grad_clipping: bool, max_norm: float) -> torch.Tensor | None:
+    """``min(1, max_norm / (norm + 1e-6))`` as a tensor, or None when nothing is clipped."""
+    if not grad_clipping or math.isinf(max_norm):
+        return None
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
 class Zero1Optimizer(torch.optim.Optimizer):
     """A ZeRO-1 optimizer with standard mixed precision.
 
@@ -693,9 +700,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
     def _grad_coefficient(self, norm: torch.Tensor) -> torch.Tensor | float | None:
         """What the summed shard gradients are multiplied by: clip coefficient /
         world_size (None: 1)."""
-        coef: torch.Tensor | float | None = None
-        if self._grad_clipping and math.isfinite(self._max_norm):
-            coef = (self._max_norm / (norm + 1e-6)).clamp(max=1.0)
+        coef: torch.Tensor | float | None = _clip_coefficient(norm, self._grad_clipping, self._max_norm)
         if self._comm.world_size > 1:
             coef = 1.0 / self._comm.world_size if coef is None else coef / self._comm.world_size
         return coef
@@ -999,8 +1004,8 @@ class ClippedOptimizer(torch.optim.Optimizer):
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
         norm = _sum_of_squares(grads, device).sqrt()
-        if grads and self._grad_clipping and math.isfinite(self._max_norm):
-            coef = (self._max_norm / (norm + 1e-6)).clamp(max=1.0)
+        coef = _clip_coefficient(norm, self._grad_clipping, self._max_norm)
+        if grads and coef is not None:
             torch._foreach_mul_(grads, coef.to(grads[0].device))
         self.optimizer.step()
         self._grad_norm = norm
