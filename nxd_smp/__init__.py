@@ -1,21 +1,12 @@
 """nxd_smp: a ZeRO-1 sharded optimizer with standard mixed precision, compatible with
 neuronx-distributed's ``NeuronZero1Optimizer`` and ``mixed_precision_config``."""
 
-from .mixed_precision_config import (
-    ConfigError,
-    MixedPrecisionConfig,
-    OptimizerConfig,
-    neuronx_distributed_config,
-)
 from . import fused_adamw, precision_ops
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .loss_scaler import DynamicLossScaler
-from .zero1_optimizer import (
-    ClippedOptimizer,
-    NeuronZero1Optimizer,
-    Zero1Optimizer,
-    initialize_parallel_optimizer,
-)
+from .mixed_precision_config import ConfigError, MixedPrecisionConfig, OptimizerConfig
+from .trainer import ClippedOptimizer, initialize_parallel_optimizer, neuronx_distributed_config
+from .zero1_optimizer import NeuronZero1Optimizer, Zero1Optimizer
 
 __version__ = "0.1.0"
 

@@ -25,12 +25,11 @@ the optimizer; a refused load changes nothing.
 
 from __future__ import annotations
 
-import argparse
+import importlib
 import json
 import logging
 import os
 import shutil
-import sys
 import uuid
 import warnings
 import zlib
@@ -52,8 +51,10 @@ __all__ = [
     "load_checkpoint",
     "inspect_checkpoint",
     "consolidate",
-    "export_xla",
-    "import_xla",
+    "read_checkpoint",
+    "managed_param_names",
+    "param_group_names",
+    "load_full_optimizer_state",
 ]
 
 FORMAT = "nxd_smp.checkpoint/1"
@@ -154,8 +155,13 @@ def _phases(enabled: bool | None, rank: int, names: list[str], desc: str) -> Ite
             bar.close()
 
 
-def _param_names(model: nn.Module, optimizer: Zero1Optimizer) -> list[str]:
-    """The model name of each parameter the optimizer manages, in layout order."""
+def managed_param_names(model: nn.Module, optimizer: Zero1Optimizer) -> list[str]:
+    """The model name of each parameter ``optimizer`` manages, in its layout order
+    (``optimizer.managed_params``).
+
+    Raises:
+        CheckpointError: a managed parameter is not a parameter of ``model``.
+    """
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     out = []
     for i, p in enumerate(optimizer.managed_params):
@@ -188,9 +194,20 @@ def _group_records(optimizer: Zero1Optimizer, names: list[str]) -> list[dict[str
     index = {id(p): i for i, p in enumerate(optimizer.managed_params)}
     records = []
     for group in optimizer.param_groups:
-        hyper = {k: v for k, v in group.items() if k not in _IMPLEMENTATION_KEYS}
-        records.append({"hyper": hyper, "params": [names[index[id(p)]] for p in group["params"]]})
+        records.append({"hyper": group_hyperparameters(group), "params": [names[index[id(p)]] for p in group["params"]]})
     return records
+
+
+def group_hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's hyperparameters: everything but its parameters and the kernel choices
+    (``fused``, ``foreach``, ...), which belong to whoever loads."""
+    return {k: v for k, v in group.items() if k not in _IMPLEMENTATION_KEYS}
+
+
+def param_group_names(model: nn.Module, optimizer: Zero1Optimizer) -> list[list[str]]:
+    """The names of each param group's managed parameters, group by group, in the order the
+    optimizer was given them (the order torch.optim state dicts number them in)."""
+    return [record["params"] for record in _group_records(optimizer, managed_param_names(model, optimizer))]
 
 
 # ---------------------------------------------------------------------------- save
@@ -319,7 +336,7 @@ def _state_to_save(
     if optimizer is None:
         return state, meta
 
-    names = _param_names(model, optimizer)
+    names = managed_param_names(model, optimizer)
     inner = optimizer.inner_optimizer
     layouts, masters = optimizer.bucket_layouts, optimizer.master_shards
     tensor_keys: set[str] = set()
@@ -511,7 +528,7 @@ def _plan_load(meta: Mapping[str, Any], model: nn.Module, optimizer: Zero1Optimi
             "the checkpoint holds no optimizer state; load it with optimizer=None and build "
             "the optimizer afresh."
         )
-    names = _param_names(model, optimizer)
+    names = managed_param_names(model, optimizer)
     mine = _group_records(optimizer, names)
     theirs = saved_opt["groups"]
     if [g["params"] for g in mine] != [g["params"] for g in theirs]:
@@ -643,6 +660,75 @@ def _commit_optimizer(
         )
 
 
+def load_full_optimizer_state(
+    model: nn.Module,
+    optimizer: Zero1Optimizer,
+    state: Mapping[str, Mapping[str, torch.Tensor]],
+    hyperparameters: list[Mapping[str, Any]],
+    master_weights: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Install unsharded, per-parameter optimizer state into ``optimizer`` at its own DP
+    size; every rank calls it with the same full tensors and keeps its own shard.
+
+    Args:
+        state: ``{parameter name: {key: tensor shaped like the parameter, or 0-dim}}`` (the
+            layout ``read_checkpoint`` returns; ``{}`` for a parameter without state yet).
+        hyperparameters: one dict per param group (lr, betas, ...), in group order; kernel
+            choices such as ``fused`` are ignored.
+        master_weights: ``{parameter name: tensor shaped like the parameter}``, or None to
+            rebuild the masters from the current parameters (with a warning that precision
+            below the parameter dtype is lost).
+
+    Raises:
+        CheckpointError: names, shapes or groups that do not fit, each named; nothing is
+            changed then.
+    """
+    _check_args(model, optimizer)
+    names = managed_param_names(model, optimizer)
+    live = dict(zip(names, optimizer.managed_params))
+    problems = []
+    if len(hyperparameters) != len(optimizer.param_groups):
+        problems.append(f"{len(hyperparameters)} param groups given, the optimizer has {len(optimizer.param_groups)}")
+    missing = sorted(set(names) - set(state))
+    extra = sorted(set(state) - set(names))
+    if missing:
+        problems.append(f"no state for {missing}")
+    if extra:
+        problems.append(f"state for parameters the optimizer does not manage: {extra}")
+    tensor_keys = sorted({k for entry in state.values() for k, v in entry.items() if v.dim() > 0})
+    for name in sorted(set(names) & set(state)):
+        entry, shape = state[name], tuple(live[name].shape)
+        if entry and sorted(k for k, v in entry.items() if v.dim() > 0) != tensor_keys:
+            problems.append(f"{name}: state keys {sorted(entry)}, others have {tensor_keys}")
+        for key, value in entry.items():
+            if value.dim() > 0 and tuple(value.shape) != shape:
+                problems.append(f"{name}/{key}: shape {tuple(value.shape)}, the parameter is {shape}")
+        if master_weights is not None and tuple(master_weights[name].shape) != shape:
+            problems.append(f"master weight {name}: shape {tuple(master_weights[name].shape)}, the parameter is {shape}")
+    if problems:
+        raise CheckpointError("the optimizer state does not fit: " + "; ".join(problems) + ".")
+
+    scalars, tensors = [], {key: [] for key in tensor_keys}
+    masters = None if master_weights is None else []
+    for layout, master in zip(optimizer.bucket_layouts, optimizer.master_shards):
+        bucket_names = [names[i] for i in layout.param_indices]
+        pieces = layout.pieces(optimizer.rank)
+
+        def shard_of(source: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+            buffer = torch.zeros(layout.shard_numel, dtype=dtype)
+            for piece in pieces:
+                flat = source[bucket_names[piece.index]].reshape(-1)
+                buffer[piece.shard_start : piece.shard_start + piece.numel].copy_(flat[piece.param_start : piece.param_end])
+            return buffer
+
+        scalars.append({k: v for k, v in state[bucket_names[0]].items() if v.dim() == 0})
+        for key in tensor_keys:
+            tensors[key].append(shard_of({n: state[n][key] for n in bucket_names}, master.dtype))
+        if masters is not None:
+            masters.append(shard_of(master_weights, torch.float32))
+    _commit_optimizer(optimizer, tensors, scalars, [group_hyperparameters(h) for h in hyperparameters], masters)
+
+
 # ---------------------------------------------------------------------------- offline tools
 def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """What a checkpoint holds: per tensor its shape, dtype and bytes; master weights or
@@ -676,7 +762,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     }
 
 
-def _read_full(path: str | os.PathLike) -> dict[str, Any]:
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Every tensor of a checkpoint, whole: {"model": state_dict, "optimizer": None or
     {"groups": [{"hyper", "params": names}], "state": {name: {key: tensor shaped like the
     parameter (or 0-dim)}}, "master_weights": {name: fp32 tensor} or None}, "extra"}."""
@@ -724,7 +810,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> None:
     torch.optim-style state dict (param ids in the saved group order; each group also lists
     its ``param_names``), "master_weights": {name: fp32 tensor} or None, "extra": ...}``.
     Runs in one process."""
-    full = _read_full(path)
+    full = read_checkpoint(path)
     result = {"model": full["model"], "optimizer": None, "master_weights": None, "extra": full["extra"]}
     opt = full["optimizer"]
     if opt is not None:
@@ -742,168 +828,20 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> None:
     torch.save(result, out)
 
 
-def _xla_chunk(tensor: torch.Tensor, dp_size: int, rank: int) -> torch.Tensor:
-    """torch_xla's shard: pad dim 0 to a multiple of ``dp_size``, keep chunk ``rank``."""
-    remainder = tensor.shape[0] % dp_size
-    if remainder:
-        pad = torch.zeros((dp_size - remainder, *tensor.shape[1:]), dtype=tensor.dtype)
-        tensor = torch.cat([tensor, pad])
-    return tensor.chunk(dp_size)[rank].clone()
+# torch_xla interop and the command line have rooms of their own (``xla_state_dict``,
+# ``cli``), which import this module; their names stay reachable here, resolved on use.
+_MOVED = {"export_xla": ".xla_state_dict", "import_xla": ".xla_state_dict"}
 
 
-def export_xla(path: str | os.PathLike, out_dir: str | os.PathLike, dp_size: int) -> list[Path]:
-    """Write the optimizer state in torch_xla's / NxD's ZeRO-1 layout for ``dp_size``
-    ranks: ``out_dir/dp_rank_XX_tp_rank_00_pp_rank_00.pt`` holding ``state``,
-    ``param_groups``, ``base_state`` (padded dim-0 shards), ``shape_info`` and, if the
-    checkpoint has them, ``sharded_master_weights``. Load each file with
-    ``ZeroRedundancyOptimizer.load_state_dict`` over the same parameters in the same order."""
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise ValueError(f"dp_size must be a positive int, got {dp_size!r}.")
-    full = _read_full(path)
-    opt = full["optimizer"]
-    if opt is None:
-        raise CheckpointError(f"{path} holds no optimizer state to export.")
-    names = [name for g in opt["groups"] for name in g["params"]]
-    zero_dim = [name for name in names if full["model"][name].dim() == 0]
-    if zero_dim:
-        raise CheckpointError(
-            f"torch_xla's ZeRO-1 shards every parameter along dim 0 and cannot hold the 0-dim "
-            f"parameters {zero_dim}; reshape them to (1,) in the model to export."
-        )
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for rank in range(dp_size):
-        groups, base_state, shape_info, masters, index = [], {}, {}, {}, 0
-        for g in opt["groups"]:
-            ids = []
-            for name in g["params"]:
-                shape_info[index] = torch.Size(full["model"][name].shape)
-                state = opt["state"][name]
-                if state:
-                    base_state[index] = {
-                        key: value.clone() if value.dim() == 0 else _xla_chunk(value, dp_size, rank)
-                        for key, value in state.items()
-                    }
-                if opt["master_weights"] is not None:
-                    masters[index] = _xla_chunk(opt["master_weights"][name], dp_size, rank)
-                ids.append(index)
-                index += 1
-            groups.append({**g["hyper"], "params": ids})
-        record = {"state": {}, "param_groups": groups, "base_state": base_state, "shape_info": shape_info}
-        if opt["master_weights"] is not None:
-            record["sharded_master_weights"] = masters
-        f = out_dir / f"dp_rank_{rank:02d}_tp_rank_00_pp_rank_00.pt"
-        torch.save(record, f)
-        written.append(f)
-    return written
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name], __package__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def import_xla(files: list[str | os.PathLike], *, model: nn.Module, optimizer: Zero1Optimizer) -> None:
-    """Load torch_xla / NxD ZeRO-1 optimizer files (one per DP rank, in rank order) into
-    ``optimizer`` at its own DP size. The files' parameters must be the optimizer's, in
-    the same group order; the model's weights are not in these files (load them first).
-    Without ``sharded_master_weights`` the masters are rebuilt from the parameters."""
-    _check_args(model, optimizer)
-    if optimizer is None or not files:
-        raise ValueError("import_xla needs the per-rank files and a Zero1Optimizer.")
-    records = [torch.load(f, weights_only=False, map_location="cpu") for f in files]
-    first = records[0]
-    names = _param_names(model, optimizer)
-    order = [name for g in _group_records(optimizer, names) for name in g["params"]]
-    shapes = first["shape_info"]
-    problems = []
-    if len(shapes) != len(order):
-        problems.append(f"{len(shapes)} parameters in the files, {len(order)} in the optimizer")
-    live = {n: p for n, p in zip(names, optimizer.managed_params)}
-    for i, name in enumerate(order[: len(shapes)]):
-        if tuple(shapes[i]) != tuple(live[name].shape):
-            problems.append(f"parameter {i} ({name}): shape {tuple(shapes[i])} in the files, {tuple(live[name].shape)} here")
-    if [len(g["params"]) for g in first["param_groups"]] != [len(g["params"]) for g in optimizer.param_groups]:
-        problems.append("the param groups differ")
-    if problems:
-        raise CheckpointError("the torch_xla optimizer files do not fit: " + "; ".join(problems) + ".")
+if __name__ == "__main__":  # ``python -m nxd_smp.checkpoint ...``: the CLI under its old name
+    import sys
 
-    def full(get, i: int) -> torch.Tensor:
-        size = shapes[i][0]
-        return torch.cat([get(r)[i] for r in records])[:size]
+    from .cli import main
 
-    per_name_state, per_name_master = {}, {}
-    for i, name in enumerate(order):
-        state = first["base_state"].get(i, {})
-        per_name_state[name] = {
-            key: value if value.dim() == 0 else full(lambda r, k=key: {j: s[k] for j, s in r["base_state"].items()}, i)
-            for key, value in state.items()
-        }
-        if "sharded_master_weights" in first:
-            per_name_master[name] = full(lambda r: r["sharded_master_weights"], i)
-    tensor_keys = sorted({k for st in per_name_state.values() for k, v in st.items() if v.dim() > 0})
-    scalars, tensors = [], {key: [] for key in tensor_keys}
-    masters = [] if per_name_master else None
-    for layout, master in zip(optimizer.bucket_layouts, optimizer.master_shards):
-        bucket_names = [names[i] for i in layout.param_indices]
-        scalars.append({k: v for k, v in per_name_state[bucket_names[0]].items() if v.dim() == 0})
-        pieces = layout.pieces(optimizer.rank)
-
-        def shard_of(source: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-            buffer = torch.zeros(layout.shard_numel, dtype=dtype)
-            for piece in pieces:
-                flat = source[bucket_names[piece.index]].reshape(-1)
-                buffer[piece.shard_start : piece.shard_start + piece.numel].copy_(flat[piece.param_start : piece.param_end])
-            return buffer
-
-        for key in tensor_keys:
-            tensors[key].append(shard_of({n: per_name_state[n][key] for n in bucket_names}, master.dtype))
-        if masters is not None:
-            masters.append(shard_of(per_name_master, torch.float32))
-    hypers = [{k: v for k, v in g.items() if k not in _IMPLEMENTATION_KEYS} for g in first["param_groups"]]
-    _commit_optimizer(optimizer, tensors, scalars, hypers, masters)
-
-
-def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nxd_smp.checkpoint", description="Inspect or convert nxd_smp checkpoints.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("inspect", help="print what a checkpoint holds")
-    p.add_argument("path")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p = sub.add_parser("consolidate", help="write a plain per-parameter state dict (torch.save)")
-    p.add_argument("path")
-    p.add_argument("out")
-    p = sub.add_parser("export-xla", help="write torch_xla/NxD ZeRO-1 per-rank optimizer files")
-    p.add_argument("path")
-    p.add_argument("out_dir")
-    p.add_argument("--dp-size", type=int, required=True, help="data-parallel size to shard for")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "inspect":
-            info = inspect_checkpoint(args.path)
-            if args.json:
-                print(json.dumps(info, indent=2, default=str))
-                return 0
-            opt = info["optimizer"]
-            print(f"checkpoint  {info['path']}")
-            print(f"on disk     {info['bytes_on_disk'] / 2**20:.1f} MiB")
-            if opt is None:
-                print("optimizer   none")
-            else:
-                print(f"optimizer   {opt['inner_class']}, written at DP size {opt['dp_size_written_at']}, "
-                      f"master weights {'yes' if opt['master_weights'] else 'no'}, "
-                      f"state {opt['state_keys']}")
-            width = max(len(k) for k in info["tensors"])
-            print(f"{'tensor':<{width}}  {'shape':<20} {'dtype':<16} bytes")
-            for key, t in info["tensors"].items():
-                print(f"{key:<{width}}  {str(tuple(t['shape'])):<20} {t['dtype']:<16} {t['bytes']}")
-        elif args.command == "consolidate":
-            consolidate(args.path, args.out)
-            print(f"wrote {args.out}")
-        else:
-            for f in export_xla(args.path, args.out_dir, args.dp_size):
-                print(f"wrote {f}")
-    except (CheckpointError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(main(prog="python -m nxd_smp.checkpoint"))

@@ -1,14 +1,16 @@
 """Configuration: what mixed precision and ZeRO-1 mean for one training run.
 
-Two frozen dataclasses hold the validated settings; ``neuronx_distributed_config``
-builds the NxD-shaped dict from (possibly partial) user dicts without mutating them.
-Every rule lives here, once; nothing in this module touches tensors or devices.
+Two frozen dataclasses hold the validated settings, and ``from_dict`` builds them from
+NxD's (possibly partial) dicts with NxD's rule: missing mixed-precision flags follow
+``zero_one_enabled``. Every rule lives here, once. This module is pure: it imports nothing
+from nxd_smp, reads no environment variable and knows no tensor. The environment checks
+live in ``runtime_env``, NxD's ``neuronx_distributed_config`` in ``trainer``.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -17,34 +19,8 @@ __all__ = [
     "ConfigError",
     "MixedPrecisionConfig",
     "OptimizerConfig",
-    "neuronx_distributed_config",
-    "check_no_xla_downcast",
     "validate_max_norm",
 ]
-
-#: Environment variables that make torch_xla store fp32 tensors as bf16 on the device.
-XLA_DOWNCAST_VARIABLES = ("XLA_USE_BF16", "XLA_DOWNCAST_BF16")
-
-# NxD's ``neuronx_distributed_config`` keyword arguments other than the two configs we
-# interpret, with NxD's defaults. They are recorded as given so an NxD script's call works.
-_NXD_OTHER_DEFAULTS: dict[str, Any] = {
-    "tensor_parallel_size": 1,
-    "pipeline_parallel_size": 1,
-    "context_parallel_size": 1,
-    "expert_parallel_size": 1,
-    "pipeline_config": None,
-    "activation_checkpoint_config": None,
-    "pad_model": False,
-    "sequence_parallel": False,
-    "model_init_config": None,
-    "lora_config": None,
-}
-_PARALLEL_SIZE_KEYS = (
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "context_parallel_size",
-    "expert_parallel_size",
-)
 
 
 class ConfigError(ValueError):
@@ -85,28 +61,6 @@ def validate_max_norm(value: Any, field: str) -> float:
     return float(value)
 
 
-def check_no_xla_downcast(environ: Mapping[str, str] | None = None) -> None:
-    """Refuse master weights when torch_xla would silently store fp32 tensors as bf16.
-
-    ``XLA_USE_BF16`` and ``XLA_DOWNCAST_BF16`` make every fp32 tensor bf16 on the device,
-    which turns the fp32 master copy into a bf16 one. This is the one place the
-    environment is read; it is called when a config with master weights is built and
-    again when the optimizer is built.
-
-    Raises:
-        ConfigError: naming the variable that is set and the fix.
-    """
-    env = os.environ if environ is None else environ
-    for name in XLA_DOWNCAST_VARIABLES:
-        value = env.get(name, "")
-        if value.strip() not in ("", "0"):
-            raise ConfigError(
-                f"{name}={value!r} is set while use_master_weights=True: it makes torch_xla "
-                f"store the fp32 master weights as bf16, which defeats them. Unset {name} "
-                f"(or set it to 0) and cast the model instead with model.to(torch.bfloat16)."
-            )
-
-
 @dataclass(frozen=True)
 class MixedPrecisionConfig:
     """Standard mixed precision settings; the defaults are SMP on.
@@ -137,8 +91,6 @@ class MixedPrecisionConfig:
                 "use_master_weights=True: there are no master weights to save. Set "
                 "use_master_weights=True or use_master_weights_in_ckpt=False."
             )
-        if self.use_master_weights:
-            check_no_xla_downcast()
 
     @classmethod
     def from_dict(
@@ -219,70 +171,17 @@ class OptimizerConfig:
         return asdict(self)
 
 
-def neuronx_distributed_config(
-    *,
-    optimizer_config: Mapping[str, Any] | None = None,
-    mixed_precision_config: Mapping[str, Any] | None = None,
-    **nxd_kwargs: Any,
-) -> dict[str, Any]:
-    """Build the NxD-shaped config dict, validated, without mutating the inputs.
-
-    ``optimizer_config`` and ``mixed_precision_config`` are filled with NxD's defaults
-    (the mixed precision flags follow ``zero_one_enabled``) and checked. NxD's other
-    keyword arguments (``tensor_parallel_size``, ``pipeline_parallel_size``, ...) are
-    recorded as given, with NxD's defaults for the ones left out; nxd_smp does not set
-    up model parallelism itself. With master weights on, it sets
-    ``NEURON_RT_STOCHASTIC_ROUNDING_EN=0``, so call it before the first use of the
-    device: once a Neuron runtime has started with stochastic rounding on, it refuses (on
-    other XLA devices, which have no such rounding, it only warns).
-
-    Returns:
-        A new plain dict: ``{"optimizer_config": {...}, "mixed_precision_config": {...},
-        "tensor_parallel_size": 1, ...}``.
-
-    Raises:
-        ConfigError: for every rule in DESIGN.md section 4.
-    """
-    unknown = sorted(k for k in nxd_kwargs if k not in _NXD_OTHER_DEFAULTS)
-    if unknown:
-        raise ConfigError(
-            f"neuronx_distributed_config got unknown argument(s) {unknown}; the accepted "
-            f"ones are optimizer_config, mixed_precision_config and "
-            f"{sorted(_NXD_OTHER_DEFAULTS)}."
-        )
-    for key in _PARALLEL_SIZE_KEYS:
-        value = nxd_kwargs.get(key, 1)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{key} must be a positive int, got {value!r}.")
-
-    opt = OptimizerConfig.from_dict(optimizer_config)
-    mp = MixedPrecisionConfig.from_dict(
-        mixed_precision_config, zero_one_enabled=opt.zero_one_enabled
-    )
-    if mp.use_master_weights:
-        # SMP: the Neuron runtime must round to nearest. It reads this once at start-up.
-        from .precision_ops import set_stochastic_rounding
-
-        set_stochastic_rounding(False, strict=False)
-    config: dict[str, Any] = {**_NXD_OTHER_DEFAULTS, **nxd_kwargs}
-    config["optimizer_config"] = opt.to_dict()
-    config["mixed_precision_config"] = mp.to_dict()
-    return config
+# Names that lived here before the trainer API and the environment checks got rooms of
+# their own; resolved on first use, so importing this module imports nothing else.
+_MOVED = {
+    "neuronx_distributed_config": ".trainer",
+    "configs_from_nxd_dict": ".trainer",
+    "check_no_xla_downcast": ".runtime_env",
+    "XLA_DOWNCAST_VARIABLES": ".runtime_env",
+}
 
 
-def configs_from_nxd_dict(nxd_config: Mapping[str, Any]) -> tuple[OptimizerConfig, MixedPrecisionConfig]:
-    """Validate an NxD config dict (built by hand or by ``neuronx_distributed_config``).
-
-    Raises:
-        ConfigError: when it is not a dict, or either config breaks a rule.
-    """
-    if not isinstance(nxd_config, Mapping):
-        raise ConfigError(
-            f"nxd_config must be the dict returned by neuronx_distributed_config(...), got "
-            f"{type(nxd_config).__name__}."
-        )
-    opt = OptimizerConfig.from_dict(nxd_config.get("optimizer_config"))
-    mp = MixedPrecisionConfig.from_dict(
-        nxd_config.get("mixed_precision_config"), zero_one_enabled=opt.zero_one_enabled
-    )
-    return opt, mp
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name], __package__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,20 +8,17 @@
   wraps a model to cast its inputs (and optionally return fp32 outputs);
 * dtype names: ``parse_dtype`` / ``apply_dtype`` (``"torch.tf32"`` is fp32 storage with
   TF32 matmuls on CUDA);
-* stochastic rounding: ``set_stochastic_rounding`` for the Neuron runtime and
-  ``stochastic_round`` (fp32 -> bf16, unbiased, seeded) for other devices.
+* ``stochastic_round``: fp32 -> bf16, unbiased and seeded, the software stand-in for
+  Neuron's hardware stochastic rounding on other devices.
 
-Nothing here knows about sharding.
+Numerics only: nothing here knows about sharding or reads the environment
+(``set_stochastic_rounding``, re-exported here, lives in ``runtime_env``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
-import warnings
 import weakref
-from collections.abc import MutableMapping
 from typing import Any
 
 import torch
@@ -30,6 +27,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
 from .mixed_precision_config import ConfigError
+from .runtime_env import set_stochastic_rounding  # re-exported: documented as precision_ops'
 
 __all__ = [
     "softmax",
@@ -317,62 +315,6 @@ def apply_dtype(name: str | torch.dtype, device: torch.device | str) -> torch.dt
 
 
 # ---------------------------------------------------------------------------- stochastic rounding
-SR_VARIABLE = "NEURON_RT_STOCHASTIC_ROUNDING_EN"
-_NEURON_SR_DEFAULT = "1"  # the Neuron runtime rounds stochastically unless told otherwise
-
-
-def _xla_runtime_started() -> bool:
-    torch_xla = sys.modules.get("torch_xla")  # not imported: its runtime cannot have started
-    return torch_xla is not None and bool(torch_xla._XLAC._xla_runtime_is_initialized())
-
-
-def _xla_device_type() -> str | None:
-    torch_xla = sys.modules.get("torch_xla")
-    if torch_xla is None:
-        return None
-    import torch_xla.runtime as xr
-
-    return xr.device_type()
-
-
-def set_stochastic_rounding(
-    enabled: bool, *, environ: MutableMapping[str, str] | None = None, strict: bool = True
-) -> None:
-    """Set ``NEURON_RT_STOCHASTIC_ROUNDING_EN`` (``0`` under SMP) for the Neuron runtime,
-    which reads it once when it starts.
-
-    Args:
-        strict: refuse a change after the runtime started on any device. False (what
-            ``neuronx_distributed_config`` uses): refuse only on Neuron, where the change
-            would silently not happen; on other XLA devices the variable means nothing
-            and a warning says it was set late.
-
-    Raises:
-        ConfigError: the XLA runtime has already started with a different value (it
-            would ignore the change): set it at the top of the script or in the launcher.
-    """
-    if not isinstance(enabled, bool):
-        raise ConfigError(f"enabled must be True or False, got {enabled!r}.")
-    env = os.environ if environ is None else environ
-    wanted = "1" if enabled else "0"
-    current = env.get(SR_VARIABLE, _NEURON_SR_DEFAULT).strip() or _NEURON_SR_DEFAULT
-    if current == wanted:
-        env[SR_VARIABLE] = wanted
-        return
-    if _xla_runtime_started():
-        message = (
-            f"the XLA runtime has already started with {SR_VARIABLE}={current}, so setting it to "
-            f"{wanted} now has no effect. Set {SR_VARIABLE}={wanted} before the first use of the "
-            f"XLA device: at the top of the training script, or in the launch command."
-        )
-        device = _xla_device_type()
-        if strict or device == "NEURON":
-            raise ConfigError(message)
-        warnings.warn(f"{message} (Harmless on this {device} device, which has no hardware stochastic rounding.)",
-                      stacklevel=3)
-    env[SR_VARIABLE] = wanted
-
-
 def stochastic_round(x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
     """Round fp32 ``x`` to bf16 stochastically: up with probability equal to the
     fraction of the way to the next bf16 value, so the result is unbiased

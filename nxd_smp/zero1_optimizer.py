@@ -12,12 +12,14 @@ optimizer's states. One ``step()``:
 4. the inner optimizer's step on the master shards,
 5. cast each shard to the parameter dtype and all-gather it into the parameters.
 
-``NeuronZero1Optimizer`` keeps torch_xla's / NxD's signature and maps it onto this;
-``initialize_parallel_optimizer`` builds either from an NxD config dict.
+``NeuronZero1Optimizer`` keeps torch_xla's / NxD's signature and maps it onto this.
+NxD's trainer API (``initialize_parallel_optimizer``, ``ClippedOptimizer``) is in
+``nxd_smp.trainer``.
 """
 
 from __future__ import annotations
 
+import importlib
 import copy
 import inspect
 import math
@@ -30,23 +32,17 @@ import torch.distributed as dist
 
 from .collectives import Collectives, is_replica_groups, make_collectives
 from .fused_adamw import CompiledAdamW, applies_to
-from .precision_ops import stochastic_round
 from .grad_accum import MainGradBuffers, flatten_grads
+from .grad_norm import clip_coefficient, sum_of_squares
 from .layout import BucketLayout, plan_buckets
 from .loss_scaler import DynamicLossScaler
-from .mixed_precision_config import (
-    ConfigError,
-    MixedPrecisionConfig,
-    check_no_xla_downcast,
-    configs_from_nxd_dict,
-    validate_max_norm,
-)
+from .mixed_precision_config import ConfigError, MixedPrecisionConfig, validate_max_norm
+from .precision_ops import stochastic_round
+from .runtime_env import check_no_xla_downcast
 
 __all__ = [
     "Zero1Optimizer",
     "NeuronZero1Optimizer",
-    "ClippedOptimizer",
-    "initialize_parallel_optimizer",
     "DEFAULT_BUCKET_CAP_MB",
 ]
 
@@ -138,7 +134,7 @@ def _check_params(groups: list[dict[str, Any]]) -> tuple[list[torch.Tensor], tor
     return managed, managed[0].device
 
 
-def _check_optimizer_class(optimizer_class: Any, *, sharded: bool = True) -> None:
+def check_optimizer_class(optimizer_class: Any, *, sharded: bool = True) -> None:
     if not (inspect.isclass(optimizer_class) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(
             f"optimizer_class must be a torch.optim.Optimizer subclass such as "
@@ -181,28 +177,6 @@ def _norm_collectives(groups: NormGroupSpec, device: torch.device, pin_layout: b
     if isinstance(groups, dist.ProcessGroup) or is_replica_groups(groups):
         return [make_collectives(groups, device, pin_layout)]
     return [make_collectives(g, device, pin_layout) for g in groups]
-
-
-# torch's CPU norm kernel accumulates each thread's share in one fp32 running sum: at
-# 20M elements its relative error is ~1e-3. Norms of 256K-element pieces are ~1e-6
-# accurate and cost the same single read of the gradient.
-_CPU_NORM_PIECE = 1 << 18
-
-
-def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squared elements over ``tensors``, accumulated in fp32 (a 0-dim tensor)."""
-    if not tensors:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    if device.type == "cpu":
-        tensors = [piece for t in tensors for piece in t.reshape(-1).split(_CPU_NORM_PIECE)]
-    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
-
-
-def _clip_coefficient(norm: torch.Tensor, grad_clipping: bool, max_norm: float) -> torch.Tensor | None:
-    """``min(1, max_norm / (norm + 1e-6))`` as a tensor, or None when nothing is clipped."""
-    if not grad_clipping or math.isinf(max_norm):
-        return None
-    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
 class Zero1Optimizer(torch.optim.Optimizer):
@@ -269,7 +243,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         sr_seed: int = 0,
         **defaults: Any,
     ):
-        _check_optimizer_class(optimizer_class)
+        check_optimizer_class(optimizer_class)
         if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
             raise TypeError(f"loss_scaler must be a DynamicLossScaler or None, got {type(loss_scaler).__name__}.")
         if not isinstance(stochastic_rounding, bool):
@@ -683,9 +657,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
         """L2 norm of the mean gradient over the whole model, fp32, as a tensor."""
         # Parameters split over grad_norm_groups (tensor parallel) add up over the group;
         # replicated ones are counted once.
-        replicated_sq = _sum_of_squares([grads[b] for b in self._replicated_buckets], self._device)
+        replicated_sq = sum_of_squares([grads[b] for b in self._replicated_buckets], self._device)
         if self._split_buckets:
-            split_sq = _sum_of_squares([grads[b] for b in self._split_buckets], self._device)
+            split_sq = sum_of_squares([grads[b] for b in self._split_buckets], self._device)
             for comm in self._norm_comms:
                 comm.all_reduce_(split_sq)
             total = (split_sq + replicated_sq).reshape(1)
@@ -700,7 +674,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
     def _grad_coefficient(self, norm: torch.Tensor) -> torch.Tensor | float | None:
         """What the summed shard gradients are multiplied by: clip coefficient /
         world_size (None: 1)."""
-        coef: torch.Tensor | float | None = _clip_coefficient(norm, self._grad_clipping, self._max_norm)
+        coef: torch.Tensor | float | None = clip_coefficient(norm, self._grad_clipping, self._max_norm)
         if self._comm.world_size > 1:
             coef = 1.0 / self._comm.world_size if coef is None else coef / self._comm.world_size
         return coef
@@ -969,100 +943,12 @@ def _torch_xla_bucket_cap(reduce_scatter_mb: float, all_gather_mb: float) -> flo
     return float(min(reduce_scatter_mb, all_gather_mb))
 
 
-class ClippedOptimizer(torch.optim.Optimizer):
-    """A plain (unsharded) optimizer that clips the global gradient norm first.
-
-    What ``initialize_parallel_optimizer`` returns with ZeRO-1 off: it shares
-    ``param_groups`` and ``state`` with the inner optimizer, so LR schedulers and
-    checkpoints see the inner optimizer's. ``grad_norm`` is the fp32 norm of the last
-    step before clipping. Gradients are not averaged over data-parallel ranks here
-    (that is DDP's job when ZeRO-1 is off).
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, *, grad_clipping: bool = True, max_norm: float = 1.0):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-        if not isinstance(grad_clipping, bool):
-            raise ConfigError(f"grad_clipping must be True or False, got {grad_clipping!r}.")
-        self.optimizer = optimizer
-        self._grad_clipping = grad_clipping
-        self._max_norm = validate_max_norm(max_norm, "max_norm")
-        self._grad_norm: torch.Tensor | None = None
-        super().__init__(optimizer.param_groups, optimizer.defaults)  # shares the group dicts
-        self.state = optimizer.state
-
-    @property
-    def grad_norm(self) -> torch.Tensor | None:
-        return self._grad_norm
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-        norm = _sum_of_squares(grads, device).sqrt()
-        coef = _clip_coefficient(norm, self._grad_clipping, self._max_norm)
-        if grads and coef is not None:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
-        self.optimizer.step()
-        self._grad_norm = norm
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
+# NxD's trainer API lived here before it got a room of its own (``trainer``, which imports
+# this module); resolved on first use so that importing this module stays free of circles.
+_MOVED = {"initialize_parallel_optimizer": ".trainer", "ClippedOptimizer": ".trainer"}
 
 
-def initialize_parallel_optimizer(
-    nxd_config: dict[str, Any],
-    optimizer_class: type[torch.optim.Optimizer],
-    parameters: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-    *,
-    process_group: GroupSpec = None,
-    grad_norm_groups: NormGroupSpec = None,
-    **defaults: Any,
-) -> torch.optim.Optimizer:
-    """Build the optimizer an NxD config asks for.
-
-    ZeRO-1 on: a ``Zero1Optimizer`` with the config's mixed precision, clipping and
-    ``max_grad_norm`` (which NxD drops; we pass it). ZeRO-1 off: a ``ClippedOptimizer``
-    over ``optimizer_class(parameters, **defaults)``. ``process_group`` is the
-    data-parallel group (default: all ranks); with tensor or pipeline parallelism in the
-    config it must be given, since nxd_smp does not own model-parallel state.
-    """
-    opt_cfg, mp_cfg = configs_from_nxd_dict(nxd_config)
-    if opt_cfg.zero_one_enabled:
-        model_parallel = {
-            k: nxd_config.get(k, 1)
-            for k in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size")
-        }
-        if any(v != 1 for v in model_parallel.values()) and process_group is None:
-            raise ConfigError(
-                f"the config has model parallelism {model_parallel}; pass the data-parallel "
-                f"group as process_group=... (and the tensor-parallel groups as "
-                f"grad_norm_groups=...), since nxd_smp does not set up model parallelism."
-            )
-        return Zero1Optimizer(
-            parameters,
-            optimizer_class,
-            mixed_precision=mp_cfg,
-            grad_clipping=opt_cfg.grad_clipping,
-            max_norm=opt_cfg.max_grad_norm,
-            process_group=process_group,
-            grad_norm_groups=grad_norm_groups,
-            **defaults,
-        )
-    _check_optimizer_class(optimizer_class, sharded=False)
-    return ClippedOptimizer(
-        optimizer_class(parameters, **defaults),
-        grad_clipping=opt_cfg.grad_clipping,
-        max_norm=opt_cfg.max_grad_norm,
-    )
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name], __package__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -347,18 +347,6 @@ def test_inspect_and_consolidate(tmp_path):
         assert reference.state[master]["exp_avg"].shape == by_name[name].shape
 
 
-def test_cli_inspect_prints_and_fails_cleanly(tmp_path):
-    model, opt = build()
-    save_checkpoint(tmp_path / "c", model=model, optimizer=opt)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "nxd_smp.checkpoint", "inspect", str(tmp_path / "c")],
-                         capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0 and "model/lin1.weight" in out.stdout and "DP size 1" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "nxd_smp.checkpoint", "inspect", str(tmp_path / "none")],
-                         capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 2 and "does not exist" in out.stderr
-
-
 # ---------------------------------------------------------------- kill safety
 KILL_SCRIPT = r"""
 import sys, torch

@@ -1,4 +1,5 @@
-"""Config rules of DESIGN.md section 4: defaults, partial dicts, non-mutation, refusals."""
+"""The configuration rules of DESIGN.md section 4, on the pure dataclasses: defaults,
+NxD's fill-in rule for partial dicts, refusals. Nothing here touches the environment."""
 
 from __future__ import annotations
 
@@ -7,14 +8,7 @@ import dataclasses
 
 import pytest
 
-from nxd_smp import ConfigError, MixedPrecisionConfig, OptimizerConfig, neuronx_distributed_config
-
-ON = {"zero_one_enabled": True}
-OFF = {"zero_one_enabled": False}
-
-
-def mp_of(**kwargs):
-    return neuronx_distributed_config(**kwargs)["mixed_precision_config"]
+from nxd_smp.mixed_precision_config import ConfigError, MixedPrecisionConfig, OptimizerConfig, validate_max_norm
 
 
 def test_dataclass_defaults_are_smp_on():
@@ -26,84 +20,54 @@ def test_config_errors_are_value_errors():
     assert issubclass(ConfigError, ValueError)
 
 
-@pytest.mark.parametrize("zero_one, expected", [(True, (True, True, False)), (False, (False, False, False))])
-def test_mixed_precision_defaults_follow_zero_one(zero_one, expected):
-    mp = mp_of(optimizer_config={"zero_one_enabled": zero_one})
-    assert (mp["use_master_weights"], mp["use_fp32_grad_acc"], mp["use_master_weights_in_ckpt"]) == expected
-    assert MixedPrecisionConfig.from_dict(None, zero_one_enabled=zero_one) == MixedPrecisionConfig(*expected)
-
-
-def test_default_optimizer_config_is_nxds():
-    cfg = neuronx_distributed_config()
-    assert cfg["optimizer_config"] == {"zero_one_enabled": False, "grad_clipping": True, "max_grad_norm": 1.0}
-    assert cfg["mixed_precision_config"] == {
-        "use_master_weights": False,
-        "use_fp32_grad_acc": False,
-        "use_master_weights_in_ckpt": False,
-    }
-
-
-def test_partial_dicts_are_filled_and_explicit_values_kept():
-    cfg = neuronx_distributed_config(
-        optimizer_config={"zero_one_enabled": True, "max_grad_norm": 0.25},
-        mixed_precision_config={"use_fp32_grad_acc": False},
-    )
-    assert cfg["optimizer_config"] == {"zero_one_enabled": True, "grad_clipping": True, "max_grad_norm": 0.25}
-    assert cfg["mixed_precision_config"] == {
-        "use_master_weights": True,
-        "use_fp32_grad_acc": False,
-        "use_master_weights_in_ckpt": False,
-    }
-
-
-def test_inputs_are_not_mutated():
-    opt = {"zero_one_enabled": True}
-    mp = {"use_master_weights_in_ckpt": True}
-    before = copy.deepcopy((opt, mp))
-    cfg = neuronx_distributed_config(optimizer_config=opt, mixed_precision_config=mp)
-    assert (opt, mp) == before
-    assert cfg["optimizer_config"] is not opt and cfg["mixed_precision_config"] is not mp
-
-
-def test_other_nxd_arguments_are_recorded():
-    cfg = neuronx_distributed_config(tensor_parallel_size=8, sequence_parallel=True)
-    assert cfg["tensor_parallel_size"] == 8 and cfg["sequence_parallel"] is True
-    assert cfg["pipeline_parallel_size"] == 1
-
-
 def test_dataclasses_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         MixedPrecisionConfig().use_master_weights = False
 
 
+@pytest.mark.parametrize("zero_one, expected", [(True, (True, True, False)), (False, (False, False, False))])
+def test_missing_flags_follow_zero_one_enabled(zero_one, expected):
+    assert MixedPrecisionConfig.from_dict(None, zero_one_enabled=zero_one) == MixedPrecisionConfig(*expected)
+    assert MixedPrecisionConfig.from_dict({}, zero_one_enabled=zero_one) == MixedPrecisionConfig(*expected)
+
+
+def test_partial_dicts_are_filled_explicit_values_kept_and_inputs_not_mutated():
+    given = {"use_fp32_grad_acc": False}
+    before = copy.deepcopy(given)
+    assert MixedPrecisionConfig.from_dict(given, zero_one_enabled=True) == MixedPrecisionConfig(True, False, False)
+    assert given == before
+    opt = {"zero_one_enabled": True, "max_grad_norm": 0.25}
+    assert OptimizerConfig.from_dict(opt) == OptimizerConfig(True, True, 0.25)
+    assert opt == {"zero_one_enabled": True, "max_grad_norm": 0.25}
+    assert OptimizerConfig.from_dict(None) == OptimizerConfig(False, True, 1.0)
+
+
 @pytest.mark.parametrize(
-    "kwargs, names",
+    "build, field",
     [
-        ({"optimizer_config": {"zero_one_enabled": True, "bogus": 1}}, ["bogus"]),
-        ({"mixed_precision_config": {"use_master_weight": True}}, ["use_master_weight"]),
-        ({"tensor_paralel_size": 2}, ["tensor_paralel_size"]),
-        ({"optimizer_config": {"zero_one_enabled": 1}}, ["zero_one_enabled"]),
-        ({"optimizer_config": {**ON, "grad_clipping": "yes"}}, ["grad_clipping"]),
-        ({"optimizer_config": ON, "mixed_precision_config": {"use_fp32_grad_acc": 1}}, ["use_fp32_grad_acc"]),
-        ({"optimizer_config": {**ON, "max_grad_norm": 0.0}}, ["max_grad_norm"]),
-        ({"optimizer_config": {**ON, "max_grad_norm": -1.0}}, ["max_grad_norm"]),
-        ({"optimizer_config": {**ON, "max_grad_norm": float("nan")}}, ["max_grad_norm"]),
-        ({"optimizer_config": {**ON, "max_grad_norm": True}}, ["max_grad_norm"]),
-        ({"optimizer_config": {**ON, "max_grad_norm": "1.0"}}, ["max_grad_norm"]),
-        ({"optimizer_config": ["zero_one_enabled"]}, ["optimizer_config"]),
-        ({"tensor_parallel_size": 0}, ["tensor_parallel_size"]),
+        (lambda: MixedPrecisionConfig.from_dict({"use_master_weight": True}, zero_one_enabled=True), "use_master_weight"),
+        (lambda: MixedPrecisionConfig.from_dict({"use_fp32_grad_acc": 1}, zero_one_enabled=True), "use_fp32_grad_acc"),
+        (lambda: MixedPrecisionConfig.from_dict(None, zero_one_enabled=1), "zero_one_enabled"),
+        (lambda: MixedPrecisionConfig(use_master_weights="yes"), "use_master_weights"),
+        (lambda: OptimizerConfig.from_dict({"zero_one_enabled": True, "bogus": 1}), "bogus"),
+        (lambda: OptimizerConfig.from_dict(["zero_one_enabled"]), "optimizer_config"),
+        (lambda: OptimizerConfig(grad_clipping="yes"), "grad_clipping"),
+        (lambda: OptimizerConfig(max_grad_norm=0.0), "max_grad_norm"),
+        (lambda: OptimizerConfig(max_grad_norm=-1.0), "max_grad_norm"),
+        (lambda: OptimizerConfig(max_grad_norm=float("nan")), "max_grad_norm"),
+        (lambda: OptimizerConfig(max_grad_norm=True), "max_grad_norm"),
+        (lambda: OptimizerConfig(max_grad_norm="1.0"), "max_grad_norm"),
     ],
 )
-def test_bad_values_are_refused_naming_the_field(kwargs, names):
-    with pytest.raises(ConfigError) as info:
-        neuronx_distributed_config(**kwargs)
-    for name in names:
-        assert name in str(info.value)
+def test_bad_values_are_refused_naming_the_field(build, field):
+    with pytest.raises(ConfigError, match=field):
+        build()
 
 
-def test_infinite_max_grad_norm_is_allowed():
-    cfg = neuronx_distributed_config(optimizer_config={**ON, "max_grad_norm": float("inf")})
-    assert cfg["optimizer_config"]["max_grad_norm"] == float("inf")
+def test_max_norm_rule():
+    assert validate_max_norm(2, "x") == 2.0 and validate_max_norm(float("inf"), "x") == float("inf")
+    with pytest.raises(ConfigError, match="the_field"):
+        validate_max_norm(0, "the_field")
 
 
 @pytest.mark.parametrize(
@@ -116,28 +80,19 @@ def test_infinite_max_grad_norm_is_allowed():
 )
 def test_smp_flags_without_zero_one_are_refused_as_nxd_does(flag, message):
     with pytest.raises(ConfigError, match=message):
-        neuronx_distributed_config(optimizer_config=OFF, mixed_precision_config={flag: True})
+        MixedPrecisionConfig.from_dict({flag: True}, zero_one_enabled=False)
 
 
 def test_master_weights_in_checkpoint_need_master_weights():
     with pytest.raises(ConfigError, match="use_master_weights_in_ckpt"):
-        neuronx_distributed_config(
-            optimizer_config=ON,
-            mixed_precision_config={"use_master_weights": False, "use_master_weights_in_ckpt": True},
-        )
-    with pytest.raises(ConfigError, match="use_master_weights_in_ckpt"):
         MixedPrecisionConfig(use_master_weights=False, use_master_weights_in_ckpt=True)
+    with pytest.raises(ConfigError, match="use_master_weights_in_ckpt"):
+        MixedPrecisionConfig.from_dict(
+            {"use_master_weights": False, "use_master_weights_in_ckpt": True}, zero_one_enabled=True
+        )
 
 
-@pytest.mark.parametrize("variable", ["XLA_USE_BF16", "XLA_DOWNCAST_BF16"])
-@pytest.mark.parametrize("value, refused", [("1", True), ("true", True), ("0", False), ("", False)])
-def test_xla_downcast_variables_refused_with_master_weights(monkeypatch, variable, value, refused):
-    monkeypatch.setenv(variable, value)
-    if refused:
-        with pytest.raises(ConfigError) as info:
-            neuronx_distributed_config(optimizer_config=ON)
-        assert variable in str(info.value) and "model.to(torch.bfloat16)" in str(info.value)
-    else:
-        neuronx_distributed_config(optimizer_config=ON)
-    # without master weights the variables do not matter to us
-    neuronx_distributed_config(optimizer_config=ON, mixed_precision_config={"use_master_weights": False})
+def test_the_config_reads_no_environment(monkeypatch):
+    """The XLA downcast refusal belongs to runtime_env (tested there): a config is a value."""
+    monkeypatch.setenv("XLA_USE_BF16", "1")
+    assert MixedPrecisionConfig().use_master_weights

@@ -68,30 +68,3 @@ def test_an_overflow_is_skipped_in_graph_on_xla(results):
     cpu_marks, xla_marks = results["scaler"]["cpu"][2], results["scaler"]["xla"][2]
     assert xla_marks["scale"] == 8.0 and cpu_marks["scale"] == 8.0
     assert results["scaler"]["xla"][1][-2] == float("inf")  # the norm of that step
-
-
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    out = tmp_path_factory.mktemp("xla_export") / "results.pt"
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.xla_export_worker", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return torch.load(out, weights_only=False)
-
-
-def test_export_loads_into_torch_xla_zero1_and_takes_the_same_next_step(exported):
-    names = [str(i) for i in range(len(exported["ours"]))]
-    assert_params_close(dict(zip(names, exported["theirs"])), dict(zip(names, exported["ours"])))
-
-
-def test_torch_xla_state_imports_back(exported):
-    for ours, imported in zip(exported["ours_state"], exported["imported_state"]):
-        assert ours.keys() == imported.keys()
-        assert float(ours["step"]) == float(imported["step"]) == 3
-        for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(imported[key], ours[key], rtol=1e-4, atol=1e-7)
-    for ours, imported in zip(exported["ours_masters"], exported["imported_masters"]):
-        torch.testing.assert_close(imported, ours, rtol=1e-5, atol=1e-6)

@@ -1,5 +1,5 @@
 """Zero1Optimizer's behaviour beyond the oracle: bad input, grads, hyperparameters,
-state dicts, the NxD signature and the ZeRO-off wrapper."""
+state dicts and the NxD/torch_xla signature."""
 
 from __future__ import annotations
 
@@ -11,15 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nxd_smp import (
-    ClippedOptimizer,
-    ConfigError,
-    MixedPrecisionConfig,
-    NeuronZero1Optimizer,
-    Zero1Optimizer,
-    initialize_parallel_optimizer,
-    neuronx_distributed_config,
-)
+from nxd_smp import ConfigError, MixedPrecisionConfig, NeuronZero1Optimizer, Zero1Optimizer
 from tests.distributed import run_ranks
 from tests.oracle import batch, loss_fn, make_model, param_groups
 
@@ -96,15 +88,6 @@ def test_no_trainable_parameters_is_refused():
 def test_bad_arguments_are_refused(kwargs, error, text):
     with pytest.raises(error, match=text):
         Zero1Optimizer(make_model().parameters(), torch.optim.AdamW, **kwargs)
-
-
-def test_xla_downcast_variable_is_refused_when_the_optimizer_is_built(monkeypatch):
-    config = MixedPrecisionConfig()  # built while the variable was unset
-    monkeypatch.setenv("XLA_DOWNCAST_BF16", "1")
-    with pytest.raises(ConfigError, match="XLA_DOWNCAST_BF16"):
-        Zero1Optimizer(make_model().parameters(), torch.optim.AdamW, mixed_precision=config)
-    legacy = MixedPrecisionConfig(use_master_weights=False, use_fp32_grad_acc=False)
-    Zero1Optimizer(make_model().parameters(), torch.optim.AdamW, mixed_precision=legacy)
 
 
 def test_adding_a_param_group_later_is_refused():
@@ -314,32 +297,6 @@ def test_neuron_refuses_bad_optimizer_dtype_and_master_save_without_masters():
     with pytest.raises(ConfigError, match="save_master_weights"):
         NeuronZero1Optimizer(make_model().parameters(), torch.optim.AdamW,
                              optimizer_dtype=torch.bfloat16, save_master_weights=True)
-
-
-# ---------------------------------------------------------------- ZeRO-1 off
-def test_zero_one_off_returns_a_clipping_wrapper_that_matches_torch():
-    cfg = neuronx_distributed_config(optimizer_config={"zero_one_enabled": False, "max_grad_norm": 0.05})
-    model, reference = make_model(), make_model()
-    opt = initialize_parallel_optimizer(cfg, torch.optim.SGD, model.parameters(), lr=0.1, momentum=0.9)
-    assert isinstance(opt, ClippedOptimizer) and isinstance(opt, torch.optim.Optimizer)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    for step in range(3):
-        backward(model, step)
-        backward(reference, step)
-        grads = [p.grad for p in reference.parameters() if p.grad is not None]
-        expected_norm = torch.stack([g.float().norm() for g in grads]).norm()
-        torch._foreach_mul_(grads, (0.05 / (expected_norm + 1e-6)).clamp(max=1.0))
-        opt.step()
-        ref_opt.step()
-        torch.testing.assert_close(opt.grad_norm, expected_norm)
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        scheduler.step()
-        for g in ref_opt.param_groups:
-            g["lr"] *= 0.5
-    for a, b in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- several ranks

@@ -35,7 +35,7 @@ def main(out_path: str) -> None:
     from torch_xla.distributed.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
     from nxd_smp import MixedPrecisionConfig, Zero1Optimizer, load_checkpoint, save_checkpoint
-    from nxd_smp.checkpoint import export_xla, import_xla
+    from nxd_smp.xla_state_dict import export_xla, import_xla
 
     device = torch_xla.device()
     tmp = Path(tempfile.mkdtemp())

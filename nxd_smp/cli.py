@@ -1,0 +1,65 @@
+"""The command line: ``python -m nxd_smp inspect|consolidate|export-xla ...``.
+
+``python -m nxd_smp.checkpoint ...`` runs the same commands (an alias kept for scripts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .checkpoint import CheckpointError, consolidate, inspect_checkpoint
+from .xla_state_dict import export_xla
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m nxd_smp") -> int:
+    """The command line: ``inspect``, ``consolidate`` and ``export-xla``; returns the exit code."""
+    parser = argparse.ArgumentParser(prog=prog, description="Inspect or convert nxd_smp checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="print what a checkpoint holds")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p = sub.add_parser("consolidate", help="write a plain per-parameter state dict (torch.save)")
+    p.add_argument("path")
+    p.add_argument("out")
+    p = sub.add_parser("export-xla", help="write torch_xla/NxD ZeRO-1 per-rank optimizer files")
+    p.add_argument("path")
+    p.add_argument("out_dir")
+    p.add_argument("--dp-size", type=int, required=True, help="data-parallel size to shard for")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            info = inspect_checkpoint(args.path)
+            if args.json:
+                print(json.dumps(info, indent=2, default=str))
+                return 0
+            opt = info["optimizer"]
+            print(f"checkpoint  {info['path']}")
+            print(f"on disk     {info['bytes_on_disk'] / 2**20:.1f} MiB")
+            if opt is None:
+                print("optimizer   none")
+            else:
+                print(f"optimizer   {opt['inner_class']}, written at DP size {opt['dp_size_written_at']}, "
+                      f"master weights {'yes' if opt['master_weights'] else 'no'}, "
+                      f"state {opt['state_keys']}")
+            width = max(len(k) for k in info["tensors"])
+            print(f"{'tensor':<{width}}  {'shape':<20} {'dtype':<16} bytes")
+            for key, t in info["tensors"].items():
+                print(f"{key:<{width}}  {str(tuple(t['shape'])):<20} {t['dtype']:<16} {t['bytes']}")
+        elif args.command == "consolidate":
+            consolidate(args.path, args.out)
+            print(f"wrote {args.out}")
+        else:
+            for f in export_xla(args.path, args.out_dir, args.dp_size):
+                print(f"wrote {f}")
+    except (CheckpointError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""torch_xla's and NxD's per-rank ZeRO-1 optimizer state dicts, to and from nxd_smp.
+
+torch_xla's ``ZeroRedundancyOptimizer`` (and NxD's ``NeuronZero1Optimizer`` on top of it)
+shards every parameter on its own: dim 0 padded to a multiple of the DP size, chunk ``rank``
+kept. One file per DP rank holds ``param_groups``, ``base_state`` (``{param id: {step,
+exp_avg, ...}}`` of padded chunks), ``shape_info`` and, if saved, ``sharded_master_weights``.
+
+* ``export_xla(checkpoint, out_dir, dp_size)`` writes those files from an nxd_smp
+  checkpoint (``optim/dp_rank_XX_tp_rank_00_pp_rank_00.pt`` names, as NxD writes them);
+* ``import_xla(files, model=, optimizer=)`` loads them into a ``Zero1Optimizer`` at its own
+  DP size.
+
+Both go through ``nxd_smp.checkpoint``'s public functions (``read_checkpoint``,
+``param_group_names``, ``load_full_optimizer_state``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from .checkpoint import CheckpointError, load_full_optimizer_state, param_group_names, read_checkpoint
+from .zero1_optimizer import Zero1Optimizer
+
+__all__ = ["export_xla", "import_xla"]
+
+
+def _xla_chunk(tensor: torch.Tensor, dp_size: int, rank: int) -> torch.Tensor:
+    """torch_xla's shard: pad dim 0 to a multiple of ``dp_size``, keep chunk ``rank``."""
+    remainder = tensor.shape[0] % dp_size
+    if remainder:
+        pad = torch.zeros((dp_size - remainder, *tensor.shape[1:]), dtype=tensor.dtype)
+        tensor = torch.cat([tensor, pad])
+    return tensor.chunk(dp_size)[rank].clone()
+
+
+def export_xla(path: str | os.PathLike, out_dir: str | os.PathLike, dp_size: int) -> list[Path]:
+    """Write the optimizer state in torch_xla's / NxD's ZeRO-1 layout for ``dp_size``
+    ranks: ``out_dir/dp_rank_XX_tp_rank_00_pp_rank_00.pt`` holding ``state``,
+    ``param_groups``, ``base_state`` (padded dim-0 shards), ``shape_info`` and, if the
+    checkpoint has them, ``sharded_master_weights``. Load each file with
+    ``ZeroRedundancyOptimizer.load_state_dict`` over the same parameters in the same order."""
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise ValueError(f"dp_size must be a positive int, got {dp_size!r}.")
+    full = read_checkpoint(path)
+    opt = full["optimizer"]
+    if opt is None:
+        raise CheckpointError(f"{path} holds no optimizer state to export.")
+    names = [name for g in opt["groups"] for name in g["params"]]
+    zero_dim = [name for name in names if full["model"][name].dim() == 0]
+    if zero_dim:
+        raise CheckpointError(
+            f"torch_xla's ZeRO-1 shards every parameter along dim 0 and cannot hold the 0-dim "
+            f"parameters {zero_dim}; reshape them to (1,) in the model to export."
+        )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for rank in range(dp_size):
+        groups, base_state, shape_info, masters, index = [], {}, {}, {}, 0
+        for g in opt["groups"]:
+            ids = []
+            for name in g["params"]:
+                shape_info[index] = torch.Size(full["model"][name].shape)
+                state = opt["state"][name]
+                if state:
+                    base_state[index] = {
+                        key: value.clone() if value.dim() == 0 else _xla_chunk(value, dp_size, rank)
+                        for key, value in state.items()
+                    }
+                if opt["master_weights"] is not None:
+                    masters[index] = _xla_chunk(opt["master_weights"][name], dp_size, rank)
+                ids.append(index)
+                index += 1
+            groups.append({**g["hyper"], "params": ids})
+        record = {"state": {}, "param_groups": groups, "base_state": base_state, "shape_info": shape_info}
+        if opt["master_weights"] is not None:
+            record["sharded_master_weights"] = masters
+        f = out_dir / f"dp_rank_{rank:02d}_tp_rank_00_pp_rank_00.pt"
+        torch.save(record, f)
+        written.append(f)
+    return written
+
+
+def import_xla(files: Sequence[str | os.PathLike], *, model: nn.Module, optimizer: Zero1Optimizer) -> None:
+    """Load torch_xla / NxD ZeRO-1 optimizer files (one per DP rank, in rank order) into
+    ``optimizer`` at its own DP size; every rank calls it with all the files. The files'
+    parameters must be the optimizer's, in the same group order; the model's weights are not
+    in these files (load them first). Without ``sharded_master_weights`` the masters are
+    rebuilt from the parameters, with a warning.
+
+    Raises:
+        CheckpointError: the files do not fit the optimizer (count, shapes, groups), named.
+    """
+    if not isinstance(optimizer, Zero1Optimizer):
+        raise TypeError(f"optimizer must be a nxd_smp Zero1Optimizer, got {type(optimizer).__name__}.")
+    if not files:
+        raise ValueError("import_xla needs the per-rank files (one per DP rank, in rank order).")
+    records = [torch.load(f, weights_only=False, map_location="cpu") for f in files]
+    first = records[0]
+    order = [name for names in param_group_names(model, optimizer) for name in names]
+    shapes = first["shape_info"]
+    if len(shapes) != len(order):
+        raise CheckpointError(
+            f"the torch_xla optimizer files hold {len(shapes)} parameters, the optimizer {len(order)}."
+        )
+    if [len(g["params"]) for g in first["param_groups"]] != [len(g["params"]) for g in optimizer.param_groups]:
+        raise CheckpointError("the torch_xla optimizer files' param groups differ from the optimizer's.")
+
+    def whole(per_rank: Callable[[dict], dict[int, torch.Tensor]], i: int) -> torch.Tensor:
+        """Parameter ``i`` from the ranks' padded dim-0 chunks."""
+        return torch.cat([per_rank(r)[i] for r in records])[: shapes[i][0]].view(tuple(shapes[i]))
+
+    state, masters = {}, {} if "sharded_master_weights" in first else None
+    for i, name in enumerate(order):
+        saved = first["base_state"].get(i, {})
+        state[name] = {
+            key: value if value.dim() == 0 else whole(lambda r, k=key: {j: s[k] for j, s in r["base_state"].items()}, i)
+            for key, value in saved.items()
+        }
+        if masters is not None:
+            masters[name] = whole(lambda r: r["sharded_master_weights"], i)
+    load_full_optimizer_state(model, optimizer, state, first["param_groups"], masters)

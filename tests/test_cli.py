@@ -1,0 +1,53 @@
+"""The command line: ``python -m nxd_smp inspect|consolidate|export-xla``, and the old
+``python -m nxd_smp.checkpoint`` name for it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nxd_smp import save_checkpoint
+from nxd_smp.cli import main
+from tests.test_checkpoint import build, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("module", ["nxd_smp", "nxd_smp.checkpoint"])
+def test_inspect_prints_and_fails_cleanly(tmp_path, module):
+    model, opt = build()
+    save_checkpoint(tmp_path / "c", model=model, optimizer=opt)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", module, "inspect", str(tmp_path / "c")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and "model/lin1.weight" in out.stdout and "DP size 1" in out.stdout
+    out = subprocess.run([sys.executable, "-m", module, "inspect", str(tmp_path / "none")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "does not exist" in out.stderr
+
+
+def test_consolidate_inspect_and_export_from_the_command_line(tmp_path, capsys):
+    model, opt = build()
+    train(model, opt, 1, 0)
+    save_checkpoint(tmp_path / "c", model=model, optimizer=opt)
+    assert main(["consolidate", str(tmp_path / "c"), str(tmp_path / "plain.pt")]) == 0
+    plain = torch.load(tmp_path / "plain.pt", weights_only=False)
+    assert torch.equal(plain["model"]["lin1.weight"], model.lin1.weight.detach())
+    assert main(["inspect", str(tmp_path / "c"), "--json"]) == 0
+    assert '"dp_size_written_at": 1' in capsys.readouterr().out
+    # torch_xla's layout cannot hold the model's 0-dim parameter: refused by name, exit 2
+    assert main(["export-xla", str(tmp_path / "c"), str(tmp_path / "xla"), "--dp-size", "2"]) == 2
+    assert "temperature" in capsys.readouterr().err and not (tmp_path / "xla").exists()
+
+
+def test_bad_arguments_exit_with_a_message(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["export-xla", str(tmp_path), str(tmp_path / "out")])  # --dp-size missing
+    assert info.value.code == 2 and "--dp-size" in capsys.readouterr().err
+    assert main(["consolidate", str(tmp_path / "none"), str(tmp_path / "o.pt")]) == 2
+    assert "does not exist" in capsys.readouterr().err

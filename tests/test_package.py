@@ -1,0 +1,139 @@
+"""The package's rooms: which module may import which (no circles), and every public name
+reachable where the README documents it."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "nxd_smp"
+
+# What each room may import from nxd_smp when it is imported (the house issue's table).
+ALLOWED = {
+    "mixed_precision_config": set(),
+    "layout": set(),
+    "grad_norm": set(),
+    "runtime_env": {"mixed_precision_config"},
+    "loss_scaler": {"mixed_precision_config"},
+    "precision_ops": {"mixed_precision_config", "runtime_env"},
+    "collectives": set(),
+    "grad_accum": {"layout"},
+    "fused_adamw": set(),
+    "zero1_optimizer": {
+        "collectives", "fused_adamw", "grad_accum", "grad_norm", "layout", "loss_scaler",
+        "mixed_precision_config", "precision_ops", "runtime_env",
+    },
+    "trainer": {"grad_norm", "mixed_precision_config", "runtime_env", "zero1_optimizer"},
+    "checkpoint": {"zero1_optimizer"},
+    "xla_state_dict": {"checkpoint", "zero1_optimizer"},
+    "cli": {"checkpoint", "xla_state_dict"},
+}
+
+
+def import_time_imports(path: Path) -> set[str]:
+    """nxd_smp modules a module imports when it is imported: module-level statements only
+    (an import inside a function runs later, on use; an ``if __name__ == "__main__"`` block
+    runs only as a script)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            continue  # runs as a script only
+        nodes = [node] + ([n for n in ast.walk(node)] if isinstance(node, (ast.If, ast.Try)) else [])
+        for n in nodes:
+            if isinstance(n, ast.ImportFrom) and n.level == 1:
+                if n.module:
+                    found.add(n.module.split(".")[0])
+                else:
+                    found.update(alias.name for alias in n.names)
+            elif isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("nxd_smp."):
+                found.add(n.module.split(".")[1])
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    return {
+        p.stem: import_time_imports(p)
+        for p in PACKAGE.glob("*.py")
+        if p.stem not in ("__init__", "__main__")
+    }
+
+
+def test_every_room_is_in_the_table():
+    assert set(graph()) == set(ALLOWED)
+
+
+@pytest.mark.parametrize("module", sorted(ALLOWED))
+def test_each_room_imports_only_what_the_table_allows(module):
+    assert graph()[module] <= ALLOWED[module], f"{module} imports {graph()[module] - ALLOWED[module]}"
+
+
+def test_no_import_circles():
+    edges = graph()
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in edges.get(node, ()):
+            assert state.get(nxt) != "open", "import circle: " + " -> ".join(path + [nxt])
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in edges:
+        if node not in state:
+            visit(node, [node])
+
+
+def test_the_package_and_its_tools_import_in_a_fresh_process():
+    code = (
+        "import sys, nxd_smp\n"
+        "import nxd_smp.cli, nxd_smp.xla_state_dict\n"
+        "print(sorted(m for m in sys.modules if m.startswith('nxd_smp')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=PACKAGE.parent)
+    assert out.returncode == 0, out.stderr
+    assert "nxd_smp.trainer" in out.stdout and "nxd_smp.runtime_env" in out.stdout
+
+
+# Names the README documents, where it documents them (moved names stay reachable).
+DOCUMENTED = {
+    "nxd_smp": [
+        "MixedPrecisionConfig", "OptimizerConfig", "ConfigError", "neuronx_distributed_config",
+        "initialize_parallel_optimizer", "Zero1Optimizer", "NeuronZero1Optimizer", "ClippedOptimizer",
+        "save_checkpoint", "load_checkpoint", "CheckpointError", "DynamicLossScaler", "precision_ops",
+    ],
+    "nxd_smp.mixed_precision_config": ["MixedPrecisionConfig", "neuronx_distributed_config", "check_no_xla_downcast"],
+    "nxd_smp.zero1_optimizer": ["Zero1Optimizer", "initialize_parallel_optimizer", "ClippedOptimizer"],
+    "nxd_smp.precision_ops": ["set_stochastic_rounding", "stochastic_round", "NaiveAMPModel", "cast_model"],
+    "nxd_smp.checkpoint": ["save_checkpoint", "load_checkpoint", "inspect_checkpoint", "consolidate",
+                           "export_xla", "import_xla"],
+    "nxd_smp.trainer": ["neuronx_distributed_config", "initialize_parallel_optimizer", "ClippedOptimizer",
+                        "configs_from_nxd_dict"],
+    "nxd_smp.runtime_env": ["check_no_xla_downcast", "set_stochastic_rounding"],
+    "nxd_smp.xla_state_dict": ["export_xla", "import_xla"],
+}
+
+
+@pytest.mark.parametrize("module", sorted(DOCUMENTED))
+def test_documented_names_are_importable_where_documented(module):
+    mod = importlib.import_module(module)
+    for name in DOCUMENTED[module]:
+        assert getattr(mod, name) is not None, f"{module}.{name}"
+    with pytest.raises(AttributeError):
+        getattr(mod, "no_such_name")
+
+
+def test_a_moved_name_is_the_same_object_in_both_places():
+    import nxd_smp.checkpoint as ckpt
+    import nxd_smp.mixed_precision_config as cfg
+    import nxd_smp.trainer as trainer
+    import nxd_smp.xla_state_dict as xsd
+
+    assert cfg.neuronx_distributed_config is trainer.neuronx_distributed_config
+    assert ckpt.import_xla is xsd.import_xla

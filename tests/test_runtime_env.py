@@ -1,0 +1,85 @@
+"""runtime_env: the one room that reads or sets environment variables (the XLA downcast
+check, Neuron's stochastic-rounding switch) and knows whether the XLA runtime started."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nxd_smp import ConfigError, MixedPrecisionConfig, Zero1Optimizer
+from nxd_smp import precision_ops
+from nxd_smp.runtime_env import SR_VARIABLE, check_no_xla_downcast, set_stochastic_rounding
+from tests.oracle import make_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("variable", ["XLA_USE_BF16", "XLA_DOWNCAST_BF16"])
+@pytest.mark.parametrize("value, refused", [("1", True), ("true", True), (" 1 ", True), ("0", False), ("", False)])
+def test_xla_downcast_variables_are_refused(variable, value, refused):
+    env = {variable: value}
+    if refused:
+        with pytest.raises(ConfigError, match=variable) as info:
+            check_no_xla_downcast(env)
+        assert "model.to(torch.bfloat16)" in str(info.value)
+    else:
+        check_no_xla_downcast(env)
+    check_no_xla_downcast({})
+
+
+def test_xla_downcast_variable_is_refused_when_the_optimizer_is_built(monkeypatch):
+    config = MixedPrecisionConfig()  # a config is a value: building it reads nothing
+    monkeypatch.setenv("XLA_DOWNCAST_BF16", "1")
+    with pytest.raises(ConfigError, match="XLA_DOWNCAST_BF16"):
+        Zero1Optimizer(make_model().parameters(), torch.optim.AdamW, mixed_precision=config)
+    legacy = MixedPrecisionConfig(use_master_weights=False, use_fp32_grad_acc=False)
+    Zero1Optimizer(make_model().parameters(), torch.optim.AdamW, mixed_precision=legacy)
+
+
+def test_set_stochastic_rounding_is_also_reachable_from_precision_ops():
+    assert precision_ops.set_stochastic_rounding is set_stochastic_rounding
+    assert SR_VARIABLE == "NEURON_RT_STOCHASTIC_ROUNDING_EN"
+
+
+def test_stochastic_rounding_variable_is_set_before_the_runtime_starts():
+    env = {}
+    set_stochastic_rounding(False, environ=env)
+    assert env == {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "0"}
+    set_stochastic_rounding(True, environ=env)
+    assert env["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
+    with pytest.raises(ConfigError):
+        set_stochastic_rounding("0", environ=env)
+
+
+def test_stochastic_rounding_change_is_refused_after_the_xla_runtime_started():
+    code = (
+        "import torch, torch_xla\n"
+        "from nxd_smp import ConfigError, neuronx_distributed_config\n"
+        "from nxd_smp.runtime_env import set_stochastic_rounding, xla_runtime_started\n"
+        "assert not xla_runtime_started()  # imported, not started\n"
+        "(torch.ones(2, device=torch_xla.device()) * 2).cpu()\n"
+        "assert xla_runtime_started()\n"
+        "set_stochastic_rounding(True)  # the runtime default: nothing to change\n"
+        "try:\n"
+        "    set_stochastic_rounding(False)\n"
+        "except ConfigError as e:\n"
+        "    assert 'already started' in str(e), e\n"
+        "else:\n"
+        "    raise SystemExit('not refused')\n"
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    # XLA:CPU has no stochastic rounding to turn off: the config warns, not refuses\n"
+        "    neuronx_distributed_config(optimizer_config={'zero_one_enabled': True})\n"
+        "assert any('already started' in str(w.message) for w in caught), caught\n"
+        "print('refused')\n"
+    )
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT)}
+    env.pop("NEURON_RT_STOCHASTIC_ROUNDING_EN", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "refused" in out.stdout, out.stderr[-2000:]
