@@ -336,6 +336,7 @@ def _state_to_save(
     if optimizer is None:
         return state, meta
 
+    optimizer.adopt_param_changes()  # weights changed in place since the last step are the truth
     names = managed_param_names(model, optimizer)
     inner = optimizer.inner_optimizer
     layouts, masters = optimizer.bucket_layouts, optimizer.master_shards

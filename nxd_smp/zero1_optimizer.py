@@ -179,6 +179,14 @@ def _norm_collectives(groups: NormGroupSpec, device: torch.device, pin_layout: b
     return [make_collectives(g, device, pin_layout) for g in groups]
 
 
+def _copy_group_settings(sources: list[dict[str, Any]], targets: list[dict[str, Any]]) -> None:
+    """Every key but ``params`` of each source param group into its target group."""
+    for source, target in zip(sources, targets):
+        for key, value in source.items():
+            if key != "params":
+                target[key] = value
+
+
 class Zero1Optimizer(torch.optim.Optimizer):
     """A ZeRO-1 optimizer with standard mixed precision.
 
@@ -335,7 +343,6 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._cap_numel = None if math.isinf(cap) else max(1, int(cap))
         self._initialized = False
         self._grad_norm: torch.Tensor | None = None
-        self._rebuild_master_pending = False
         if not lazy_init:
             self.init_zero()
 
@@ -360,8 +367,31 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     @property
     def inner_optimizer(self) -> torch.optim.Optimizer:
+        """The ``optimizer_class`` instance over this rank's flat shards."""
         self._require_initialized()
         return self._inner
+
+    @property
+    def base_optimizer(self) -> torch.optim.Optimizer:
+        """``inner_optimizer`` under torch_xla's name for it."""
+        return self.inner_optimizer
+
+    @property
+    def grad_clipping(self) -> bool:
+        return self._grad_clipping
+
+    @property
+    def max_norm(self) -> float:
+        return self._max_norm
+
+    def set_clipping(self, grad_clipping: bool, max_norm: float | None = None) -> None:
+        """Change gradient clipping between steps (``max_norm`` None: keep it); validated
+        as in the constructor."""
+        if not isinstance(grad_clipping, bool):
+            raise ConfigError(f"grad_clipping must be True or False, got {grad_clipping!r}.")
+        if max_norm is not None:
+            self._max_norm = validate_max_norm(max_norm, "max_norm")
+        self._grad_clipping = grad_clipping
 
     @property
     def bucket_layouts(self) -> list[BucketLayout]:
@@ -398,13 +428,40 @@ class Zero1Optimizer(torch.optim.Optimizer):
             for master, saved in zip(self._masters, shards):
                 master.copy_(saved)
             self._publish_params()
-        self._rebuild_master_pending = False
+        self._record_param_versions()
 
-    def rebuild_master_from_params(self) -> None:
-        """Rebuild the master shards from the current parameters now (precision below
-        the parameter dtype is lost)."""
+    def rebuild_master_from_params(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Rebuild the master weights of ``params`` (default: all managed parameters) from
+        their current values now; precision below the parameter dtype is lost.
+
+        ``step()`` does this by itself for parameters changed in place since the optimizer
+        last wrote them (torch counts those writes); call it for writes torch does not
+        count, such as ``param.data.copy_(...)``.
+        """
         self._require_initialized()
-        self._load_masters_from_params()
+        if params is None:
+            indices = list(range(len(self._managed)))
+        else:
+            position = {id(p): i for i, p in enumerate(self._managed)}
+            indices = []
+            for p in params:
+                if id(p) not in position:
+                    raise ValueError(
+                        f"a tensor of shape {tuple(p.shape)} is not managed by this optimizer; "
+                        f"pass parameters it was built with (requires_grad=True)."
+                    )
+                indices.append(position[id(p)])
+        self._rebuild_masters(indices, only_changed_values=False)
+
+    def adopt_param_changes(self) -> None:
+        """Take up parameters changed in place outside the optimizer since it last wrote
+        them (``model.load_state_dict``, a broadcast, ``p.mul_(...)`` under ``no_grad``):
+        their master weights are rebuilt from them, unless their values still equal what
+        the optimizer wrote. ``step()``, ``state_dict()`` and ``save_checkpoint`` call it."""
+        self._require_initialized()
+        changed = self._changed_params()
+        if changed:
+            self._rebuild_masters(changed, only_changed_values=True)
 
     # ------------------------------------------------------------------ dtypes
     def _shard_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
@@ -461,6 +518,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 self._masters.append(master)
         if self._views:
             self._param_ptrs = [p.data_ptr() for p in params]
+        self._record_param_versions()
 
         self._main_grads = (
             MainGradBuffers(params, self._layouts, torch.float32, self._device, contiguous=self._views)
@@ -504,32 +562,91 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 "training or using its state."
             )
 
-    def _check_params_unmoved(self) -> None:
+    def _record_param_versions(self) -> None:
+        """Remember each parameter's in-place version counter: what the optimizer wrote
+        (and only that) is known to equal the master weights."""
+        self._versions = [p._version for p in self._managed]
+
+    def _changed_params(self) -> list[int]:
+        """Managed parameters written in place since ``_record_param_versions``."""
+        changed = []
         for i, p in enumerate(self._managed):
-            if p.data_ptr() != self._param_ptrs[i]:
+            if self._views and p.data_ptr() != self._param_ptrs[i]:
                 raise RuntimeError(
                     f"parameter {i} (shape {tuple(p.shape)}) no longer lives in the "
-                    f"optimizer's flat buffer: it was replaced after the optimizer was built "
-                    f"(model.to(...), load_state_dict(assign=True), or assigning .data). "
-                    f"Build the optimizer after the model has its final device and dtype, "
-                    f"and load weights in place."
+                    f"optimizer's flat buffer: its storage was replaced after the optimizer was "
+                    f"built (model.to(...), load_state_dict(assign=True), or assigning .data). "
+                    f"Build the optimizer after the model has its final device and dtype, and "
+                    f"change weights in place (load_state_dict, copy_), which step() picks up."
                 )
+            if p._version != self._versions[i]:
+                changed.append(i)
+        return changed
+
+    @torch.no_grad()
+    def _rebuild_masters(self, indices: Sequence[int], only_changed_values: bool) -> None:
+        """Master weights of managed parameters ``indices`` from their current values.
+
+        ``only_changed_values``: keep a parameter's master where its values (on this rank's
+        pieces) still equal the master rounded to the parameter dtype, i.e. where the write
+        did not change what the optimizer had written.
+        """
+        wanted = set(indices)
+        for b, layout in enumerate(self._layouts):
+            members = {k for k, index in enumerate(layout.param_indices) if index in wanted}
+            if not members:
+                continue
+            flat = self._flat_params[b]
+            if not self._views:  # the parameters live apart from the flat buffer
+                for k in sorted(members):
+                    start, end = layout.param_range(k)
+                    flat[start:end].copy_(self._managed[layout.param_indices[k]].detach().reshape(-1))
+            if self._masters_alias_params:
+                continue  # the master shard is the parameter buffer itself
+            shard, master = self._comm.shard(flat), self._masters[b]
+            if not only_changed_values and len(members) == len(layout.param_indices):
+                master.copy_(shard)
+                continue
+            for piece in layout.pieces(self.rank):
+                if piece.index not in members:
+                    continue
+                span = slice(piece.shard_start, piece.shard_start + piece.numel)
+                source, target = shard[span], master[span]
+                if only_changed_values:
+                    differs = (source != target.to(source.dtype)).any()
+                    target.copy_(torch.where(differs, source.to(target.dtype), target))
+                else:
+                    target.copy_(source)
+        self._record_param_versions()
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step over every rank's shard; every rank of the group calls it."""
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """One optimizer step over every rank's shard; every rank of the group calls it.
+
+        It consumes the gradients accumulated since the previous step (or
+        ``zero_grad()``): the next backward starts a new accumulation. A callable
+        ``closure`` is evaluated first, under ``enable_grad``, as torch_xla's ZeRO-1 does;
+        ``kwargs`` (and a ``closure`` that is not callable, as torch's
+        ``ZeroRedundancyOptimizer`` passes it on) go to the inner optimizer's ``step``.
+        Parameters changed in place since the last step are taken up first
+        (``adopt_param_changes``).
+        """
         self._require_initialized()
-        loss = None
-        if closure is not None:
+        loss, inner_args = None, {}
+        if closure is not None and callable(closure):
             with torch.enable_grad():
                 loss = closure()
-        if self._views:
-            self._check_params_unmoved()
-        if self._rebuild_master_pending:
-            self._load_masters_from_params()
+        elif closure is not None:
+            inner_args["closure"] = closure
+        inner_args.update(kwargs)
+        self.adopt_param_changes()
+        if self._main_grads is not None:
+            self._take_stray_grads()
         self._sync_hyperparameters()
         grads = self._reduce_gradients()
+        if self._main_grads is not None:
+            self._main_grads.start_new_accumulation()  # consumed: the next backward starts anew
         norm = self._global_norm(grads)
         found_inf = None
         if self._scaler is not None:
@@ -540,15 +657,25 @@ class Zero1Optimizer(torch.optim.Optimizer):
         if self._scaler is not None:
             coef = (1.0 if coef is None else coef) / self._scaler.scale
         shards = [self._comm.shard(flat) for flat in self._flat_params]
-        if self._compiled is not None and self._compiled.step(grads, shards, coef, found_inf):
+        if not inner_args and self._compiled is not None and self._compiled.step(grads, shards, coef, found_inf):
             self._gather_params()  # the compiled pass already cast into the shards
         else:
-            self._inner_step(grads, coef, found_inf)
+            self._inner_step(grads, coef, found_inf, inner_args)
             self._publish_params()
         if self._scaler is not None:
             self._scaler.update(found_inf)
+        self._sync_hyperparameters_back()
+        self._record_param_versions()  # the optimizer's own writes are not changes
         self._grad_norm = norm
         return loss
+
+    def _take_stray_grads(self) -> None:
+        """Fold a ``.grad`` the hooks did not see (computed before the optimizer existed,
+        or set by hand) into the accumulation."""
+        for i, p in enumerate(self._managed):
+            if p.grad is not None:
+                self._main_grads.add(i, p.grad)
+                p.grad = None
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale (unchanged without a loss scaler)."""
@@ -559,14 +686,18 @@ class Zero1Optimizer(torch.optim.Optimizer):
         return self._scaler
 
     def _inner_step(
-        self, grads: list[torch.Tensor], coef: torch.Tensor | float | None, found_inf: torch.Tensor | None
+        self,
+        grads: list[torch.Tensor],
+        coef: torch.Tensor | float | None,
+        found_inf: torch.Tensor | None,
+        inner_args: dict[str, Any],
     ) -> None:
         """The inner optimizer's step on the master shards, with the gradient scaled by
         ``coef``; skipped (state unchanged) where ``found_inf``."""
         if self._fused and not self._sr:
             self._apply_coefficient(grads, coef)
             self._inner.found_inf = None if found_inf is None else found_inf.float()
-            self._run_inner(grads)  # the fused kernels skip and undo ``step`` themselves
+            self._run_inner(grads, inner_args)  # the fused kernels skip and undo ``step`` themselves
             self._inner.found_inf = None
             return
         before = self._snapshot_state() if found_inf is not None else None
@@ -574,16 +705,16 @@ class Zero1Optimizer(torch.optim.Optimizer):
             widened = self._widen_for_sr()
             grads = [g.float() for g in grads]
         self._apply_coefficient(grads, coef)
-        self._run_inner(grads)
+        self._run_inner(grads, inner_args)
         if self._sr:
             self._round_after_sr(widened)
         if before is not None:
             self._restore_where(found_inf, before)
 
-    def _run_inner(self, grads: list[torch.Tensor]) -> None:
+    def _run_inner(self, grads: list[torch.Tensor], inner_args: dict[str, Any]) -> None:
         for master, grad in zip(self._masters, grads):
             master.grad = grad
-        self._inner.step()
+        self._inner.step(**inner_args)
         for master in self._masters:
             master.grad = None
 
@@ -623,10 +754,12 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     def _sync_hyperparameters(self) -> None:
         """The wrapper's param_groups are the truth (LR schedulers act on them)."""
-        for outer, inner in zip(self.param_groups, self._inner.param_groups):
-            for key, value in outer.items():
-                if key != "params":
-                    inner[key] = value
+        _copy_group_settings(self.param_groups, self._inner.param_groups)
+
+    def _sync_hyperparameters_back(self) -> None:
+        """What the inner step added or changed in its param groups shows on the wrapper
+        (torch's and torch_xla's ZeRO do the same)."""
+        _copy_group_settings(self._inner.param_groups, self.param_groups)
 
     def _reduce_gradients(self) -> list[torch.Tensor]:
         """Per bucket, this rank's shard of the summed gradient, in the shard dtype."""
@@ -711,25 +844,14 @@ class Zero1Optimizer(torch.optim.Optimizer):
                     sources.append(flat[start:end].view(self._managed[index].shape))
             torch._foreach_copy_(targets, sources)
 
-    def _load_masters_from_params(self) -> None:
-        """Rebuild the master shards from the current parameters (loses precision)."""
-        with torch.no_grad():
-            if not self._views:
-                for layout, flat in zip(self._layouts, self._flat_params):
-                    for i, index in enumerate(layout.param_indices):
-                        start, end = layout.param_range(i)
-                        flat[start:end].copy_(self._managed[index].detach().reshape(-1))
-            if not self._masters_alias_params:
-                for flat, master in zip(self._flat_params, self._masters):
-                    master.copy_(self._comm.shard(flat))
-        self._rebuild_master_pending = False
-
     # ------------------------------------------------------------------ grads
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the fp32 ``main_grad`` buffers and the parameters' ``.grad``."""
+        """Discard the gradient accumulated since the last step (the fp32 ``main_grad``)
+        and the parameters' ``.grad``. Optional: ``step()`` consumes the accumulation, so
+        the next backward starts a new one whether or not this is called."""
         self._require_initialized()
         if self._main_grads is not None:
-            self._main_grads.zero_()
+            self._main_grads.start_new_accumulation()
         for p in self._managed:
             if p.grad is not None:
                 if set_to_none:
@@ -738,7 +860,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
                     p.grad.detach_().zero_()
 
     def main_grad(self, param: torch.Tensor) -> torch.Tensor:
-        """The fp32 accumulated gradient of ``param`` (a view shaped like it)."""
+        """The fp32 gradient of ``param`` accumulated since the last step, shaped like it
+        (zeros if it got none)."""
         self._require_initialized()
         if self._main_grads is None:
             raise RuntimeError("main_grad exists only with use_fp32_grad_acc=True.")
@@ -764,8 +887,10 @@ class Zero1Optimizer(torch.optim.Optimizer):
         """This rank's state: inner optimizer state over its shards, hyperparameters,
         the layout it was written with, and the master shards if
         ``use_master_weights_in_ckpt``. Load it at the same DP size and rank; to
-        change the DP size use ``nxd_smp.checkpoint``."""
+        change the DP size use ``nxd_smp.checkpoint``. Parameters changed in place since
+        the last step are taken up first, so the master weights match the model."""
         self._require_initialized()
+        self.adopt_param_changes()
         groups = []
         start = 0
         for group in self.param_groups:
@@ -791,10 +916,11 @@ class Zero1Optimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what ``state_dict()`` returned on the same rank at the same DP size.
 
-        Without master weights in it (and master weights on), the masters are rebuilt
-        from the parameters at the next ``step()``, so load the model's weights before
-        that step; precision below the parameter dtype is lost (a warning says so).
-        Everything is checked before anything changes.
+        With master weights in it, the parameters become ``master.to(param dtype)``.
+        Without them, the master weights stay those of the current parameters, and the
+        model's weights loaded before or after this call are taken up at the next
+        ``step()`` (precision below the parameter dtype is lost; a warning says so when
+        the state comes from training). Everything is checked before anything changes.
         """
         self._require_initialized()
         if not isinstance(state_dict, dict) or state_dict.get("format") != "nxd_smp.zero1.rank_local/1":
@@ -836,14 +962,14 @@ class Zero1Optimizer(torch.optim.Optimizer):
                     group[key] = value
         if masters is not None:
             self.load_master_shards(masters)
-        elif self._mp.use_master_weights:
+        elif self._mp.use_master_weights and state_dict["inner"].get("state"):
             warnings.warn(
-                "the optimizer state has no master weights: they will be rebuilt from the "
-                "model's parameters at the next step, so precision below the parameter "
-                "dtype is lost. Save with use_master_weights_in_ckpt=True to keep it.",
+                "the optimizer state has no master weights: those of the parameters you load "
+                "into the model (before or after this call) are rebuilt from them at the next "
+                "step, so precision below the parameter dtype is lost. Save with "
+                "use_master_weights_in_ckpt=True to keep it.",
                 stacklevel=2,
             )
-            self._rebuild_master_pending = True
 
 
 class NeuronZero1Optimizer(Zero1Optimizer):

@@ -85,6 +85,10 @@ class Scenario:
     micro: int = 3
     seed: int = 0
     api: str = "zero1"  # "zero1", "nxd_config" or "neuron"
+    # How the training loop clears gradients between steps: "optimizer" (opt.zero_grad()),
+    # "model" (model.zero_grad(), as the Hugging Face Trainer does) or "none". The math,
+    # and so the oracle, is the same for all three.
+    clear: str = "optimizer"
     bucket_cap_mb: float = 0.0004  # ~100 fp32 elements: several buckets per group
 
     @property

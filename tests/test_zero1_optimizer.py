@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from nxd_smp import ConfigError, MixedPrecisionConfig, NeuronZero1Optimizer, Zero1Optimizer
 from tests.distributed import run_ranks
-from tests.oracle import batch, loss_fn, make_model, param_groups
+from tests.oracle import assert_params_close, batch, loss_fn, make_model, param_groups
 
 
 def backward(model, step=0, micro=2, rank=0):
@@ -233,7 +233,7 @@ def test_state_dict_without_master_weights_rebuilds_them_from_the_loaded_params(
     # Oracle: a fresh optimizer built on the loaded bf16 weights, with the saved states.
     expected_model, expected_opt = _fresh(False, seed=7)
     expected_model.load_state_dict(saved_model)
-    expected_opt._load_masters_from_params()
+    expected_opt.rebuild_master_from_params()
     expected_opt.inner_optimizer.load_state_dict(copy.deepcopy(saved_opt["inner"]))
     train(expected_model, expected_opt, 2, start=3)
 
@@ -333,3 +333,260 @@ def test_process_groups_and_grad_norm_groups_over_two_ranks():
     expected = math.sqrt(r0["split_sq"] + r1["split_sq"] + r0["replicated_sq"])
     assert r0["norm"] == pytest.approx(expected, rel=1e-6)
     assert r1["norm"] == pytest.approx(expected, rel=1e-6)
+
+
+# ---------------------------------------------------------------- gradient lifecycle
+def _sgd(model, **kwargs):
+    return Zero1Optimizer(model.parameters(), torch.optim.SGD, lr=0.1, max_norm=math.inf, **kwargs)
+
+
+def test_a_parameter_without_a_gradient_since_the_last_step_moves_on_zero():
+    torch.manual_seed(0)
+    a = nn.Parameter(torch.randn(8, dtype=torch.bfloat16))
+    b = nn.Parameter(torch.randn(8, dtype=torch.bfloat16))
+    opt = Zero1Optimizer([a, b], torch.optim.SGD, lr=0.5, max_norm=math.inf)
+    (a.float().sum() + b.float().sum()).backward()
+    opt.step()
+    before = b.detach().clone()
+    a.float().pow(2).sum().backward()  # b gets no gradient this step
+    opt.step()
+    assert torch.equal(b, before), "b moved on the previous step's gradient"
+    assert opt.main_grad(b).abs().sum() == 0
+
+
+def test_main_grad_holds_only_the_current_accumulation():
+    model = make_model()
+    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW)
+    backward(model, step=0)
+    opt.step()  # no zero_grad anywhere
+    backward(model, step=1, micro=3)
+    reference = make_model()
+    reference.load_state_dict(model.state_dict())
+    expected = {n: torch.zeros(p.shape) for n, p in reference.named_parameters()}
+    for m in range(3):
+        reference.zero_grad()
+        x, y = batch(0, 0, 1, m)
+        loss_fn(reference, x, y).backward()
+        for n, p in reference.named_parameters():
+            if p.grad is not None:
+                expected[n] += p.grad.float()
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(opt.main_grad(p), expected[n], rtol=0, atol=0)
+
+
+def test_a_gradient_computed_before_the_optimizer_existed_is_used():
+    """torch_xla's own test builds the ZeRO optimizer after backward."""
+    model = make_model()
+    backward(model, micro=1)
+    grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+    expected = {n: p.detach().float() - 0.1 * grads[n] for n, p in model.named_parameters() if n in grads}
+    opt = Zero1Optimizer(model.parameters(), torch.optim.SGD, lr=0.1, max_norm=math.inf)
+    opt.step()
+    assert expected and all(p.grad is None for p in model.parameters())
+    for n, p in model.named_parameters():
+        if n in expected:
+            assert torch.equal(p.detach(), expected[n].bfloat16()), n
+
+
+# ---------------------------------------------------------------- weights changed outside
+def _oracle_step(weights: torch.Tensor, grad: torch.Tensor, lr: float) -> torch.Tensor:
+    master = weights.float().clone().requires_grad_()
+    master.grad = grad.float()
+    torch.optim.AdamW([master], lr=lr).step()
+    return master.detach().bfloat16()
+
+
+def test_weights_loaded_after_the_optimizer_is_built_are_the_truth():
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 16, bias=False).to(torch.bfloat16)
+    opt = Zero1Optimizer(layer.parameters(), torch.optim.AdamW, lr=1e-3)
+    layer.load_state_dict({"weight": torch.full((16, 16), 0.5, dtype=torch.bfloat16)})
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    layer(x).float().pow(2).mean().backward()
+    grad = opt.main_grad(layer.weight).clone()
+    opt.step()
+    expected = _oracle_step(torch.full((16, 16), 0.5), grad, 1e-3)
+    assert torch.equal(layer.weight.detach(), expected)
+    assert abs(float(layer.weight.detach().float().mean()) - 0.5) < 2e-3
+
+
+@pytest.mark.parametrize("change", ["copy_", "mul_", "load_state_dict"])
+def test_exactly_the_changed_parameters_get_new_master_weights(change):
+    model = make_model()
+    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    train(model, opt, 3)
+    masters = [m.clone() for m in opt.master_shards]
+    untouched = {n for n, p in model.named_parameters() if p.requires_grad} - {"lin1.weight"}
+    with torch.no_grad():
+        if change == "copy_":
+            model.lin1.weight.copy_(torch.ones_like(model.lin1.weight))
+        elif change == "mul_":
+            model.lin1.weight.mul_(2)
+        else:
+            model.lin1.load_state_dict({"weight": torch.ones_like(model.lin1.weight), "bias": model.lin1.bias})
+    expected_w = model.lin1.weight.detach().float().reshape(-1).clone()
+    opt.adopt_param_changes()
+    index = {id(p): i for i, p in enumerate(opt.managed_params)}
+    names = dict(model.named_parameters())
+    for layout, old, new in zip(opt.bucket_layouts, masters, opt.master_shards):
+        for k, i in enumerate(layout.param_indices):
+            start, end = layout.param_range(k)
+            name = next(n for n, p in names.items() if index.get(id(p)) == i)
+            if name == "lin1.weight":
+                assert torch.equal(new[start:end], expected_w)
+            else:
+                assert name in untouched and torch.equal(new[start:end], old[start:end]), name
+
+
+def test_rewriting_the_same_values_keeps_the_master_precision():
+    """Only a write that changes values replaces the master: reloading the model's own
+    weights mid-training (a version bump, same values) continues bit for bit."""
+    model, reference = make_model(), make_model()
+    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    ref_opt = Zero1Optimizer(reference.parameters(), torch.optim.AdamW, lr=1e-2)
+    train(model, opt, 3)
+    train(reference, ref_opt, 3)
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+    train(model, opt, 3, start=3)
+    train(reference, ref_opt, 3, start=3)
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_writes_through_data_are_not_counted_by_torch_and_can_be_adopted_explicitly():
+    model = make_model()
+    opt = Zero1Optimizer(model.parameters(), torch.optim.SGD, lr=0.0, max_norm=math.inf)
+    model.lin2.weight.data.fill_(0.25)  # torch's version counter does not see .data writes
+    backward(model)
+    opt.step()  # lr 0: the parameters are just the masters cast back
+    assert not torch.all(model.lin2.weight == 0.25)
+    model.lin2.weight.data.fill_(0.25)
+    opt.rebuild_master_from_params([model.lin2.weight])
+    backward(model)
+    opt.step()
+    assert torch.all(model.lin2.weight == 0.25)
+    with pytest.raises(ValueError, match="not managed"):
+        opt.rebuild_master_from_params([model.frozen])
+
+
+def test_a_state_dict_taken_after_a_load_holds_the_loaded_weights():
+    model = make_model()
+    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW,
+                         mixed_precision=MixedPrecisionConfig(use_master_weights_in_ckpt=True))
+    with torch.no_grad():
+        model.lin1.weight.fill_(0.75)
+    saved = opt.state_dict()
+    fresh = make_model(3)
+    fresh_opt = Zero1Optimizer(fresh.parameters(), torch.optim.AdamW,
+                               mixed_precision=MixedPrecisionConfig(use_master_weights_in_ckpt=True))
+    fresh_opt.load_state_dict(saved)
+    assert torch.all(fresh.lin1.weight == 0.75)
+
+
+def _ddp_broadcast_worker(rank: int, world_size: int) -> dict:
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = make_model(seed=rank)  # ranks start different, as before DDP's broadcast
+    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    ddp = DistributedDataParallel(model)  # broadcasts rank 0's weights in place
+    del ddp
+    gc.collect()
+    after_broadcast = snapshot(model)
+    backward(model, rank=rank)
+    opt.step()
+    return after_broadcast, snapshot(model)
+
+
+def test_ddps_broadcast_after_the_optimizer_is_built_is_taken_up():
+    (b0, r0), (b1, r1) = run_ranks(2, _ddp_broadcast_worker)
+    reference = make_model(seed=0)
+    assert all(torch.equal(b1[n], p) for n, p in snapshot(reference).items())  # rank 0's weights
+    opt = Zero1Optimizer(reference.parameters(), torch.optim.AdamW, lr=1e-3)
+    for rank in range(2):
+        backward(reference, rank=rank)
+    opt.step()  # one rank summing both ranks' gradients: AdamW is scale invariant
+    for name, value in r0.items():
+        assert torch.equal(value, r1[name]), name
+    assert_params_close(r0, snapshot(reference), max_ulp=1, max_flip_fraction=0.05)
+
+
+# ---------------------------------------------------------------- peers' call shapes
+class _SGDWithStepKWArg(torch.optim.SGD):
+    def step(self, closure=None, kwarg=None):
+        super().step()
+        kwarg.append(5)
+
+
+class _SGDWithNewKey(torch.optim.SGD):
+    def step(self, closure=None):
+        super().step()
+        self.param_groups[0]["new_key"] = 0.1
+
+
+def test_step_passes_keyword_arguments_to_the_inner_step():
+    x = torch.tensor([1.0], requires_grad=True)
+    opt = Zero1Optimizer([x], _SGDWithStepKWArg, lr=0.1, max_norm=math.inf)
+    x.backward()
+    kwarg = []
+    opt.step(0, kwarg=kwarg)  # torch's ZeroRedundancyOptimizer test passes closure=0 on
+    assert kwarg == [5]
+    assert x.item() == pytest.approx(0.9)
+
+
+def test_a_key_the_inner_optimizer_adds_shows_on_the_wrapper():
+    x = torch.tensor([1.0], requires_grad=True)
+    opt = Zero1Optimizer([x], _SGDWithNewKey, lr=0.1)
+    x.backward()
+    opt.step()
+    assert opt.param_groups[0]["new_key"] == 0.1
+    assert x.item() == pytest.approx(0.9, rel=1e-6)
+
+
+def test_a_callable_closure_is_evaluated_before_the_gradients_are_reduced():
+    model = make_model()
+    opt = Zero1Optimizer(model.parameters(), torch.optim.SGD, lr=0.1, max_norm=math.inf)
+    reference = make_model()
+    ref_opt = Zero1Optimizer(reference.parameters(), torch.optim.SGD, lr=0.1, max_norm=math.inf)
+    x, y = batch(0, 0, 0, 0)
+
+    def closure():
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    loss_fn(reference, x, y).backward()
+    ref_opt.step()
+    assert loss.requires_grad or loss.grad_fn is not None
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def test_base_optimizer_is_the_inner_optimizer():
+    opt = Zero1Optimizer(make_model().parameters(), torch.optim.AdamW)
+    assert opt.base_optimizer is opt.inner_optimizer
+    assert isinstance(opt.base_optimizer, torch.optim.AdamW)
+
+
+def test_zero1_state_equals_the_plain_optimizers_after_a_step():
+    """torch_xla's test_zero1: the sharded state is the plain optimizer's state."""
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 32)
+    plain_layer = nn.Linear(32, 32)
+    plain_layer.load_state_dict(layer.state_dict())
+    for m in (layer, plain_layer):
+        m(torch.ones(32, 32)).sum().backward()
+    opt = Zero1Optimizer(layer.parameters(), torch.optim.SGD, lr=0.01, momentum=0.9, grad_clipping=False)
+    plain = torch.optim.SGD(plain_layer.parameters(), lr=0.01, momentum=0.9)
+    opt.step()
+    plain.step()
+    (shard,) = opt.master_shards
+    buffer = opt.inner_optimizer.state[shard]["momentum_buffer"]
+    (layout,) = opt.bucket_layouts
+    for k, p in enumerate(plain_layer.parameters()):
+        start, end = layout.param_range(k)
+        torch.testing.assert_close(buffer[start:end], plain.state[p]["momentum_buffer"].reshape(-1))
+    for a, b in zip(layer.parameters(), plain_layer.parameters()):
+        torch.testing.assert_close(a, b)

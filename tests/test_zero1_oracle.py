@@ -36,6 +36,11 @@ SCENARIOS = [
     Scenario("sgd_neuron_api", "SGD", SGD, lr_a=0.05, lr_b=0.02, api="neuron", max_norm=0.1),
     Scenario("sgd_master_bf16_accumulation", "SGD", SGD, lr_a=0.05, lr_b=0.02, fp32_acc=False),
     Scenario("sgd_bf16_wire", "SGD", SGD, lr_a=0.05, lr_b=0.02, wire=torch.bfloat16),
+    # The gradient lifecycle: step() consumes the accumulation, whatever the loop clears.
+    Scenario("adamw_loop_calls_model_zero_grad", "AdamW", clear="model"),
+    Scenario("sgd_loop_clears_nothing", "SGD", SGD, lr_a=0.05, lr_b=0.02, max_norm=0.05, clear="none"),
+    Scenario("neuron_api_loop_calls_model_zero_grad", "SGD", SGD, lr_a=0.05, lr_b=0.02, api="neuron",
+             max_norm=0.1, clear="model"),
 ]
 LEGACY_LIKE = {"adamw_legacy", "sgd_master_bf16_accumulation", "sgd_bf16_wire"}
 
@@ -91,7 +96,10 @@ def train(rank: int, world_size: int, scenarios: list[Scenario]) -> dict:
                 loss_fn(model, x, y).backward()
             opt.step()
             norms.append(opt.grad_norm.clone())
-            opt.zero_grad()
+            if s.clear == "optimizer":
+                opt.zero_grad()
+            elif s.clear == "model":
+                model.zero_grad()
         out[s.name] = ({n: p.detach().clone() for n, p in model.named_parameters()}, [float(n) for n in norms])
     return out
 
