@@ -33,27 +33,48 @@ def _adamw_and_cast(
     scalars: torch.Tensor,
     decoupled: bool,
 ) -> None:
-    """torch.optim.Adam(W)'s single-tensor update of ``param`` in place, then
-    ``out.copy_(param)``. ``scalars`` = [grad_coef, lr, beta1, beta2, weight_decay, eps,
-    bias_correction1, sqrt(bias_correction2), skip] as one fp32 tensor, so a changing
-    learning rate does not recompile; ``skip`` = 1 leaves everything as it was (an
+    """torch.optim.Adam(W)'s update of ``param`` in place, then ``out.copy_(param)``.
+
+    ``scalars`` (one fp32 tensor, so a changing learning rate does not recompile) holds
+    what ``_scalars`` derives on the host in double, each rounded once to fp32 as torch's
+    fused CPU kernel does: [grad_coef, decay (AdamW: 1 - lr * wd; Adam: wd), 1 - beta1,
+    beta2, 1 - beta2, sqrt(bias_correction2), eps, -lr / bias_correction1, skip]. The
+    arithmetic follows that kernel's order; ``skip`` = 1 leaves everything as it was (an
     overflow under loss scaling)."""
-    coef, lr, beta1, beta2, weight_decay, eps, bc1, bc2_sqrt, skip = scalars.unbind()
+    coef, decay, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size, skip = scalars.unbind()
     keep = skip > 0
     grad = grad * coef
     if decoupled:
-        new_param = param * (1 - lr * weight_decay)
+        new_param = param * decay
     else:
         new_param = param
-        grad = grad + param * weight_decay
-    new_avg = exp_avg.lerp(grad, 1 - beta1)
-    new_avg_sq = exp_avg_sq * beta2 + grad * grad * (1 - beta2)
+        grad = grad + param * decay
+    new_avg = exp_avg.lerp(grad, one_minus_beta1)
+    new_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * grad * grad
     denom = new_avg_sq.sqrt() / bc2_sqrt + eps
-    new_param = new_param - (lr / bc1) * new_avg / denom
+    new_param = new_param + neg_step_size * new_avg / denom
     exp_avg.copy_(torch.where(keep, exp_avg, new_avg))
     exp_avg_sq.copy_(torch.where(keep, exp_avg_sq, new_avg_sq))
     param.copy_(torch.where(keep, param, new_param))
     out.copy_(param)
+
+
+def _scalars(group: dict[str, Any], step: float, decoupled: bool) -> list[float]:
+    """The kernel's constants for one param group at ``step``, in double (Python floats):
+    ``1 - beta2`` in fp32 would be off by 1.3e-5 relative for beta2 = 0.999."""
+    beta1, beta2 = (float(b) for b in group["betas"])
+    lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
+    return [
+        1.0,
+        1.0 - lr * weight_decay if decoupled else weight_decay,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        math.sqrt(1.0 - beta2**step),
+        float(group["eps"]),
+        -lr / (1.0 - beta1**step),
+        0.0,
+    ]
 
 
 _compiled = None
@@ -105,18 +126,13 @@ class CompiledAdamW:
         kernel = _kernel()
         index = 0
         for group in self.optimizer.param_groups:
-            beta1, beta2 = group["betas"]
             decoupled = bool(group.get("decoupled_weight_decay", type(self.optimizer) is torch.optim.AdamW))
             for shard in group["params"]:
                 grad, out = grads[index], outs[index]
                 index += 1
                 state = self._state(shard)
                 step = float(state["step"]) + 1  # a CPU tensor: no device sync
-                scalars = torch.tensor(
-                    [1.0, group["lr"], beta1, beta2, group["weight_decay"], group["eps"],
-                     1 - beta1**step, math.sqrt(1 - beta2**step), 0.0],
-                    dtype=torch.float32,
-                )
+                scalars = torch.tensor(_scalars(group, step, decoupled), dtype=torch.float32)
                 if coef is not None:
                     scalars[0] = coef
                 if found_inf is not None:
