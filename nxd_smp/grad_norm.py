@@ -1,18 +1,44 @@
 """The global gradient norm and the clip coefficient, as tensors (no host sync).
 
-``sum_of_squares`` is the local part: fp32, accurate on CPU. ``clip_coefficient`` turns a
-norm into the factor ``min(1, max_norm / (norm + 1e-6))`` that torch, NxD and torch_xla
-apply. How the local parts are added up over data-, tensor- and pipeline-parallel groups
-is the optimizer's business.
+* ``norm_role``: how a parameter counts in the model-wide norm under model parallelism:
+  ``"replicated"`` (the same on every tensor-parallel rank: counted once), ``"split"``
+  (``tensor_model_parallel=True``: each rank holds a part, the parts add up) or
+  ``"shared"`` (``shared=True`` under pipeline parallelism, NxD's mark for the copy of a
+  tied weight that another stage already counts: not counted here);
+* ``sum_of_squares``: the local part, fp32, accurate on CPU;
+* ``global_norm``: the local parts added up over the tensor-, data- and pipeline-parallel
+  groups, so every rank ends with the same norm of the whole model;
+* ``clip_coefficient``: ``min(1, max_norm / (norm + 1e-6))``, as torch, NxD and torch_xla.
+
+The groups are passed in as objects with an in-place ``all_reduce_`` (sum), such as
+``nxd_smp.collectives.Collectives``; nothing here picks a backend.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-__all__ = ["sum_of_squares", "clip_coefficient"]
+__all__ = ["NORM_ROLES", "norm_role", "sum_of_squares", "global_norm", "clip_coefficient"]
+
+#: How a parameter counts in the global norm; see ``norm_role``.
+NORM_ROLES = ("replicated", "split", "shared")
+
+
+class _AllReduce(Protocol):
+    def all_reduce_(self, tensor: torch.Tensor) -> None: ...
+
+
+def norm_role(param: torch.Tensor, pipeline_parallel: bool) -> str:
+    """``"shared"`` for a parameter NxD marks ``shared=True`` when the norm spans pipeline
+    stages (another stage holds and counts the same weight), ``"split"`` for one marked
+    ``tensor_model_parallel=True``, else ``"replicated"``."""
+    if pipeline_parallel and getattr(param, "shared", False):
+        return "shared"
+    return "split" if getattr(param, "tensor_model_parallel", False) else "replicated"
 
 # torch's CPU norm kernel accumulates each thread's share in one fp32 running sum: at
 # 20M elements its relative error is ~1e-3. Norms of 256K-element pieces are ~1e-6
@@ -28,6 +54,35 @@ def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.T
     if device.type == "cpu":
         tensors = [piece for t in tensors for piece in t.reshape(-1).split(_CPU_NORM_PIECE)]
     return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
+
+
+def global_norm(
+    replicated_sq: torch.Tensor,
+    split_sq: torch.Tensor | None = None,
+    *,
+    tensor_parallel: Sequence[_AllReduce] = (),
+    data_parallel: _AllReduce | None = None,
+    pipeline_parallel: Sequence[_AllReduce] = (),
+) -> torch.Tensor:
+    """The model-wide L2 norm from this rank's sums of squares (0-dim fp32 tensors) of its
+    ``replicated`` and ``split`` parameters (``shared`` ones are left out by the caller).
+
+    ``split_sq`` is added up over ``tensor_parallel``; ``replicated_sq`` is counted once
+    (every tensor-parallel rank holds the same); then the total is added up over
+    ``data_parallel`` (the ZeRO shards) and ``pipeline_parallel`` (the stages, which hold
+    different parameters).
+    """
+    total = replicated_sq.reshape(1)
+    if split_sq is not None:
+        split = split_sq.reshape(1).clone()
+        for group in tensor_parallel:
+            group.all_reduce_(split)
+        total = total + split
+    if data_parallel is not None:
+        data_parallel.all_reduce_(total)
+    for group in pipeline_parallel:
+        group.all_reduce_(total)
+    return total.sqrt().reshape(())
 
 
 def clip_coefficient(norm: torch.Tensor, grad_clipping: bool, max_norm: float) -> torch.Tensor | None:

@@ -22,6 +22,7 @@ import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
@@ -257,17 +258,74 @@ def cast_model(model: nn.Module, dtype: torch.dtype | str) -> nn.Module:
 
 
 class NaiveAMPModel(nn.Module):
-    """A model run in ``dtype``: floating inputs are cast to ``dtype`` on the way in, and
-    outputs to fp32 on the way out when ``output_to_fp32`` (InternEvo's ``NaiveAMPModel``).
-    The wrapped model is cast with ``cast_model`` (fp32-marked modules stay fp32)."""
+    """InternEvo's ``NaiveAMPModel``: ``model`` run in ``dtype``.
 
-    def __init__(self, model: nn.Module, *, output_to_fp32: bool = True, dtype: torch.dtype | str = torch.bfloat16):
+    The wrapped model is cast with ``cast_model`` (modules marked with
+    ``set_fp32_attr_to_module`` stay fp32); floating inputs are cast to ``dtype`` on the way
+    in, outputs to fp32 on the way out when ``output_to_fp32``. With ``sync_buffer`` the
+    module's buffers (BatchNorm statistics, ...) are broadcast from the first rank of the
+    data-parallel group before each forward in training mode and before the first forward
+    after ``eval()``, so every rank computes with the same ones.
+
+    Args:
+        model: the module to wrap (cast in place).
+        output_to_fp32: cast floating outputs to fp32.
+        parallel_mode: the data-parallel ``torch.distributed`` process group (InternEvo
+            passes a ``ParallelMode``; here a process group stands for it). None: the
+            default group when torch.distributed is initialised, else no synchronisation.
+        sync_buffer: broadcast the buffers as above.
+        dtype: bf16 (default), fp16, fp32, or a name ``parse_dtype`` accepts.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        output_to_fp32: bool = True,
+        parallel_mode: dist.ProcessGroup | None = None,
+        sync_buffer: bool = True,
+        dtype: torch.dtype | str = torch.bfloat16,
+    ):
         super().__init__()
+        for name, value in (("output_to_fp32", output_to_fp32), ("sync_buffer", sync_buffer)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} must be True or False, got {value!r}.")
+        if parallel_mode is not None and not isinstance(parallel_mode, dist.ProcessGroup):
+            raise TypeError(
+                f"parallel_mode must be a torch.distributed ProcessGroup (the data-parallel group) "
+                f"or None, got {type(parallel_mode).__name__}."
+            )
         self.dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
-        self.output_to_fp32 = bool(output_to_fp32)
+        self.output_to_fp32 = output_to_fp32
         self.model = cast_model(model, self.dtype)
+        distributed = dist.is_available() and dist.is_initialized()
+        self._group = parallel_mode
+        self._sync_buf = sync_buffer and distributed and dist.get_world_size(parallel_mode) > 1
+        self._first_eval_run = False
+
+    @property
+    def sync_buffer(self) -> bool:
+        """Whether buffers are broadcast before forward (False without a group of 2+ ranks)."""
+        return self._sync_buf
+
+    @sync_buffer.setter
+    def sync_buffer(self, state: bool) -> None:
+        self._sync_buf = bool(state)
+
+    def train(self, mode: bool = True) -> "NaiveAMPModel":
+        super().train(mode)
+        self._first_eval_run = not mode
+        return self
+
+    @torch.no_grad()
+    def _broadcast_buffers(self) -> None:
+        src = dist.get_global_rank(self._group, 0) if self._group is not None else 0
+        for buffer in self.model.buffers():
+            dist.broadcast(buffer, src=src, group=self._group)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sync_buf and (self.training or self._first_eval_run):
+            self._broadcast_buffers()
+            self._first_eval_run = False
         out = self.model(*_cast_floats(args, self.dtype), **_cast_floats(kwargs, self.dtype))
         return _cast_floats(out, _F32) if self.output_to_fp32 else out
 

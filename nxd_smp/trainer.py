@@ -8,15 +8,16 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
-from .grad_norm import clip_coefficient, sum_of_squares
+from .grad_norm import NORM_ROLES, clip_coefficient, global_norm, norm_role, sum_of_squares
 from .mixed_precision_config import ConfigError, MixedPrecisionConfig, OptimizerConfig, validate_max_norm
 from .runtime_env import check_no_xla_downcast, set_stochastic_rounding
-from .zero1_optimizer import GroupSpec, NormGroupSpec, Zero1Optimizer, check_optimizer_class
+from .zero1_optimizer import GroupSpec, NormGroupSpec, Zero1Optimizer, check_optimizer_class, norm_collectives
 
 __all__ = [
     "neuronx_distributed_config",
@@ -25,74 +26,116 @@ __all__ = [
     "ClippedOptimizer",
 ]
 
-# NxD's ``neuronx_distributed_config`` keyword arguments other than the two configs we
-# interpret, with NxD's defaults. They are recorded as given so an NxD script's call works.
-_NXD_OTHER_DEFAULTS: dict[str, Any] = {
-    "tensor_parallel_size": 1,
-    "pipeline_parallel_size": 1,
-    "context_parallel_size": 1,
-    "expert_parallel_size": 1,
-    "pipeline_config": None,
-    "activation_checkpoint_config": None,
-    "pad_model": False,
-    "sequence_parallel": False,
-    "model_init_config": None,
-    "lora_config": None,
-}
 _PARALLEL_SIZE_KEYS = (
     "tensor_parallel_size",
     "pipeline_parallel_size",
-    "context_parallel_size",
     "expert_parallel_size",
+    "context_parallel_size",
 )
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive int, got {value!r}.")
+    return value
+
+
+def _optional_dict(name: str, value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{name} must be a dict or None, got {type(value).__name__}.")
+    return dict(value)
+
+
 def neuronx_distributed_config(
-    *,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    pipeline_config: Mapping[str, Any] | None = None,
     optimizer_config: Mapping[str, Any] | None = None,
+    activation_checkpoint_config: Any = None,
+    pad_model: bool = False,
+    sequence_parallel: bool = False,
+    model_init_config: Mapping[str, Any] | None = None,
+    lora_config: Any = None,
     mixed_precision_config: Mapping[str, Any] | None = None,
-    **nxd_kwargs: Any,
+    sequential_move_factor: int = 11,
+    lnc_size: int = 1,
+    **unknown: Any,
 ) -> dict[str, Any]:
-    """Build the NxD-shaped config dict, validated, without mutating the inputs.
+    """NxD 2.29's ``neuronx_distributed_config``: the same arguments, in the same order, and
+    the same dict back, validated and built without mutating the inputs.
 
     ``optimizer_config`` and ``mixed_precision_config`` are filled with NxD's defaults
-    (the mixed precision flags follow ``zero_one_enabled``) and checked. NxD's other
-    keyword arguments (``tensor_parallel_size``, ``pipeline_parallel_size``, ...) are
-    recorded as given, with NxD's defaults for the ones left out; nxd_smp does not set
-    up model parallelism itself. With master weights on, it sets
-    ``NEURON_RT_STOCHASTIC_ROUNDING_EN=0``, so call it before the first use of the
-    device: once a Neuron runtime has started with stochastic rounding on, it refuses (on
-    other XLA devices, which have no such rounding, it only warns).
+    (the mixed precision flags follow ``zero_one_enabled``) and checked; they are what
+    nxd_smp interprets. ``model_init_config`` is filled as NxD fills it
+    (``sequential_move_factor``, ``meta_device_init=False``, ``param_init_fn=None``). The
+    rest (parallel sizes, ``pipeline_config``, ``lora_config``, ``lnc_size`` for Trn2, ...)
+    is checked for type and recorded; nxd_smp does not set up model parallelism itself.
+    With master weights on it sets ``NEURON_RT_STOCHASTIC_ROUNDING_EN=0``, so call it before
+    the first use of the device: once a Neuron runtime has started with stochastic rounding
+    on, it refuses (on other XLA devices, which have no such rounding, it only warns).
 
     Returns:
-        A new plain dict: ``{"optimizer_config": {...}, "mixed_precision_config": {...},
-        "tensor_parallel_size": 1, ...}``.
+        A new plain dict with NxD's keys: the four parallel sizes, ``pipeline_config``,
+        ``optimizer_config``, ``activation_checkpoint_config``, ``pad_model``,
+        ``sequence_parallel``, ``model_init_config``, ``lora_config``,
+        ``mixed_precision_config`` and ``lnc_size``.
 
     Raises:
-        ConfigError: for every rule in DESIGN.md section 4.
+        ConfigError: an unknown argument (a typo NxD would reject too) or any rule of
+            DESIGN.md section 4, naming the field.
     """
-    unknown = sorted(k for k in nxd_kwargs if k not in _NXD_OTHER_DEFAULTS)
     if unknown:
         raise ConfigError(
-            f"neuronx_distributed_config got unknown argument(s) {unknown}; the accepted "
-            f"ones are optimizer_config, mixed_precision_config and "
-            f"{sorted(_NXD_OTHER_DEFAULTS)}."
+            f"neuronx_distributed_config got unknown argument(s) {sorted(unknown)}; NxD 2.29's "
+            f"arguments are {list(inspect.signature(neuronx_distributed_config).parameters)[:-1]}."
         )
-    for key in _PARALLEL_SIZE_KEYS:
-        value = nxd_kwargs.get(key, 1)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{key} must be a positive int, got {value!r}.")
+    sizes = {
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
+        "expert_parallel_size": expert_parallel_size,
+        "context_parallel_size": context_parallel_size,
+    }
+    for name, value in sizes.items():
+        _positive_int(name, value)
+    _positive_int("lnc_size", lnc_size)
+    _positive_int("sequential_move_factor", sequential_move_factor)
+    for name, value in (("pad_model", pad_model), ("sequence_parallel", sequence_parallel)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be True or False, got {value!r}.")
+    init = _optional_dict("model_init_config", model_init_config)
+    if init is None:
+        init = {"sequential_move_factor": sequential_move_factor, "meta_device_init": False, "param_init_fn": None}
+    else:
+        init.setdefault("sequential_move_factor", sequential_move_factor)
+        init.setdefault("meta_device_init", False)
+        if init["meta_device_init"] and init.get("param_init_fn") is None:
+            raise ConfigError(
+                "model_init_config['param_init_fn'] must be given when meta_device_init is True "
+                "(the parameters are created on the meta device and need it to be initialised)."
+            )
 
     opt = OptimizerConfig.from_dict(optimizer_config)
-    mp = MixedPrecisionConfig.from_dict(
-        mixed_precision_config, zero_one_enabled=opt.zero_one_enabled
-    )
+    mp = MixedPrecisionConfig.from_dict(mixed_precision_config, zero_one_enabled=opt.zero_one_enabled)
     if mp.use_master_weights:
         check_no_xla_downcast()
         # SMP: the Neuron runtime must round to nearest. It reads this once at start-up.
         set_stochastic_rounding(False, strict=False)
-    config: dict[str, Any] = {**_NXD_OTHER_DEFAULTS, **nxd_kwargs}
-    config["optimizer_config"] = opt.to_dict()
-    config["mixed_precision_config"] = mp.to_dict()
-    return config
+    return {
+        **sizes,
+        "pipeline_config": _optional_dict("pipeline_config", pipeline_config),
+        "optimizer_config": opt.to_dict(),
+        "activation_checkpoint_config": activation_checkpoint_config,
+        "pad_model": pad_model,
+        "sequence_parallel": sequence_parallel,
+        "model_init_config": init,
+        "lora_config": lora_config,
+        "mixed_precision_config": mp.to_dict(),
+        "lnc_size": lnc_size,
+    }
 
 
 def configs_from_nxd_dict(nxd_config: Mapping[str, Any]) -> tuple[OptimizerConfig, MixedPrecisionConfig]:
@@ -119,11 +162,20 @@ class ClippedOptimizer(torch.optim.Optimizer):
     What ``initialize_parallel_optimizer`` returns with ZeRO-1 off: it shares
     ``param_groups`` and ``state`` with the inner optimizer, so LR schedulers and
     checkpoints see the inner optimizer's. ``grad_norm`` is the fp32 norm of the last
-    step before clipping. Gradients are not averaged over data-parallel ranks here
-    (that is DDP's job when ZeRO-1 is off).
+    step before clipping, over the whole model when ``grad_norm_groups`` (tensor parallel)
+    and ``pipeline_groups`` are given as in ``Zero1Optimizer``. Gradients are not averaged
+    over data-parallel ranks here (that is DDP's job when ZeRO-1 is off).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, grad_clipping: bool = True, max_norm: float = 1.0):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        grad_clipping: bool = True,
+        max_norm: float = 1.0,
+        grad_norm_groups: NormGroupSpec = None,
+        pipeline_groups: NormGroupSpec = None,
+    ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         if not isinstance(grad_clipping, bool):
@@ -134,24 +186,38 @@ class ClippedOptimizer(torch.optim.Optimizer):
         self._grad_norm: torch.Tensor | None = None
         super().__init__(optimizer.param_groups, optimizer.defaults)  # shares the group dicts
         self.state = optimizer.state
+        params = [p for g in self.param_groups for p in g["params"]]
+        device = params[0].device if params else torch.device("cpu")
+        self._norm_comms = norm_collectives(grad_norm_groups, device)
+        self._pipeline_comms = norm_collectives(pipeline_groups, device)
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
         return self._grad_norm
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        by_role: dict[str, list[torch.Tensor]] = {role: [] for role in NORM_ROLES}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_role[norm_role(p, pipeline_parallel=bool(self._pipeline_comms))].append(p.grad)
+        grads = [g for role in NORM_ROLES for g in by_role[role]]
         device = grads[0].device if grads else torch.device("cpu")
-        norm = sum_of_squares(grads, device).sqrt()
+        norm = global_norm(
+            sum_of_squares(by_role["replicated"], device),
+            sum_of_squares(by_role["split"], device) if by_role["split"] else None,
+            tensor_parallel=self._norm_comms,
+            pipeline_parallel=self._pipeline_comms,
+        )
         coef = clip_coefficient(norm, self._grad_clipping, self._max_norm)
         if grads and coef is not None:
             torch._foreach_mul_(grads, coef.to(grads[0].device))
-        self.optimizer.step()
+        self.optimizer.step(**kwargs)
         self._grad_norm = norm
         return loss
 
@@ -166,34 +232,44 @@ class ClippedOptimizer(torch.optim.Optimizer):
 
 
 def initialize_parallel_optimizer(
-    nxd_config: dict[str, Any],
+    nxd_config: Mapping[str, Any],
     optimizer_class: type[torch.optim.Optimizer],
     parameters: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
     *,
     process_group: GroupSpec = None,
     grad_norm_groups: NormGroupSpec = None,
+    pipeline_groups: NormGroupSpec = None,
     **defaults: Any,
 ) -> torch.optim.Optimizer:
-    """Build the optimizer an NxD config asks for.
+    """Build the optimizer an NxD config asks for (NxD's ``initialize_parallel_optimizer``).
 
     ZeRO-1 on: a ``Zero1Optimizer`` with the config's mixed precision, clipping and
     ``max_grad_norm`` (which NxD drops; we pass it). ZeRO-1 off: a ``ClippedOptimizer``
-    over ``optimizer_class(parameters, **defaults)``. ``process_group`` is the
-    data-parallel group (default: all ranks); with tensor or pipeline parallelism in the
-    config it must be given, since nxd_smp does not own model-parallel state.
+    over ``optimizer_class(parameters, **defaults)``. nxd_smp does not own model-parallel
+    state, so the groups NxD takes from its parallel state are arguments here:
+    ``process_group`` (data parallel; default all ranks), ``grad_norm_groups`` (tensor
+    parallel) and ``pipeline_groups``. A config with tensor or pipeline parallelism needs
+    the matching groups, or the clipped norm would cover part of the model only.
+
+    Raises:
+        ConfigError: the config breaks a rule, or a group the config needs is missing.
     """
     opt_cfg, mp_cfg = configs_from_nxd_dict(nxd_config)
+    sizes = {k: nxd_config.get(k, 1) for k in _PARALLEL_SIZE_KEYS}
+    needed = []
+    if sizes["tensor_parallel_size"] > 1 and grad_norm_groups is None:
+        needed.append(f"grad_norm_groups=<the tensor-parallel groups> (tensor_parallel_size={sizes['tensor_parallel_size']})")
+    if sizes["pipeline_parallel_size"] > 1 and pipeline_groups is None:
+        needed.append(f"pipeline_groups=<the pipeline-parallel groups> (pipeline_parallel_size={sizes['pipeline_parallel_size']})")
+    model_parallel = any(sizes[k] > 1 for k in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"))
+    if opt_cfg.zero_one_enabled and model_parallel and process_group is None:
+        needed.append("process_group=<this rank's data-parallel group>")
+    if needed:
+        raise ConfigError(
+            "the config has model parallelism, which nxd_smp does not set up; pass "
+            + "; ".join(needed) + ", so that sharding and the clipped norm cover the whole model."
+        )
     if opt_cfg.zero_one_enabled:
-        model_parallel = {
-            k: nxd_config.get(k, 1)
-            for k in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size")
-        }
-        if any(v != 1 for v in model_parallel.values()) and process_group is None:
-            raise ConfigError(
-                f"the config has model parallelism {model_parallel}; pass the data-parallel "
-                f"group as process_group=... (and the tensor-parallel groups as "
-                f"grad_norm_groups=...), since nxd_smp does not set up model parallelism."
-            )
         return Zero1Optimizer(
             parameters,
             optimizer_class,
@@ -202,6 +278,7 @@ def initialize_parallel_optimizer(
             max_norm=opt_cfg.max_grad_norm,
             process_group=process_group,
             grad_norm_groups=grad_norm_groups,
+            pipeline_groups=pipeline_groups,
             **defaults,
         )
     check_optimizer_class(optimizer_class, sharded=False)
@@ -209,4 +286,6 @@ def initialize_parallel_optimizer(
         optimizer_class(parameters, **defaults),
         grad_clipping=opt_cfg.grad_clipping,
         max_norm=opt_cfg.max_grad_norm,
+        grad_norm_groups=grad_norm_groups,
+        pipeline_groups=pipeline_groups,
     )

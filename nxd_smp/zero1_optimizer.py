@@ -7,7 +7,8 @@ optimizer's states. One ``step()``:
 
 1. per bucket, reduce-scatter the accumulated gradient (a sum; the 1/world_size of the
    mean is folded into step 3),
-2. the global gradient norm in fp32 (shards, then ``grad_norm_groups``, then DP),
+2. the global gradient norm in fp32 (shards, then ``grad_norm_groups``, DP and
+   ``pipeline_groups``),
 3. scale the shard gradients by ``min(1, max_norm / (norm + 1e-6)) / world_size``,
 4. the inner optimizer's step on the master shards,
 5. cast each shard to the parameter dtype and all-gather it into the parameters.
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from .collectives import Collectives, is_replica_groups, make_collectives
 from .fused_adamw import CompiledAdamW, applies_to
 from .grad_accum import MainGradBuffers, flatten_grads
-from .grad_norm import clip_coefficient, sum_of_squares
+from .grad_norm import clip_coefficient, global_norm, norm_role, sum_of_squares
 from .layout import BucketLayout, plan_buckets
 from .loss_scaler import DynamicLossScaler
 from .mixed_precision_config import ConfigError, MixedPrecisionConfig, validate_max_norm
@@ -55,9 +56,6 @@ SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Inner optimizers whose update of an element depends on other elements (factored or
 # orthogonalised updates, line searches, sparse gradients): sharding changes their result.
 _NOT_ELEMENTWISE = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
-
-# Parameter attribute NxD sets on tensor-parallel-split parameters.
-_TP_SPLIT_ATTRIBUTE = "tensor_model_parallel"
 
 GroupSpec = dist.ProcessGroup | Sequence[Sequence[int]] | None
 NormGroupSpec = dist.ProcessGroup | Sequence[dist.ProcessGroup] | Sequence[Sequence[int]] | None
@@ -171,7 +169,9 @@ def _auto_fuse(
     return {**defaults, "fused": True}
 
 
-def _norm_collectives(groups: NormGroupSpec, device: torch.device, pin_layout: bool) -> list[Collectives]:
+def norm_collectives(groups: NormGroupSpec, device: torch.device, pin_layout: bool = True) -> list[Collectives]:
+    """The collectives of a norm group spec: None, one process group or replica-group
+    list, or a list of process groups."""
     if groups is None:
         return []
     if isinstance(groups, dist.ProcessGroup) or is_replica_groups(groups):
@@ -208,10 +208,14 @@ class Zero1Optimizer(torch.optim.Optimizer):
             accumulation, else the parameter dtype).
         bucket_cap_mb: largest bucket in MiB of fp32 elements; ``0`` puts each parameter
             in a bucket of its own, ``inf`` makes one bucket per (group, dtype).
-        grad_norm_groups: extra groups the global norm is reduced over (tensor/pipeline
-            parallel): a process group, a list of them, or torch_xla replica groups.
-            Parameters marked ``tensor_model_parallel=True`` count each member's part,
-            the others are counted once.
+        grad_norm_groups: the tensor-parallel groups (NxD passes its TP replica groups): a
+            process group, a list of them, or torch_xla replica groups. Parameters marked
+            ``tensor_model_parallel=True`` count each member's part, the others are counted
+            once.
+        pipeline_groups: the pipeline-parallel groups, in the same forms: each stage holds
+            different parameters, so their squares add up over the group; a parameter marked
+            ``shared=True`` (NxD's mark for a tied weight another stage already counts) is
+            left out here. Without it the norm covers this stage only.
         pin_layout: passed to torch_xla collectives.
         lazy_init: defer building shards and buffers until ``init_zero()``.
         compile_update: for Adam/AdamW on CPU with fp32 shards, run the update, the
@@ -243,6 +247,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         reduce_dtype: torch.dtype | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         grad_norm_groups: NormGroupSpec = None,
+        pipeline_groups: NormGroupSpec = None,
         pin_layout: bool = True,
         lazy_init: bool = False,
         compile_update: bool | None = None,
@@ -298,7 +303,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._max_norm = max_norm
         self._reduce_dtype = reduce_dtype
         self._comm = make_collectives(process_group, self._device, pin_layout)
-        self._norm_comms = _norm_collectives(grad_norm_groups, self._device, pin_layout)
+        self._norm_comms = norm_collectives(grad_norm_groups, self._device, pin_layout)
+        self._pipeline_comms = norm_collectives(pipeline_groups, self._device, pin_layout)
         self._optimizer_class = optimizer_class
         all_fp32 = all(self._shard_dtype(p.dtype) == torch.float32 for p in self._managed)
         self._scaler = None if loss_scaler is None else loss_scaler.to(self._device)
@@ -486,7 +492,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             return
         params = self._managed  # in param-group order, as the layout wants them
         keys = [
-            (gi, p.dtype, bool(getattr(p, _TP_SPLIT_ATTRIBUTE, False)))
+            (gi, p.dtype, norm_role(p, pipeline_parallel=bool(self._pipeline_comms)))
             for gi, group in enumerate(self.param_groups)
             for p in group["params"]
         ]
@@ -543,8 +549,10 @@ class Zero1Optimizer(torch.optim.Optimizer):
                     "shards and without amsgrad, maximize or differentiable; pass "
                     "compile_update=None to use it only where it applies."
                 )
-        self._split_buckets = [b for b, layout in enumerate(self._layouts) if layout.key[2]]
-        self._replicated_buckets = [b for b, layout in enumerate(self._layouts) if not layout.key[2]]
+        self._norm_buckets = {
+            role: [b for b, layout in enumerate(self._layouts) if layout.key[2] == role]
+            for role in ("replicated", "split")
+        }
         self._initialized = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -788,20 +796,18 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm of the mean gradient over the whole model, fp32, as a tensor."""
-        # Parameters split over grad_norm_groups (tensor parallel) add up over the group;
-        # replicated ones are counted once.
-        replicated_sq = sum_of_squares([grads[b] for b in self._replicated_buckets], self._device)
-        if self._split_buckets:
-            split_sq = sum_of_squares([grads[b] for b in self._split_buckets], self._device)
-            for comm in self._norm_comms:
-                comm.all_reduce_(split_sq)
-            total = (split_sq + replicated_sq).reshape(1)
-        else:
-            total = replicated_sq.reshape(1)
-        self._comm.all_reduce_(total)
-        norm = total.sqrt().reshape(())
+        replicated, split = (
+            [grads[b] for b in self._norm_buckets[role]] for role in ("replicated", "split")
+        )
+        norm = global_norm(
+            sum_of_squares(replicated, self._device),
+            sum_of_squares(split, self._device) if split else None,
+            tensor_parallel=self._norm_comms,
+            data_parallel=self._comm,
+            pipeline_parallel=self._pipeline_comms,
+        )
         if self._comm.world_size > 1:
-            norm = norm / self._comm.world_size
+            norm = norm / self._comm.world_size  # the shards hold sums over DP, not means
         return norm
 
     def _grad_coefficient(self, norm: torch.Tensor) -> torch.Tensor | float | None:
@@ -876,7 +882,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
             {
                 "group": layout.key[0],
                 "dtype": str(layout.key[1]),
-                "tensor_model_parallel": layout.key[2],
+                "tensor_model_parallel": layout.key[2] == "split",
+                **({"pipeline_shared": True} if layout.key[2] == "shared" else {}),
                 "numels": list(layout.numels),
                 "padded_numel": layout.padded_numel,
             }
@@ -983,7 +990,9 @@ class NeuronZero1Optimizer(Zero1Optimizer):
     ``max_norm=None`` means 1.0; ``sharding_groups`` / ``grad_norm_groups`` are replica
     groups (XLA) or process groups. The bucket caps are MB per collective as in
     torch_xla (0: one collective per parameter). ``zero_grad`` keeps gradients
-    allocated by default, as torch_xla does.
+    allocated by default, as torch_xla does. Beyond torch_xla's signature, the keyword
+    ``pipeline_groups`` spans the norm over pipeline stages (NxD does that through its
+    parallel state).
     """
 
     def __init__(
@@ -1002,6 +1011,8 @@ class NeuronZero1Optimizer(Zero1Optimizer):
         use_grad_acc_hook: bool = False,
         save_master_weights: bool = False,
         higher_cc_precision: bool = False,
+        *,
+        pipeline_groups: NormGroupSpec = None,
         **defaults: Any,
     ):
         if optimizer_dtype in (None, torch.float32, torch.float64):
@@ -1040,6 +1051,7 @@ class NeuronZero1Optimizer(Zero1Optimizer):
             process_group=sharding_groups,
             bucket_cap_mb=_torch_xla_bucket_cap(bucket_cap_mb_reduce_scatter, bucket_cap_mb_all_gather),
             grad_norm_groups=grad_norm_groups,
+            pipeline_groups=pipeline_groups,
             pin_layout=pin_layout,
             lazy_init=lazy_init,
             **defaults,

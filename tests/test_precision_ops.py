@@ -195,6 +195,60 @@ def test_naive_amp_model_casts_inputs_and_optionally_outputs():
     assert P.NaiveAMPModel(Block(), output_to_fp32=False)(torch.randn(2, 8)).dtype == BF16
 
 
+def test_naive_amp_model_takes_internevos_call_shapes():
+    model = Block()
+    amp = P.NaiveAMPModel(model=model, output_to_fp32=True, dtype=torch.bfloat16, sync_buffer=False)
+    assert amp(torch.randn(2, 8)).dtype == torch.float32
+    positional = P.NaiveAMPModel(Block(), True, None, True, torch.float16)  # InternEvo's order
+    assert positional.dtype == torch.float16 and positional.model.proj.weight.dtype == torch.float16
+    assert positional.model.norm.weight.dtype == torch.float32  # marked fp32 stays fp32
+    assert not positional.sync_buffer  # a single process: nothing to synchronise
+    with pytest.raises(TypeError, match="parallel_mode"):
+        P.NaiveAMPModel(Block(), parallel_mode="data")
+    with pytest.raises(ConfigError, match="sync_buffer"):
+        P.NaiveAMPModel(Block(), sync_buffer="yes")
+
+
+class WithBuffer(nn.Module):
+    def __init__(self, value: float):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), value))
+        self.register_buffer("count", torch.tensor(int(value)))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def _sync_buffer_worker(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    amp = P.NaiveAMPModel(WithBuffer(float(rank + 2)), parallel_mode=dist.group.WORLD)
+    out = {"sync": amp.sync_buffer}
+    amp(torch.ones(1, 4))
+    out["train"] = (amp.model.scale.float().clone(), int(amp.model.count))
+    amp.model.scale.fill_(10.0 + rank)
+    amp.eval()
+    amp(torch.ones(1, 4))  # the first forward after eval() synchronises
+    out["first_eval"] = amp.model.scale.float().clone()
+    amp.model.scale.fill_(20.0 + rank)
+    amp(torch.ones(1, 4))  # later eval forwards do not
+    out["later_eval"] = amp.model.scale.float().clone()
+    return out
+
+
+def test_naive_amp_model_broadcasts_buffers_over_the_data_parallel_group():
+    from tests.distributed import run_ranks
+
+    r0, r1 = run_ranks(2, _sync_buffer_worker)
+    assert r0["sync"] and r1["sync"]
+    for r in (r0, r1):
+        assert torch.equal(r["train"][0], torch.full((4,), 2.0)) and r["train"][1] == 2  # rank 0's
+        assert torch.equal(r["first_eval"], torch.full((4,), 10.0))
+    assert torch.equal(r1["later_eval"], torch.full((4,), 21.0))
+
+
 def test_marked_modules_stay_fp32_through_zero1_training():
     torch.manual_seed(0)
     model = P.cast_model(Block(), BF16)
