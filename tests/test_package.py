@@ -32,6 +32,7 @@ ALLOWED = {
     "checkpoint": {"zero1_optimizer"},
     "xla_state_dict": {"checkpoint", "zero1_optimizer"},
     "cli": {"checkpoint", "xla_state_dict"},
+    "hf_trainer": {"zero1_optimizer"},  # imports transformers; nxd_smp itself does not import it
 }
 
 
@@ -93,6 +94,7 @@ def test_the_package_and_its_tools_import_in_a_fresh_process():
     code = (
         "import sys, nxd_smp\n"
         "import nxd_smp.cli, nxd_smp.xla_state_dict\n"
+        "assert 'transformers' not in sys.modules, 'import nxd_smp pulled in transformers'\n"
         "print(sorted(m for m in sys.modules if m.startswith('nxd_smp')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -117,6 +119,7 @@ DOCUMENTED = {
                         "configs_from_nxd_dict"],
     "nxd_smp.runtime_env": ["check_no_xla_downcast", "set_stochastic_rounding"],
     "nxd_smp.xla_state_dict": ["export_xla", "import_xla"],
+    "nxd_smp.hf_trainer": ["Zero1TrainerCallback"],
 }
 
 

@@ -1,0 +1,82 @@
+"""The Hugging Face ``Trainer`` with a nxd_smp optimizer: one callback for clipping and for
+the ``grad_norm`` the Trainer logs.
+
+The Trainer clips and measures ``grad_norm`` with ``clip_grad_norm_(model.parameters())``
+before ``optimizer.step()``. Under standard mixed precision the gradients live in the
+optimizer's fp32 ``main_grad`` buffers, not in ``.grad``, so that call sees none: it logs 0
+and clips nothing, while the optimizer clips inside ``step()`` with its own ``max_norm``.
+Training itself is right without this callback; the callback makes the Trainer's
+``max_grad_norm`` the one that applies and puts the optimizer's norm in the logs::
+
+    trainer = Trainer(model, args, train_dataset=data, optimizers=(optimizer, None),
+                      callbacks=[Zero1TrainerCallback()])
+
+Importing this module imports ``transformers``; ``import nxd_smp`` does not.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from transformers import TrainerCallback
+
+from .zero1_optimizer import Zero1Optimizer
+
+__all__ = ["Zero1TrainerCallback"]
+
+
+def _unwrap(optimizer: Any) -> Zero1Optimizer | None:
+    """The Zero1Optimizer inside ``optimizer`` (accelerate wraps it in ``.optimizer``)."""
+    while optimizer is not None and not isinstance(optimizer, Zero1Optimizer):
+        optimizer = getattr(optimizer, "optimizer", None)
+    return optimizer
+
+
+class Zero1TrainerCallback(TrainerCallback):
+    """Makes a ``Trainer``'s clipping and logged ``grad_norm`` those of its nxd_smp optimizer.
+
+    * At the start of training the optimizer's clipping is set from
+      ``TrainingArguments.max_grad_norm`` (``0`` or ``None``: off), so the Trainer's setting
+      governs, as it does with any torch optimizer (a warning says when that changes the
+      ``max_norm`` the optimizer was built with).
+    * At each log the Trainer's ``grad_norm`` (0: it saw no ``.grad``) is replaced, for the
+      callbacks after this one and in ``state.log_history``, by the optimizer's fp32 norm of
+      the last step before clipping.
+
+    Raises:
+        TypeError: at the start of training, when the Trainer's optimizer is not a nxd_smp
+            ``Zero1Optimizer`` (pass ``optimizers=(Zero1Optimizer(...), None)``).
+    """
+
+    def __init__(self) -> None:
+        self._optimizer: Zero1Optimizer | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        zero1 = _unwrap(optimizer)
+        if zero1 is None:
+            raise TypeError(
+                f"Zero1TrainerCallback needs the Trainer's optimizer to be a nxd_smp Zero1Optimizer, "
+                f"got {type(optimizer).__name__}; pass optimizers=(Zero1Optimizer(...), None) to the "
+                f"Trainer, or drop the callback."
+            )
+        self._optimizer = zero1
+        max_grad_norm = args.max_grad_norm
+        clip = max_grad_norm is not None and max_grad_norm > 0
+        if (clip, max_grad_norm if clip else zero1.max_norm) != (zero1.grad_clipping, zero1.max_norm):
+            warnings.warn(
+                f"Zero1TrainerCallback: the optimizer now clips as TrainingArguments says "
+                f"(max_grad_norm={max_grad_norm}); it was built with grad_clipping="
+                f"{zero1.grad_clipping}, max_norm={zero1.max_norm}.",
+                stacklevel=2,
+            )
+        zero1.set_clipping(clip, float(max_grad_norm) if clip else None)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if logs is None or "grad_norm" not in logs or self._optimizer is None or self._optimizer.grad_norm is None:
+            return
+        value = float(self._optimizer.grad_norm)  # a host sync, at logging time only
+        logs["grad_norm"] = value
+        last = state.log_history[-1] if state.log_history else None
+        if last is not None and last.get("step") == state.global_step and "grad_norm" in last:
+            last["grad_norm"] = value
