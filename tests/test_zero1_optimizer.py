@@ -247,6 +247,26 @@ def test_state_dict_without_master_weights_rebuilds_them_from_the_loaded_params(
         assert torch.equal(p, expected[n]), n
 
 
+def test_loading_into_an_optimizer_built_otherwise_restores_lr_and_master_weights():
+    """torch_xla's test_zero1_load: the loaded hyperparameters and masters win over the
+    ones the new optimizer was built with."""
+    model = make_model()
+    mp = MixedPrecisionConfig(use_master_weights_in_ckpt=True)
+    opt = Zero1Optimizer(model.parameters(), torch.optim.SGD, lr=0.5, momentum=0.5, mixed_precision=mp)
+    train(model, opt, 1)
+    saved = copy.deepcopy(opt.state_dict())
+    other = make_model(3)
+    reloaded = Zero1Optimizer(other.parameters(), torch.optim.SGD, lr=0.1, momentum=0.1, mixed_precision=mp)
+    reloaded.load_state_dict(saved)
+    assert [(g["lr"], g["momentum"]) for g in reloaded.param_groups] == [(0.5, 0.5)]
+    assert [(g["lr"], g["momentum"]) for g in reloaded.inner_optimizer.param_groups] == [(0.5, 0.5)]
+    for a, b in zip(reloaded.master_shards, opt.master_shards):
+        assert torch.equal(a, b)
+    for a, b in zip(other.parameters(), model.parameters()):
+        if b.requires_grad:
+            assert torch.equal(a, b)
+
+
 def test_a_state_dict_that_does_not_fit_is_refused_without_changes():
     model, opt = _fresh(True)
     train(model, opt, 1)

@@ -41,6 +41,10 @@ SCENARIOS = [
     Scenario("sgd_loop_clears_nothing", "SGD", SGD, lr_a=0.05, lr_b=0.02, max_norm=0.05, clear="none"),
     Scenario("neuron_api_loop_calls_model_zero_grad", "SGD", SGD, lr_a=0.05, lr_b=0.02, api="neuron",
              max_norm=0.1, clear="model"),
+    # NxD's zero1 integration sweep: 5 AdamW steps, clipping off and at several max_norm values.
+    *[Scenario(f"nxd_sweep_adamw_max_norm_{m}", "AdamW", steps=5, micro=1, max_norm=m, api="nxd_config")
+      for m in (0.01, 0.1, 1.0, 10.0)],
+    Scenario("nxd_sweep_adamw_no_clipping", "AdamW", steps=5, micro=1, grad_clipping=False, api="nxd_config"),
 ]
 LEGACY_LIKE = {"adamw_legacy", "sgd_master_bf16_accumulation", "sgd_bf16_wire"}
 

@@ -35,10 +35,16 @@ def variants():
         return Zero1Optimizer(params, torch.optim.AdamW, max_norm=0.5,
                               loss_scaler=DynamicLossScaler(init_scale=16.0, hysteresis=1))
 
-    return {"smp": smp, "legacy": legacy, "neuron": neuron, "scaler": scaler}
+    return {
+        "smp": smp, "legacy": legacy, "neuron": neuron, "scaler": scaler,
+        # the gradient lifecycle: the loop only calls model.zero_grad(), as the HF Trainer
+        "smp_model_zero_grad": smp,
+        # weights changed in place after the optimizer was built are taken up
+        "smp_weights_changed_after_build": smp,
+    }
 
 
-def run(build, device, steps, warmup):
+def run(name, build, device, steps, warmup):
     import torch_xla
     import torch_xla.debug.metrics as met
 
@@ -48,6 +54,10 @@ def run(build, device, steps, warmup):
     model = make_model(0).to(device)
     opt = build(param_groups(model, lr_a=1e-2, lr_b=3e-2), on_xla)
     trained = [p for p in model.parameters() if p.requires_grad]
+    if name == "smp_weights_changed_after_build":
+        with torch.no_grad():
+            for i, p in enumerate(trained):
+                p.mul_(0.5 + 0.1 * i)
     g = torch.Generator().manual_seed(0)
     grads = [
         [[(torch.randn(p.shape, generator=g) * 0.3).bfloat16().to(device) for p in trained] for _ in range(2)]
@@ -62,7 +72,10 @@ def run(build, device, steps, warmup):
         for micro in grads[step]:
             opt.scale_loss(sum((p * d).sum() for p, d in zip(trained, micro))).backward()
         opt.step()
-        opt.zero_grad()
+        if name == "smp_model_zero_grad":
+            model.zero_grad()
+        else:
+            opt.zero_grad()
         norms.append(opt.grad_norm)
         if on_xla:
             torch_xla.sync()
@@ -88,8 +101,8 @@ def main(out_path: str) -> None:
     results = {}
     for name, build in variants().items():
         results[name] = {
-            "cpu": run(build, torch.device("cpu"), steps, warmup),
-            "xla": run(build, device, steps, warmup),
+            "cpu": run(name, build, torch.device("cpu"), steps, warmup),
+            "xla": run(name, build, device, steps, warmup),
         }
     results["steps"], results["warmup"] = steps, warmup
     torch.save(results, out_path)
