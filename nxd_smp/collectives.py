@@ -3,17 +3,21 @@
 ``Collectives`` is the small interface; two backends implement it:
 
 * ``ProcessGroupCollectives``: a ``torch.distributed`` process group (gloo, nccl, or
-  torch_xla's ``xla`` backend). With a group of one rank nothing is sent.
+  torch_xla's ``xla`` backend), in place on views of flat buffers, so nothing is copied.
+  With a group of one rank nothing is sent.
 * ``XlaReplicaCollectives``: torch_xla in-graph ops over replica groups
-  (``xm.reduce_scatter`` / ``xm.all_gather``, coalesced over buckets), as torch_xla's
-  and NxD's ZeRO-1 use them. They are issued even for a group of one, so the step
-  compiles to the same graph shape at every size.
+  (``xm.reduce_scatter`` / ``xm.all_gather``), as torch_xla's and NxD's ZeRO-1 use them.
+  They return new tensors and never slice by a Python rank: this rank's identity enters the
+  graph as data (what the reduce-scatter returns, ``local_shard``'s index), so every rank
+  runs one compiled program. They are issued even for a group of one, so the step compiles
+  to the same graph shape at every size.
 
 All reductions are sums; the caller applies the 1/world_size of a mean.
 """
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -35,20 +39,26 @@ class Collectives(ABC):
     world_size: int
 
     def shard(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a flat 1-D buffer whose length divides by ``world_size``."""
+        """This rank's slice (a view) of a flat 1-D buffer whose length divides by
+        ``world_size``; for eager devices, where a Python rank costs nothing."""
         size = flat.numel() // self.world_size
         return flat[self.rank * size : (self.rank + 1) * size]
 
-    @abstractmethod
-    def reduce_scatter_(self, flats: Sequence[torch.Tensor]) -> None:
-        """In place, per buffer: ``shard(flat) = shard(sum over ranks of flat)``.
-
-        The rest of each ``flat`` is left undefined.
-        """
+    def local_shard(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a replicated flat tensor (the same values on every rank)."""
+        return self.shard(flat)
 
     @abstractmethod
-    def all_gather_(self, flats: Sequence[torch.Tensor]) -> None:
-        """In place, per buffer: ``flat = concat over ranks of shard(flat)``."""
+    def reduce_scatter(self, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Per flat buffer, this rank's shard of the sum over ranks. The buffers may be
+        overwritten (the process-group backend returns views into them)."""
+
+    @abstractmethod
+    def all_gather(
+        self, shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        """Per shard, the concatenation over ranks. ``outs``: buffers to gather into (the
+        process-group backend needs them, and each shard must be ``shard(out)``)."""
 
     @abstractmethod
     def all_reduce_(self, tensor: torch.Tensor) -> None:
@@ -91,19 +101,31 @@ class ProcessGroupCollectives(Collectives):
             )
         self.rank, self.world_size = rank, dist.get_world_size(group)
 
-    def reduce_scatter_(self, flats):
+    def reduce_scatter(self, flats):
+        shards = [self.shard(flat) for flat in flats]
         if self.world_size > 1:
-            for flat in flats:
-                dist.reduce_scatter_tensor(self.shard(flat), flat, group=self.group)
+            for flat, shard in zip(flats, shards):
+                dist.reduce_scatter_tensor(shard, flat, group=self.group)
+        return shards
 
-    def all_gather_(self, flats):
+    def all_gather(self, shards, outs=None):
+        if outs is None:
+            raise ValueError("the process-group backend gathers in place: pass the output buffers.")
         if self.world_size > 1:
-            for flat in flats:
-                dist.all_gather_into_tensor(flat, self.shard(flat), group=self.group)
+            for out, shard in zip(outs, shards):
+                dist.all_gather_into_tensor(out, shard, group=self.group)
+        return list(outs)
 
     def all_reduce_(self, tensor):
         if self.world_size > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+
+
+# XLA:CPU runs each replica's independent collectives in an order of its own, and a replica
+# waiting in one collective while another waits in a different one never returns. So on the
+# XLA CPU device each collective's input waits for the previous collective's output (an
+# optimization barrier); one chain per replica thread, across every group.
+_xla_cpu_chain = threading.local()
 
 
 class XlaReplicaCollectives(Collectives):
@@ -112,14 +134,30 @@ class XlaReplicaCollectives(Collectives):
     Args:
         groups: the replica groups, each a list of global ordinals, all the same size
             (None: one group of all replicas).
-        pin_layout: passed to the torch_xla ops (NxD passes False).
+        pin_layout: passed to the torch_xla ops (NxD passes False). With it off, the buckets
+            of one step go out as one coalesced collective.
+
+    On the XLA CPU device (where replicas are threads of one process) every collective is a
+    single-tensor op with a channel id, which is how XLA:CPU matches the replicas of one
+    collective, and runs after the previous one; ``pin_layout`` and coalescing do not apply
+    there. Elsewhere (Neuron) no channel id is added.
+
+    torch_xla orders its collectives through a numeric token: each one's input gets
+    ``+ token`` and the token becomes ``token * result[0]``. An inf at the start of one
+    result (an fp16 overflow) makes the token NaN and every later collective's input NaN,
+    the parameters' all-gather included, so a step the loss scaler skips would still write
+    NaN parameters. Each collective here starts from a fresh token and leaves a fresh one.
     """
 
+    _CHANNEL = 1
+
     def __init__(self, groups: Sequence[Sequence[int]] | None = None, pin_layout: bool = True):
+        import torch_xla
         import torch_xla.core.xla_model as xm
         import torch_xla.runtime as xr
 
         self._xm = xm
+        self._xlac = torch_xla._XLAC
         me = xr.global_ordinal()
         if groups is None:
             groups = [list(range(xr.world_size()))]
@@ -137,40 +175,67 @@ class XlaReplicaCollectives(Collectives):
         self.groups = groups
         self.pin_layout = bool(pin_layout)
         self.rank, self.world_size = mine[0].index(me), len(mine[0])
+        self._cpu = xr.device_type() == "CPU"
+        self._rank_index: dict[torch.device, torch.Tensor] = {}
 
-    def reduce_scatter_(self, flats):
-        if not flats:
-            return
-        kwargs = dict(scale=1.0, scatter_dim=0, shard_count=self.world_size, groups=self.groups)
-        if self.pin_layout:  # torch_xla's coalesced reduce-scatter cannot pin its layout
-            results = [
-                self._xm.reduce_scatter(self._xm.REDUCE_SUM, f, pin_layout=True, **kwargs)
-                for f in flats
-            ]
-        else:
-            results = self._xm.reduce_scatter(
-                self._xm.REDUCE_SUM, list(flats), pin_layout=False, **kwargs
-            )
-        for flat, result in zip(flats, results):
-            self.shard(flat).copy_(result)
+    def local_shard(self, flat):
+        # Rank as data: a gather with this rank's index, the same program on every rank.
+        index = self._rank_index.get(flat.device)
+        if index is None:
+            index = self._rank_index[flat.device] = torch.tensor([self.rank], device=flat.device)
+        return flat.view(self.world_size, -1).index_select(0, index).view(-1)
 
-    def all_gather_(self, flats):
-        if not flats:
-            return
-        shards = [self.shard(flat) for flat in flats]
-        if self.pin_layout:  # torch_xla has no coalesced all-gather with a pinned layout
-            results = [
-                self._xm.all_gather(s, dim=0, groups=self.groups, pin_layout=True) for s in shards
-            ]
-        else:
-            results = self._xm.all_gather(shards, dim=0, groups=self.groups, pin_layout=False)
-        for flat, result in zip(flats, results):
-            flat.copy_(result)
+    def _run(self, op, tensor: torch.Tensor, **kwargs):
+        """One collective op on ``tensor``, fenced from torch_xla's numeric token (fresh in,
+        fresh out); on the XLA CPU device also ordered after the previous collective and
+        given the channel id."""
+        self._xlac._set_all_reduce_token(self._xlac._xla_get_default_device(), None)
+        try:
+            if not self._cpu:
+                return op(tensor, **kwargs)
+            last = getattr(_xla_cpu_chain, "last", None)
+            if last is not None:
+                self._xm.optimization_barrier_([tensor, last])
+            out = op(tensor, **kwargs)
+            _xla_cpu_chain.last = out.reshape(-1)[:1]
+            return out
+        finally:
+            self._xlac._set_all_reduce_token(self._xlac._xla_get_default_device(), None)
+
+    def reduce_scatter(self, flats):
+        xm = self._xm
+
+        def op(t, **kwargs):
+            return xm.reduce_scatter(xm.REDUCE_SUM, t, scale=1.0, scatter_dim=0, shard_count=self.world_size,
+                                     groups=self.groups, **kwargs)
+
+        if self._cpu:
+            return [self._run(op, f, pin_layout=False, channel_id=self._CHANNEL) for f in flats]
+        if self.pin_layout or len(flats) < 2:  # torch_xla's coalesced form cannot pin its layout
+            return [self._run(op, f, pin_layout=self.pin_layout) for f in flats]
+        return list(self._run(op, list(flats), pin_layout=False))
+
+    def all_gather(self, shards, outs=None):
+        xm = self._xm
+
+        def op(t, **kwargs):
+            return xm.all_gather(t, dim=0, groups=self.groups, **kwargs)
+
+        if self._cpu:
+            return [self._run(op, s, pin_layout=False, channel_id=self._CHANNEL) for s in shards]
+        if self.pin_layout or len(shards) < 2:  # no coalesced all-gather with a pinned layout
+            return [self._run(op, s, pin_layout=self.pin_layout) for s in shards]
+        return list(self._run(op, list(shards), pin_layout=False))
 
     def all_reduce_(self, tensor):
-        self._xm.all_reduce(
-            self._xm.REDUCE_SUM, [tensor], groups=self.groups, pin_layout=self.pin_layout
-        )
+        if self._cpu:  # the one all-reduce form that takes a channel id (global device ids)
+            result = self._run(
+                lambda t: self._xlac._xla_spmd_all_reduce(self._xm.REDUCE_SUM, t, 1.0, self.groups), tensor)
+        else:
+            result = self._run(
+                lambda t: self._xm.all_reduce(self._xm.REDUCE_SUM, t, groups=self.groups, pin_layout=self.pin_layout),
+                tensor)
+        tensor.copy_(result)
 
 
 def is_replica_groups(obj: object) -> bool:

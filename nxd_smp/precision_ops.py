@@ -374,15 +374,24 @@ def apply_dtype(name: str | torch.dtype, device: torch.device | str) -> torch.dt
 
 # ---------------------------------------------------------------------------- stochastic rounding
 def stochastic_round(x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Round fp32 ``x`` to bf16 stochastically: up with probability equal to the
-    fraction of the way to the next bf16 value, so the result is unbiased
+    """Round fp32 ``x`` to bf16 stochastically: to the bf16 neighbour on the far side with
+    probability equal to the fraction of the way to it, so the result is unbiased
     (``E[round(x)] = x``). Seeded through ``generator`` (on ``x``'s device). inf and NaN
-    are kept."""
+    are kept.
+
+    Float arithmetic only (no bit views of the tensor, which XLA would run on the host): the
+    nearest bf16 value, the spacing of bf16 values there (2^(e-7) for |value| in [2^e,
+    2^(e+1)), half that below a power of two, 2^-133 among subnormals), one uniform draw.
+    """
     if x.dtype != _F32:
         raise ValueError(f"stochastic_round takes fp32 input, got {x.dtype}.")
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    # The low 16 bits of an fp32 are exactly what bf16 drops; adding uniform noise there
-    # carries into the kept bits with probability (dropped bits) / 2^16.
-    bits = (x.contiguous().view(torch.int32) + noise) & -65536
-    rounded = bits.view(_F32)
+    nearest = x.to(torch.bfloat16).float()
+    diff = x - nearest  # exact: both are fp32 and close
+    exponent = torch.floor(torch.log2(nearest.abs())).clamp(min=-126)  # log2(0) = -inf -> -126
+    spacing = torch.pow(2.0, exponent - 7)
+    toward_zero = (torch.sign(diff) != torch.sign(nearest)) & (nearest != 0)
+    below_power_of_two = toward_zero & (nearest.abs() == torch.pow(2.0, exponent)) & (exponent > -126)
+    spacing = torch.where(below_power_of_two, spacing * 0.5, spacing)
+    draw = torch.rand(x.shape, generator=generator, device=x.device)
+    rounded = torch.where(draw < diff.abs() / spacing, nearest + torch.sign(diff) * spacing, nearest)
     return torch.where(torch.isfinite(x), rounded, x).to(torch.bfloat16)

@@ -499,23 +499,27 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._layouts = plan_buckets(
             [p.numel() for p in params], keys, self._comm.world_size, self._cap_numel
         )
+        # Eager devices: the parameters become views into one flat buffer per bucket, which
+        # the all-gather fills in place. XLA: the parameters stay apart; a bucket exists only
+        # inside the step's graph (one concatenation in, one all-gather out).
         self._views = self._device.type in ("cpu", "cuda")
-
         self._flat_params: list[torch.Tensor] = []
         self._masters: list[torch.Tensor] = []
         self._param_ptrs: list[int] = []
         self._masters_alias_params = self._views and not self._mp.use_master_weights
         with torch.no_grad():
-            for layout in self._layouts:
+            for b, layout in enumerate(self._layouts):
                 dtype = params[layout.param_indices[0]].dtype
-                flat = torch.zeros(layout.padded_numel, dtype=dtype, device=self._device)
-                for i, index in enumerate(layout.param_indices):
-                    start, end = layout.param_range(i)
-                    flat[start:end].copy_(params[index].detach().reshape(-1))
-                    if self._views:
+                if self._views:
+                    flat = torch.zeros(layout.padded_numel, dtype=dtype, device=self._device)
+                    for i, index in enumerate(layout.param_indices):
+                        start, end = layout.param_range(i)
+                        flat[start:end].copy_(params[index].detach().reshape(-1))
                         params[index].data = flat[start:end].view(params[index].shape)
-                self._flat_params.append(flat)
-                shard = self._comm.shard(flat)
+                    self._flat_params.append(flat)
+                    shard = self._comm.shard(flat)
+                else:
+                    shard = self._comm.local_shard(self._bucket_of_params(b))
                 if self._masters_alias_params:
                     master = shard
                 else:
@@ -595,37 +599,44 @@ class Zero1Optimizer(torch.optim.Optimizer):
     def _rebuild_masters(self, indices: Sequence[int], only_changed_values: bool) -> None:
         """Master weights of managed parameters ``indices`` from their current values.
 
-        ``only_changed_values``: keep a parameter's master where its values (on this rank's
-        pieces) still equal the master rounded to the parameter dtype, i.e. where the write
-        did not change what the optimizer had written.
+        ``only_changed_values``: only where a parameter's value differs from its master
+        rounded to the parameter dtype, i.e. where the write changed what the optimizer had
+        written (an unchanged parameter, or an element written with its old value, keeps its
+        fp32 master). Element-wise ops on this rank's shard, with no rank in the graph.
         """
         wanted = set(indices)
         for b, layout in enumerate(self._layouts):
-            members = {k for k, index in enumerate(layout.param_indices) if index in wanted}
-            if not members:
+            members = [index in wanted for index in layout.param_indices]
+            if not any(members) or self._masters_alias_params:
+                continue  # (aliased: the master shard is the parameter buffer itself)
+            current = self._comm.shard(self._flat_params[b]) if self._views else self._comm.local_shard(self._bucket_of_params(b))
+            master = self._masters[b]
+            if only_changed_values:
+                take = current != master.to(current.dtype)
+            elif all(members):
+                master.copy_(current)
                 continue
-            flat = self._flat_params[b]
-            if not self._views:  # the parameters live apart from the flat buffer
-                for k in sorted(members):
-                    start, end = layout.param_range(k)
-                    flat[start:end].copy_(self._managed[layout.param_indices[k]].detach().reshape(-1))
-            if self._masters_alias_params:
-                continue  # the master shard is the parameter buffer itself
-            shard, master = self._comm.shard(flat), self._masters[b]
-            if not only_changed_values and len(members) == len(layout.param_indices):
-                master.copy_(shard)
-                continue
-            for piece in layout.pieces(self.rank):
-                if piece.index not in members:
-                    continue
-                span = slice(piece.shard_start, piece.shard_start + piece.numel)
-                source, target = shard[span], master[span]
-                if only_changed_values:
-                    differs = (source != target.to(source.dtype)).any()
-                    target.copy_(torch.where(differs, source.to(target.dtype), target))
-                else:
-                    target.copy_(source)
+            else:
+                take = self._comm.local_shard(self._bucket_mask(b, members))
+            master.copy_(torch.where(take, current.to(master.dtype), master))
         self._record_param_versions()
+
+    def _bucket_of_params(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s current parameter values as one padded flat tensor (one
+        concatenation; for XLA, where the parameters are not views of a flat buffer)."""
+        layout = self._layouts[b]
+        parts = [self._managed[index].detach().reshape(-1) for index in layout.param_indices]
+        padding = layout.padded_numel - layout.numel
+        if padding:
+            parts.append(torch.zeros(padding, dtype=parts[0].dtype, device=self._device))
+        return torch.cat(parts)
+
+    def _bucket_mask(self, b: int, members: Sequence[bool]) -> torch.Tensor:
+        """A bool per element of bucket ``b``: whether it belongs to a member parameter."""
+        layout = self._layouts[b]
+        parts = [torch.full((n,), m, dtype=torch.bool, device=self._device) for n, m in zip(layout.numels, members)]
+        parts.append(torch.zeros(layout.padded_numel - layout.numel, dtype=torch.bool, device=self._device))
+        return torch.cat(parts)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -664,8 +675,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
         coef = self._grad_coefficient(norm)
         if self._scaler is not None:
             coef = (1.0 if coef is None else coef) / self._scaler.scale
-        shards = [self._comm.shard(flat) for flat in self._flat_params]
-        if not inner_args and self._compiled is not None and self._compiled.step(grads, shards, coef, found_inf):
+        if not inner_args and self._compiled is not None and self._compiled.step(
+            grads, [self._comm.shard(flat) for flat in self._flat_params], coef, found_inf
+        ):
             self._gather_params()  # the compiled pass already cast into the shards
         else:
             self._inner_step(grads, coef, found_inf, inner_args)
@@ -773,17 +785,14 @@ class Zero1Optimizer(torch.optim.Optimizer):
         """Per bucket, this rank's shard of the summed gradient, in the shard dtype."""
         flats = []
         for b, layout in enumerate(self._layouts):
-            dtype = self._flat_params[b].dtype
-            wire = self._wire_dtype(dtype)
+            wire = self._wire_dtype(self._managed[layout.param_indices[0]].dtype)
             if self._main_grads is not None:
                 flat = self._main_grads.flat(b)
                 flats.append(flat if flat.dtype == wire else flat.to(wire))
             else:
                 flats.append(flatten_grads(self._managed, layout, wire))
-        self._comm.reduce_scatter_(flats)
         grads = []
-        for b, flat in enumerate(flats):
-            shard = self._comm.shard(flat)
+        for b, shard in enumerate(self._comm.reduce_scatter(flats)):
             dtype = self._masters[b].dtype
             if shard.dtype != dtype:
                 if self._main_grads is not None and self._main_grads.contiguous and self._main_grads.dtype == dtype:
@@ -832,23 +841,35 @@ class Zero1Optimizer(torch.optim.Optimizer):
             torch._foreach_mul_(grads, coef)
 
     def _publish_params(self) -> None:
-        """Cast each master shard into the parameter buffer and all-gather it."""
+        """Cast each master shard to the parameter dtype and all-gather it into the
+        parameters."""
+        if not self._views:
+            values = [
+                m if m.dtype == self._managed[layout.param_indices[0]].dtype
+                else m.to(self._managed[layout.param_indices[0]].dtype)
+                for layout, m in zip(self._layouts, self._masters)
+            ]
+            self._copy_into_params(self._comm.all_gather(values))
+            return
         if not self._masters_alias_params:
             for flat, master in zip(self._flat_params, self._masters):
                 self._comm.shard(flat).copy_(master)
         self._gather_params()
 
     def _gather_params(self) -> None:
-        """All-gather the parameter buffers from their shards into the parameters."""
-        self._comm.all_gather_(self._flat_params)
-        if not self._views:
-            targets, sources = [], []
-            for layout, flat in zip(self._layouts, self._flat_params):
-                for i, index in enumerate(layout.param_indices):
-                    start, end = layout.param_range(i)
-                    targets.append(self._managed[index])
-                    sources.append(flat[start:end].view(self._managed[index].shape))
-            torch._foreach_copy_(targets, sources)
+        """All-gather the flat parameter buffers (eager devices: the parameters are views
+        into them) from this rank's shard."""
+        self._comm.all_gather([self._comm.shard(flat) for flat in self._flat_params], self._flat_params)
+
+    def _copy_into_params(self, buckets: list[torch.Tensor]) -> None:
+        """Each parameter from its range of the gathered flat buckets (XLA)."""
+        targets, sources = [], []
+        for layout, flat in zip(self._layouts, buckets):
+            for i, index in enumerate(layout.param_indices):
+                start, end = layout.param_range(i)
+                targets.append(self._managed[index])
+                sources.append(flat[start:end].view(self._managed[index].shape))
+        torch._foreach_copy_(targets, sources)
 
     # ------------------------------------------------------------------ grads
     def zero_grad(self, set_to_none: bool = True) -> None:

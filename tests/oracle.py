@@ -67,6 +67,25 @@ def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((model(x).float() - y.float()) ** 2).mean()
 
 
+# Fixed gradients: XLA computes bf16 model code with other intermediate rounding than eager,
+# so tests of the optimizer on XLA feed every device the same gradients: the loss
+# ``sum(p * g)`` has gradient exactly ``g`` (bf16) for each parameter it covers.
+FIXED_GRAD_PARAMS = ("lin1.weight", "lin1.bias", "kernel", "norm.weight", "norm.bias", "temperature", "lin2.weight")
+
+
+def fixed_grads(seed: int, data_rank: int, step: int, micro: int, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Per parameter name (all but ``frozen`` and ``unused``), a bf16 gradient that depends
+    on the data rank, step and micro-batch only."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + data_rank * 10_007 + step * 101 + micro + 7)
+    named = dict(model.named_parameters())
+    return {n: (torch.randn(named[n].shape, generator=g) * 0.3).to(named[n].dtype) for n in FIXED_GRAD_PARAMS}
+
+
+def fixed_grad_loss(model: nn.Module, grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    named = dict(model.named_parameters())
+    return sum((named[n].float() * g.to(named[n].device).float()).sum() for n, g in grads.items())
+
+
 @dataclass(frozen=True)
 class Scenario:
     """One training setup, run both by the oracle and by the sharded optimizer."""
@@ -89,6 +108,7 @@ class Scenario:
     # "model" (model.zero_grad(), as the Hugging Face Trainer does) or "none". The math,
     # and so the oracle, is the same for all three.
     clear: str = "optimizer"
+    fixed_grads: bool = False  # gradients from ``fixed_grads`` instead of the model's loss
     bucket_cap_mb: float = 0.0004  # ~100 fp32 elements: several buckets per group
 
     @property
@@ -102,9 +122,12 @@ class Scenario:
         return torch.float32 if self.fp32_acc else torch.bfloat16
 
 
-def run_oracle(s: Scenario, world_size: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+def run_oracle(
+    s: Scenario, world_size: int, data_ranks: list[int] | None = None
+) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train ``s`` unsharded; return the final bf16 parameters by name and the
-    per-step global gradient norms.
+    per-step global gradient norms. ``data_ranks``: whose data each of the ``world_size``
+    ranks trains on (default: its own).
 
     Runs single-threaded like the spawned ranks: CPU kernels sum in a thread-count
     dependent order, and Adam turns a last-bit difference in a near-zero gradient into a
@@ -113,12 +136,12 @@ def run_oracle(s: Scenario, world_size: int) -> tuple[dict[str, torch.Tensor], l
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run_oracle(s, world_size)
+        return _run_oracle(s, world_size, list(range(world_size)) if data_ranks is None else data_ranks)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_oracle(s: Scenario, world_size: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+def _run_oracle(s: Scenario, world_size: int, data_ranks: list[int]) -> tuple[dict[str, torch.Tensor], list[float]]:
     model = make_model(s.seed)
     groups = param_groups(model, lr_a=s.lr_a, lr_b=s.lr_b)
     managed = [p for g in groups for p in g["params"] if p.requires_grad]
@@ -136,8 +159,11 @@ def _run_oracle(s: Scenario, world_size: int) -> tuple[dict[str, torch.Tensor], 
             acc = [torch.zeros(p.shape, dtype=acc_dtype) for p in managed]
             for micro in range(s.micro):
                 model.zero_grad(set_to_none=True)
-                x, y = batch(s.seed, rank, step, micro)
-                loss_fn(model, x, y).backward()
+                if s.fixed_grads:
+                    fixed_grad_loss(model, fixed_grads(s.seed, data_ranks[rank], step, micro, model)).backward()
+                else:
+                    x, y = batch(s.seed, data_ranks[rank], step, micro)
+                    loss_fn(model, x, y).backward()
                 for i, p in enumerate(managed):
                     if p.grad is not None:
                         acc[i] = acc[i] + p.grad.to(acc_dtype)

@@ -303,6 +303,17 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
     assert ((draws.mean(0) - x.double()).abs() <= 5 * se).all()
 
 
+@pytest.mark.parametrize("value", [1 - 3e-4, -(1 - 3e-4), 2 + 3e-3, 1.5e-40, -4e-39, 3.0e38])
+def test_stochastic_rounding_is_unbiased_at_binade_edges_and_among_subnormals(value):
+    """Just below a power of two the bf16 spacing halves; among subnormals it is 2^-133."""
+    x = torch.full((4000,), value)
+    draws = P.stochastic_round(x, generator=gen(3)).double()
+    values = sorted(set(draws.tolist()))
+    assert len(values) == 2 and values[0] < value < values[1]  # the two neighbours
+    spacing = values[1] - values[0]
+    assert abs(float(draws.mean()) - value) <= 5 * spacing / 2 / 4000**0.5
+
+
 def test_stochastic_rounding_is_reproducible_and_exact_on_representable_values():
     x = torch.randn(1000, generator=gen())
     assert torch.equal(P.stochastic_round(x, generator=gen(5)), P.stochastic_round(x, generator=gen(5)))

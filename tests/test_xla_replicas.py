@@ -1,0 +1,142 @@
+"""The Trainium code path at DP 2 and 4: nxd_smp on XLA CPU replicas with real in-graph
+collectives over replica groups (tests/xla_replicas.py), against the same unsharded oracle
+as the gloo tests (with fixed gradients: XLA rounds bf16 model code differently from eager).
+Every rank must run one and the same step program, compile nothing new after warm-up and
+move nothing to the host inside a step. DP=8 runs in scripts/bench_xla.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.oracle import Scenario, assert_params_close, run_oracle, ulp_distance
+from tests.xla_dp_worker import WARMUP, Case, _tp_grads
+from tests.xla_replicas import run_replicas
+
+pytest.importorskip("torch_xla", reason="torch_xla is part of the pinned test environment")
+
+SGD = {"momentum": 0.9}
+STEPS = WARMUP + 2
+
+
+def scenario(name: str, optimizer: str = "AdamW", **kwargs) -> Scenario:
+    return Scenario(name, optimizer, fixed_grads=True, steps=STEPS, micro=2, **kwargs)
+
+
+# Oracle cases: compared with run_oracle at the group's size.
+ORACLE_CASES = [
+    Case("adamw_smp_clip_active", scenario("adamw", max_norm=0.5)),
+    Case("sgd_clip_active", scenario("sgd", "SGD", opt_kwargs=SGD, lr_a=0.05, lr_b=0.02, max_norm=0.05)),
+    Case("sgd_clip_inactive", scenario("sgd_inactive", "SGD", opt_kwargs=SGD, lr_a=0.05, lr_b=0.02, max_norm=1e6)),
+    Case("adamw_legacy_bf16_states", scenario("legacy", master=False, fp32_acc=False)),
+    Case("neuron_zero1_nxd_settings", scenario("neuron", max_norm=0.3), api="neuron"),
+    Case("initialize_parallel_optimizer", scenario("nxd", "SGD", opt_kwargs=SGD, lr_a=0.05, lr_b=0.02,
+                                                   max_norm=0.05, clear="model"), api="nxd_config"),
+]
+PAIRS = Case("adamw_pairs_of_replicas", scenario("pairs", max_norm=0.5), groups=((0, 1), (2, 3)))
+FP16_OVERFLOW = Case("fp16_overflow_on_rank_1", scenario("fp16", max_norm=0.5), dtype=torch.float16,
+                     overflow=(WARMUP, 1), extra={"loss_scaler": None})
+LEGACY_SR = Case("legacy_stochastic_rounding", scenario("sr", master=False, fp32_acc=False),
+                 extra={"stochastic_rounding": True, "sr_seed": 0})
+
+
+def _with_scaler(case: Case) -> Case:
+    from nxd_smp import DynamicLossScaler
+
+    return Case(case.name, case.scenario, case.api, case.groups, case.dtype, case.overflow,
+                {"loss_scaler": DynamicLossScaler(init_scale=16.0, hysteresis=1)})
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"dp{n}")
+def replicas(request):
+    n = request.param
+    cases = list(ORACLE_CASES)
+    if n == 4:
+        cases += [PAIRS, _with_scaler(FP16_OVERFLOW), LEGACY_SR]
+    return n, run_replicas(n, "tests.xla_dp_worker:train", cases, timeout=900)
+
+
+@pytest.mark.parametrize("case", ORACLE_CASES, ids=lambda c: c.name)
+def test_matches_the_unsharded_oracle(replicas, case):
+    n, ranks = replicas
+    expected, expected_norms = run_oracle(case.scenario, n)
+    for rank in ranks:
+        got = rank[case.name]
+        if case.scenario.master:
+            assert_params_close(got["params"], expected)
+            assert got["norms"] == pytest.approx(expected_norms, rel=1e-5)
+        else:  # bf16 states: XLA fuses the update in fp32 and rounds once, eager per op
+            assert_params_close(got["params"], expected, max_ulp=4, max_flip_fraction=0.1)
+            assert got["norms"] == pytest.approx(expected_norms, rel=1e-2)
+
+
+DP4 = pytest.mark.parametrize("replicas", [4], indirect=True, ids=["dp4"])
+
+
+@DP4
+def test_a_subset_of_replicas_per_group(replicas):
+    n, ranks = replicas
+    for pair, data_ranks in ((0, [0, 1]), (1, [2, 3])):
+        expected, norms = run_oracle(PAIRS.scenario, 2, data_ranks=data_ranks)
+        for rank in data_ranks:
+            assert_params_close(ranks[rank][PAIRS.name]["params"], expected)
+            assert ranks[rank][PAIRS.name]["norms"] == pytest.approx(norms, rel=1e-5)
+
+
+def test_every_rank_runs_the_same_step_program_and_nothing_recompiles(replicas):
+    n, ranks = replicas
+    for name in ranks[0]:
+        hlo = ranks[0][name]["hlo"]
+        assert hlo and "reduce-scatter" in hlo and "all-gather" in hlo, name
+        for rank in range(1, n):
+            assert ranks[rank][name]["hlo"] == hlo, f"{name}: rank {rank}'s step graph differs from rank 0's"
+        marks = ranks[0][name]["marks"]
+        warm, end = marks[WARMUP], marks[STEPS]
+        assert warm["compiles"] > 0
+        assert end["compiles"] == warm["compiles"], f"{name}: a new graph after warm-up"
+        transfers = end["from_device"] - warm["from_device"] - marks["harness_transfers"]
+        assert transfers == 0 and end["item_calls"] == warm["item_calls"], f"{name}: step() moved data to the host"
+
+
+def test_the_step_graph_has_no_rank_baked_in_and_no_slice_update_chains(replicas):
+    n, ranks = replicas
+    hlo = ranks[0]["adamw_smp_clip_active"]["hlo"]
+    assert "dynamic-update-slice" not in hlo  # no bucket built by per-parameter slice updates
+    assert hlo.count("reduce-scatter(") == hlo.count("all-gather(")  # one of each per bucket
+
+
+@DP4
+def test_an_overflow_on_one_rank_skips_the_step_on_all(replicas):
+    n, ranks = replicas
+    first = ranks[0][FP16_OVERFLOW.name]
+    for rank in ranks:
+        got = rank[FP16_OVERFLOW.name]
+        assert math.isinf(got["norms"][WARMUP]) and got["scale"] == 8.0  # 16, halved once
+        before, after = got["snapshots"]["before_overflow"], got["snapshots"]["after_overflow"]
+        assert all(torch.equal(a, b) for a, b in zip(before, after))  # params, masters, states
+        assert all(torch.equal(v, first["params"][k]) for k, v in got["params"].items())
+    assert not all(torch.equal(a, b) for a, b in zip(first["snapshots"]["after_overflow"], first["params"].values()))
+
+
+@DP4
+def test_legacy_stochastic_rounding_runs_rank_free_and_tracks_the_oracle(replicas):
+    n, ranks = replicas
+    smp, _ = run_oracle(scenario("sr_reference"), 4)
+    for rank in ranks:
+        got = rank[LEGACY_SR.name]["params"]
+        assert all(torch.equal(v, ranks[0][LEGACY_SR.name]["params"][k]) for k, v in got.items())
+        differ = sum(int((ulp_distance(got[k], smp[k]) > 2).sum()) for k in smp)
+        assert differ <= 0.05 * sum(t.numel() for t in smp.values())
+
+
+def test_grad_norm_groups_over_replica_groups():
+    ranks = run_replicas(4, "tests.xla_dp_worker:tp_norm", timeout=600)
+    # DP mean per part: the replicated gradient is the pair's mean (the same for both TP
+    # ranks, counted once); the split part of each TP rank is its pair's mean.
+    replicated = (_tp_grads("replicated", 0, 10).float() + _tp_grads("replicated", 1, 10).float()) / 2
+    split_parts = [(_tp_grads("split", a, 7).float() + _tp_grads("split", b, 7).float()) / 2 for a, b in ((0, 1), (2, 3))]
+    expected = math.sqrt(float(replicated.pow(2).sum()) + sum(float(p.pow(2).sum()) for p in split_parts))
+    for rank in ranks:
+        assert rank["norm"] == pytest.approx(expected, rel=1e-5)

@@ -1,0 +1,173 @@
+"""Runs on N XLA CPU replicas (tests/xla_replicas.py) for test_xla_replicas.py: nxd_smp's
+optimizers trained on the Trainium code path (in-graph collectives over replica groups)
+with the fixed gradients of tests/oracle.py, so that the unsharded oracle applies exactly.
+
+Each replica reports, per case: its final parameters, the per-step gradient norms, the HLO
+of one steady-state step graph, and XLA's counters (compilations, device-to-host transfers)
+at the end of warm-up and at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tests.oracle import Scenario, fixed_grad_loss, fixed_grads, make_model, param_groups
+
+WARMUP = 3  # steps before the graph is steady: the first builds state, the second uses it
+
+
+@dataclass(frozen=True)
+class Case:
+    """One optimizer setup on the replicas. ``groups``: the data-parallel replica groups
+    (None: all replicas). ``overflow``: (step, rank) whose first gradient is made inf."""
+
+    name: str
+    scenario: Scenario
+    api: str = "zero1"  # "zero1", "neuron" (NxD's settings) or "nxd_config"
+    groups: tuple[tuple[int, ...], ...] | None = None
+    dtype: torch.dtype = torch.bfloat16
+    overflow: tuple[int, int] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def build(case: Case, groups_arg, param_groups_: list[dict], world: int):
+    import nxd_smp
+    from nxd_smp import MixedPrecisionConfig
+
+    s = case.scenario
+    cls = s.optimizer_class
+    if case.api == "neuron":
+        # what NxD's initialize_parallel_optimizer passes on Neuron
+        cap = 130
+        return nxd_smp.NeuronZero1Optimizer(
+            param_groups_, cls, optimizer_dtype=torch.float32, grad_clipping=s.grad_clipping,
+            max_norm=s.max_norm, pin_layout=False, sharding_groups=groups_arg,
+            bucket_cap_mb_reduce_scatter=cap, bucket_cap_mb_all_gather=max(1, cap // world),
+            use_grad_acc_hook=True, higher_cc_precision=True, save_master_weights=True, **s.opt_kwargs,
+        )
+    if case.api == "nxd_config":
+        cfg = nxd_smp.neuronx_distributed_config(
+            optimizer_config={"zero_one_enabled": True, "grad_clipping": s.grad_clipping, "max_grad_norm": s.max_norm},
+            mixed_precision_config={"use_master_weights": s.master, "use_fp32_grad_acc": s.fp32_acc},
+        )
+        return nxd_smp.initialize_parallel_optimizer(cfg, cls, param_groups_, process_group=groups_arg, **s.opt_kwargs)
+    return nxd_smp.Zero1Optimizer(
+        param_groups_, cls,
+        mixed_precision=MixedPrecisionConfig(use_master_weights=s.master, use_fp32_grad_acc=s.fp32_acc),
+        grad_clipping=s.grad_clipping, max_norm=s.max_norm, process_group=groups_arg,
+        bucket_cap_mb=s.bucket_cap_mb, **case.extra, **s.opt_kwargs,
+    )
+
+
+def _state_tensors(model, opt) -> list[torch.Tensor]:
+    out = [p for p in model.parameters()] + opt.master_shards
+    for master in opt.master_shards:
+        out += [v for v in opt.inner_optimizer.state.get(master, {}).values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _counters() -> dict[str, float]:
+    import torch_xla.debug.metrics as met
+
+    return {
+        "compiles": (met.metric_data("CompileTime") or [0])[0],
+        "from_device": (met.metric_data("TransferFromDeviceTime") or [0])[0],
+        "item_calls": met.counter_value("xla::_local_scalar_dense") or 0,
+    }
+
+
+def train(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
+    import torch_xla
+
+    from tests.xla_replicas import barrier, serial, sync
+
+    device = torch_xla.device()
+    results = {}
+    for case in cases:
+        s = case.scenario
+        with serial:
+            model = make_model(s.seed, dtype=case.dtype)
+        model = model.to(device)
+        groups = None if case.groups is None else [list(g) for g in case.groups]
+        opt = build(case, groups, param_groups(model, lr_a=s.lr_a, lr_b=s.lr_b), world)
+        sync()
+        norms, marks, hlo, snapshots = [], {"harness_transfers": 0}, None, {}
+
+        def snapshot(key: str) -> None:
+            # The harness's own transfers, counted apart: XLA's counters are per process, so
+            # every replica snapshots between the same barriers and counts all of them.
+            barrier()
+            before = _counters()["from_device"]
+            barrier()
+            snapshots[key] = [t.cpu() for t in _state_tensors(model, opt)]
+            barrier()
+            marks["harness_transfers"] += _counters()["from_device"] - before
+            barrier()
+
+        for step in range(s.steps):
+            if case.overflow is not None and step == case.overflow[0]:
+                snapshot("before_overflow")
+            for micro in range(s.micro):
+                grads = fixed_grads(s.seed, rank, step, micro, model)
+                if case.overflow == (step, rank) and micro == 0:
+                    grads["lin1.weight"].view(-1)[0] = float("inf")
+                opt.scale_loss(fixed_grad_loss(model, grads)).backward()
+            opt.step()
+            if s.clear == "optimizer":
+                opt.zero_grad()
+            norms.append(opt.grad_norm)
+            if step == WARMUP:
+                hlo = torch_xla._XLAC._get_xla_tensors_hlo(_state_tensors(model, opt) + [opt.grad_norm])
+            sync()
+            if case.overflow is not None and step == case.overflow[0]:
+                snapshot("after_overflow")
+            if step + 1 in (WARMUP, s.steps):
+                barrier()  # every replica has compiled and run this step
+                marks[step + 1] = _counters()
+                barrier()
+        results[case.name] = {
+            "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
+            "norms": [float(n.cpu()) for n in norms],
+            "hlo": hlo,
+            "marks": marks,
+            "snapshots": snapshots,
+            "scale": None if opt.loss_scaler is None else float(opt.loss_scaler.scale.cpu()),
+        }
+    return results
+
+
+def _tp_grads(kind: str, key: int, shape) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * (kind == "split") + key)
+    return (torch.randn(shape, generator=g) * 0.5).bfloat16()
+
+
+def tp_norm(rank: int, world: int) -> dict[str, Any]:
+    """4 replicas as 2 data-parallel pairs x 2 tensor-parallel ranks: DP groups [[0,1],[2,3]]
+    (ranks 0 and 1 hold tensor-parallel part 0), TP groups [[0,2],[1,3]]. A replicated
+    parameter's gradient depends on the DP position only (as in real tensor parallelism, every
+    TP rank sees the same); the split one's on the rank."""
+    import torch.nn as nn
+    import torch_xla
+
+    import nxd_smp
+    from tests.xla_replicas import sync
+
+    device = torch_xla.device()
+    replicated = nn.Parameter(torch.zeros(10, dtype=torch.bfloat16, device=device))
+    split = nn.Parameter(torch.zeros(7, dtype=torch.bfloat16, device=device))
+    split.tensor_model_parallel = True
+    opt = nxd_smp.Zero1Optimizer(
+        [replicated, split], torch.optim.SGD, lr=0.0, max_norm=float("inf"),
+        process_group=[[0, 1], [2, 3]], grad_norm_groups=[[0, 2], [1, 3]],
+    )
+    sync()
+    dp_position = rank % 2
+    loss = (replicated.float() * _tp_grads("replicated", dp_position, 10).to(device).float()).sum() + (
+        split.float() * _tp_grads("split", rank, 7).to(device).float()).sum()
+    loss.backward()
+    opt.step()
+    sync()
+    return {"norm": float(opt.grad_norm.cpu())}

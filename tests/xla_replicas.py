@@ -1,0 +1,128 @@
+"""Run a function on N XLA CPU replicas with real in-graph collectives (NXD_FACTS.md,
+"Multi-replica XLA on CPU").
+
+``run_replicas(n, "module:function", *args)`` starts a child process with
+``PJRT_DEVICE=CPU CPU_NUM_DEVICES=n XLA_THREAD_POOL_SIZE>=n PJRT_CPU_ASYNC_CLIENT=0``; the
+child calls ``torch_xla.launch``, which runs one thread per replica, and each replica calls
+``function(rank, world_size, *args)`` and returns something ``torch.save`` can write. The
+parent kills the child's process group if it outlives ``timeout``, so a hang fails the test
+instead of blocking the suite.
+
+Inside a replica, ``sync()`` replaces ``torch_xla.sync()``: all replicas wait at one barrier
+first, so none reaches a collective more than XLA:CPU's ~15 s after the others (compile
+skew aborts the process). nxd_smp itself gives every collective on the XLA CPU device a
+channel id, which is how XLA:CPU matches the replicas of one collective.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+_barrier: threading.Barrier | None = None
+_barrier_lock = threading.Lock()
+#: Replicas are threads of one process and share torch's global RNG: hold this lock
+#: around code that seeds and draws from it (building a model), or the draws interleave.
+serial = threading.Lock()
+
+
+def replica_env(n: int) -> dict[str, str]:
+    """The environment a process running ``n`` XLA CPU replicas needs."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16")}
+    env.update(
+        PJRT_DEVICE="CPU",
+        CPU_NUM_DEVICES=str(n),
+        XLA_THREAD_POOL_SIZE=str(max(n, os.cpu_count() or 1) + 2),
+        PJRT_CPU_ASYNC_CLIENT="0",
+        PYTHONPATH=str(ROOT),
+    )
+    return env
+
+
+def run_replicas(n: int, target: str, *args: Any, timeout: float = 600) -> list[Any]:
+    """``target(rank, n, *args)`` on ``n`` XLA CPU replicas; the per-rank results."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        torch.save({"target": target, "args": args}, Path(out_dir) / "job.pt")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.xla_replicas", out_dir, str(n)],
+            cwd=ROOT, env=replica_env(n), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        )
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            raise AssertionError(f"{n} XLA replicas ran past {timeout} s (a hang?):\n{output[-4000:]}") from None
+        saved = [
+            torch.load(f, weights_only=False) if (f := Path(out_dir) / f"{rank}.pt").exists() else None
+            for rank in range(n)
+        ]
+        errors = [f"replica {rank}:\n{s['error']}" for rank, s in enumerate(saved) if s and "error" in s]
+        first = [e for e in errors if "BrokenBarrierError" not in e] or errors
+        if first or proc.returncode != 0 or None in saved:
+            raise AssertionError(
+                f"{n} XLA replicas failed (exit {proc.returncode}):\n"
+                + ("\n".join(first[:2]) if first else output[-6000:])
+            )
+        return [s["result"] for s in saved]
+
+
+def sync() -> None:
+    """``torch_xla.sync()`` once every replica is ready to run the same graph."""
+    import torch_xla
+
+    _barrier.wait()
+    torch_xla.sync()
+
+
+def barrier() -> None:
+    """Wait for every replica (no graph)."""
+    _barrier.wait()
+
+
+def _replica(index: int, out_dir: str, n: int) -> None:
+    import traceback
+
+    import torch_xla.runtime as xr
+
+    global _barrier
+    with _barrier_lock:
+        if _barrier is None:
+            _barrier = threading.Barrier(n, timeout=300)
+    job = torch.load(Path(out_dir) / "job.pt", weights_only=False)
+    module, name = job["target"].split(":")
+    fn = getattr(importlib.import_module(module), name)
+    rank = xr.global_ordinal()
+    assert rank == index, (rank, index)
+    try:
+        result = {"result": fn(rank, n, *job["args"])}
+    except BaseException:  # noqa: BLE001 - reported to the parent, then re-raised
+        result = {"error": traceback.format_exc()}
+        _barrier.abort()  # free the others: they would wait for this replica forever
+        torch.save(result, Path(out_dir) / f"{rank}.pt")
+        raise
+    torch.save(result, Path(out_dir) / f"{rank}.pt")
+
+
+def main(out_dir: str, n: int) -> None:
+    import torch_xla
+
+    # by its importable name, so that the replicas and the code they run share one barrier
+    from tests import xla_replicas
+
+    torch_xla.launch(xla_replicas._replica, args=(out_dir, n))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
