@@ -48,6 +48,10 @@ class Collectives(ABC):
         """This rank's part of a replicated flat tensor (the same values on every rank)."""
         return self.shard(flat)
 
+    def begin_step(self) -> None:
+        """Called when an optimizer step starts (the XLA CPU device numbers its collectives
+        per step)."""
+
     @abstractmethod
     def reduce_scatter(self, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Per flat buffer, this rank's shard of the sum over ranks. The buffers may be
@@ -121,11 +125,26 @@ class ProcessGroupCollectives(Collectives):
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
 
 
-# XLA:CPU runs each replica's independent collectives in an order of its own, and a replica
-# waiting in one collective while another waits in a different one never returns. So on the
-# XLA CPU device each collective's input waits for the previous collective's output (an
-# optimization barrier); one chain per replica thread, across every group.
-_xla_cpu_chain = threading.local()
+# The XLA CPU device runs replicas as threads and matches the replicas of a collective by
+# its kind and channel id. Two things make that reliable: every collective of a step has a
+# channel id of its own (one id for all of them let a fast replica join the next
+# collective's rendezvous while a slow one was still in the previous one), numbered from 1
+# at each step so every step compiles to the same graph; and each collective's input waits
+# for the previous collective's output (an optimization barrier), since XLA:CPU runs a
+# replica's independent collectives in an order of its own. State per replica thread,
+# shared by every group.
+_xla_cpu = threading.local()
+
+
+def restart_channel_ids() -> None:
+    """Number the next collectives on the XLA CPU device from 1 again (per thread)."""
+    _xla_cpu.next_channel = 1
+
+
+def _next_channel_id() -> int:
+    channel = getattr(_xla_cpu, "next_channel", 1)
+    _xla_cpu.next_channel = channel + 1
+    return channel
 
 
 class XlaReplicaCollectives(Collectives):
@@ -148,8 +167,6 @@ class XlaReplicaCollectives(Collectives):
     the parameters' all-gather included, so a step the loss scaler skips would still write
     NaN parameters. Each collective here starts from a fresh token and leaves a fresh one.
     """
-
-    _CHANNEL = 1
 
     def __init__(self, groups: Sequence[Sequence[int]] | None = None, pin_layout: bool = True):
         import torch_xla
@@ -185,19 +202,23 @@ class XlaReplicaCollectives(Collectives):
             index = self._rank_index[flat.device] = torch.tensor([self.rank], device=flat.device)
         return flat.view(self.world_size, -1).index_select(0, index).view(-1)
 
+    def begin_step(self) -> None:
+        if self._cpu:
+            restart_channel_ids()
+
     def _run(self, op, tensor: torch.Tensor, **kwargs):
         """One collective op on ``tensor``, fenced from torch_xla's numeric token (fresh in,
         fresh out); on the XLA CPU device also ordered after the previous collective and
-        given the channel id."""
+        given a channel id of its own."""
         self._xlac._set_all_reduce_token(self._xlac._xla_get_default_device(), None)
         try:
             if not self._cpu:
                 return op(tensor, **kwargs)
-            last = getattr(_xla_cpu_chain, "last", None)
+            last = getattr(_xla_cpu, "last", None)
             if last is not None:
                 self._xm.optimization_barrier_([tensor, last])
-            out = op(tensor, **kwargs)
-            _xla_cpu_chain.last = out.reshape(-1)[:1]
+            out = op(tensor, channel_id=_next_channel_id(), **kwargs)
+            _xla_cpu.last = out.reshape(-1)[:1]
             return out
         finally:
             self._xlac._set_all_reduce_token(self._xlac._xla_get_default_device(), None)
@@ -210,7 +231,7 @@ class XlaReplicaCollectives(Collectives):
                                      groups=self.groups, **kwargs)
 
         if self._cpu:
-            return [self._run(op, f, pin_layout=False, channel_id=self._CHANNEL) for f in flats]
+            return [self._run(op, f, pin_layout=False) for f in flats]
         if self.pin_layout or len(flats) < 2:  # torch_xla's coalesced form cannot pin its layout
             return [self._run(op, f, pin_layout=self.pin_layout) for f in flats]
         return list(self._run(op, list(flats), pin_layout=False))
@@ -222,15 +243,19 @@ class XlaReplicaCollectives(Collectives):
             return xm.all_gather(t, dim=0, groups=self.groups, **kwargs)
 
         if self._cpu:
-            return [self._run(op, s, pin_layout=False, channel_id=self._CHANNEL) for s in shards]
+            return [self._run(op, s, pin_layout=False) for s in shards]
         if self.pin_layout or len(shards) < 2:  # no coalesced all-gather with a pinned layout
             return [self._run(op, s, pin_layout=self.pin_layout) for s in shards]
         return list(self._run(op, list(shards), pin_layout=False))
 
     def all_reduce_(self, tensor):
-        if self._cpu:  # the one all-reduce form that takes a channel id (global device ids)
-            result = self._run(
-                lambda t: self._xlac._xla_spmd_all_reduce(self._xm.REDUCE_SUM, t, 1.0, self.groups), tensor)
+        if self._cpu:
+            # No all-reduce form takes a channel id of our choosing: gather and add up (these
+            # are norms, a few elements), in the group's order, the same on every rank.
+            gathered = self._run(
+                lambda t, **kw: self._xm.all_gather(t.reshape(1, -1), dim=0, groups=self.groups, **kw),
+                tensor, pin_layout=False)
+            result = gathered.sum(dim=0).view(tensor.shape)
         else:
             result = self._run(
                 lambda t: self._xm.all_reduce(self._xm.REDUCE_SUM, t, groups=self.groups, pin_layout=self.pin_layout),

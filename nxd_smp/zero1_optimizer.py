@@ -659,6 +659,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         elif closure is not None:
             inner_args["closure"] = closure
         inner_args.update(kwargs)
+        self._comm.begin_step()
         self.adopt_param_changes()
         if self._main_grads is not None:
             self._take_stray_grads()

@@ -135,6 +135,7 @@ def train(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
             "marks": marks,
             "snapshots": snapshots,
             "scale": None if opt.loss_scaler is None else float(opt.loss_scaler.scale.cpu()),
+            "buckets": len(opt.bucket_layouts),
         }
     return results
 

@@ -86,6 +86,16 @@ def sync() -> None:
     torch_xla.sync()
 
 
+def wait_for_device() -> None:
+    """Wait until this replica's device has run what it was given (for timing). Only this
+    replica's device: ``xm.wait_device_ops()`` waits for every device, and a replica waiting
+    for another one's collective while that one waits to dispatch its graph deadlocks."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    xm.wait_device_ops(torch_xla._XLAC._xla_real_devices([str(torch_xla.device())]))
+
+
 def barrier() -> None:
     """Wait for every replica (no graph)."""
     _barrier.wait()

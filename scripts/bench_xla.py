@@ -1,0 +1,271 @@
+#!/usr/bin/env python
+"""nxd_smp against torch_xla's ZeroRedundancyOptimizer with NxD's SMP settings, on the
+XLA CPU device at DP 1 and on 2 and 4 (or 8) CPU replicas, in one run.
+
+Both optimizers train the same 12-layer bf16 MLP with AdamW under the same replica
+harness (``tests/xla_replicas.py``: one process, a thread per replica). torch_xla's
+optimizer gets NxD's settings (fp32 optimizer dtype, ``use_grad_acc_hook``,
+``higher_cc_precision``, ``save_master_weights``, ``pin_layout=False``, bucket caps 130 MB and
+130 // dp MB) and the same channel-id treatment as nxd_smp: its collectives are routed
+through single-tensor ops with a channel id, ordered one after another and fenced from
+torch_xla's numeric token, which is what XLA:CPU replicas need (nxd_smp does the same
+internally on the XLA CPU device). Every iteration is two graphs: forward + backward, then
+the optimizer step, so the step graph can be read alone.
+
+Per optimizer and DP size:
+* iteration time (median after warm-up; every replica waits at a barrier before each graph);
+* peak resident memory per parameter on each rank, as a slope over two model sizes run in
+  separate processes (DESIGN.md section 8): (peak_b - peak_a) / (params_b - params_a) / dp;
+* graph compilations (all replicas together), after warm-up, and compile time;
+* HLO instructions of the step graph, and whether every rank's step graph is the same text.
+
+Prints a table and writes JSON (``--out``).
+
+    python scripts/bench_xla.py                                       # widths 768 and 1024, DP 1 2 4
+    python scripts/bench_xla.py --dp 1 2 4 8
+    python scripts/bench_xla.py --widths 64 128 --layers 2 --dp 1 2 --iters 2 --warmup 2   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TARGETS = {"iteration_ratio": 0.8, "memory_ratio": 0.8}
+KINDS = ("torch_xla", "nxd_smp")
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%\S+ = ", re.M)
+
+
+def hlo_instructions(hlo: str) -> int:
+    """Instructions in an HLO module's text, every computation included."""
+    return len(_INSTRUCTION.findall(hlo))
+
+
+def peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def make_model(width: int, layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()) for _ in range(layers)]
+    return torch.nn.Sequential(*blocks).to(torch.bfloat16)
+
+
+def patch_torch_xla_collectives() -> None:
+    """Route the collectives torch_xla's ZeroRedundancyOptimizer calls through nxd_smp's
+    XLA:CPU treatment (channel id, ordering, fresh token), one tensor at a time. Only that
+    module's ``xm`` is replaced (by a stand-in that delegates everything else)."""
+    import types
+
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.zero_redundancy_optimizer as zero
+
+    from nxd_smp.collectives import XlaReplicaCollectives
+
+    def comm(groups):
+        return XlaReplicaCollectives(groups, pin_layout=False)
+
+    def reduce_scatter(reduce_type, input, scale, scatter_dim, shard_count, groups=None, output=None,
+                       pin_layout=True, **_):
+        assert reduce_type == xm.REDUCE_SUM and scatter_dim == 0 and output is None
+        tensors = input if isinstance(input, list) else [input]
+        out = [r * scale if scale != 1.0 else r for r in comm(groups).reduce_scatter(tensors)]
+        return out if isinstance(input, list) else out[0]
+
+    def reduce_scatter_bucketized(reduce_type, input_list, scale, scatter_dim, shard_count, groups=None,
+                                  output=None, pin_layout=False, bucket_cap_mb=0, **_):
+        return reduce_scatter(reduce_type, list(input_list), scale, scatter_dim, shard_count, groups)
+
+    def all_gather(value, dim=0, groups=None, output=None, pin_layout=True, **_):
+        assert dim == 0 and output is None
+        tensors = value if isinstance(value, list) else [value]
+        out = comm(groups).all_gather(tensors)
+        return out if isinstance(value, list) else out[0]
+
+    def all_gather_bucketized(input_list, dim=0, groups=None, output=None, pin_layout=False, bucket_cap_mb=0, **_):
+        return all_gather(list(input_list), dim, groups)
+
+    def all_reduce(reduce_type, inputs, scale=1.0, groups=None, pin_layout=True):
+        assert reduce_type == xm.REDUCE_SUM
+        tensors = inputs if isinstance(inputs, list) else [inputs.clone()]
+        c = comm(groups)
+        for t in tensors:
+            c.all_reduce_(t)
+            if scale != 1.0:
+                t.mul_(scale)
+        return tensors if isinstance(inputs, list) else tensors[0]
+
+    stand_in = types.SimpleNamespace(**{k: getattr(xm, k) for k in dir(xm) if not k.startswith("__")})
+    stand_in.reduce_scatter, stand_in.reduce_scatter_bucketized = reduce_scatter, reduce_scatter_bucketized
+    stand_in.all_gather, stand_in.all_gather_bucketized, stand_in.all_reduce = (
+        all_gather, all_gather_bucketized, all_reduce)
+    zero.xm = stand_in
+
+
+def build(kind: str, model: torch.nn.Module, world: int):
+    if kind == "torch_xla":
+        from torch_xla.distributed.zero_redundancy_optimizer import ZeroRedundancyOptimizer
+
+        patch_torch_xla_collectives()
+        cap = 130  # NxD's bucket caps
+        return ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.AdamW, optimizer_dtype=torch.float32, grad_clipping=True,
+            max_norm=1.0, pin_layout=False, bucket_cap_mb_reduce_scatter=cap,
+            bucket_cap_mb_all_gather=max(1, cap // world), use_grad_acc_hook=True,
+            higher_cc_precision=True, save_master_weights=True, lr=1e-4,
+        )
+    import nxd_smp
+
+    cfg = nxd_smp.neuronx_distributed_config(
+        optimizer_config={"zero_one_enabled": True, "grad_clipping": True, "max_grad_norm": 1.0},
+        mixed_precision_config={"use_master_weights": True, "use_fp32_grad_acc": True},
+    )
+    return nxd_smp.initialize_parallel_optimizer(cfg, torch.optim.AdamW, model.parameters(), lr=1e-4)
+
+
+def replica(rank: int, world: int, kind: str, width: int, layers: int, iters: int, warmup: int) -> dict[str, Any]:
+    """One replica's run (called by tests/xla_replicas.py in the benchmark's child process)."""
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    from nxd_smp.collectives import restart_channel_ids
+    from tests.xla_replicas import barrier, serial, sync, wait_for_device
+
+    device = torch_xla.device()
+    with serial:
+        model = make_model(width, layers)
+    model = model.to(device)
+    params = sum(p.numel() for p in model.parameters())
+    opt = build(kind, model, world)
+    sync()
+    g = torch.Generator().manual_seed(rank)
+    data = [torch.randn(16, width, generator=g).bfloat16() for _ in range(warmup + iters)]
+    times, hlo, marks = [], None, {}
+    for i, x in enumerate(data):
+        barrier()
+        start = time.perf_counter()
+        model(x.to(device)).float().pow(2).mean().backward()
+        sync()
+        restart_channel_ids()  # nxd_smp does this in step(); the same for torch_xla's optimizer
+        opt.step()
+        opt.zero_grad()
+        if i == warmup:
+            hlo = torch_xla._XLAC._get_xla_tensors_hlo(
+                [p for p in model.parameters()] + [t for t in _optimizer_tensors(opt)])
+        sync()
+        wait_for_device()
+        barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        if i + 1 == warmup:
+            marks = {"compiles": (met.metric_data("CompileTime") or [0])[0]}
+    compile_data = met.metric_data("CompileTime") or [0, 0]
+    barrier()
+    return {
+        "params": params,
+        "iter_ms": statistics.median(times) * 1e3,
+        "compiles": compile_data[0],
+        "compiles_after_warmup": compile_data[0] - marks["compiles"],
+        "compile_s": compile_data[1] / 1e9,
+        "step_hlo_instructions": hlo_instructions(hlo),
+        "step_hlo_sha": hashlib.sha256(hlo.encode()).hexdigest(),
+        "peak_rss": peak_rss(),
+    }
+
+
+def _optimizer_tensors(opt) -> list[torch.Tensor]:
+    """What the step writes besides the parameters: master shards and optimizer states."""
+    inner = getattr(opt, "base_optimizer", None) or opt.inner_optimizer
+    out = []
+    for group in inner.param_groups:
+        for shard in group["params"]:
+            out.append(shard)
+            out.extend(v for v in inner.state.get(shard, {}).values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def run(kind: str, world: int, width: int, layers: int, iters: int, warmup: int) -> dict[str, Any]:
+    from tests.xla_replicas import run_replicas
+
+    ranks = run_replicas(world, "scripts.bench_xla:replica", kind, width, layers, iters, warmup, timeout=1800)
+    result = dict(ranks[0])
+    result["one_graph_for_all_ranks"] = len({r["step_hlo_sha"] for r in ranks}) == 1
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--widths", type=int, nargs=2, default=[768, 1024], help="two model widths for the memory slope")
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", type=Path, default=Path("bench_results/bench_xla.json"))
+    a = p.parse_args()
+    if a.widths[0] >= a.widths[1] or min(a.widths) < 1:
+        p.error("--widths needs two increasing positive widths")
+    if min(a.dp) < 1 or a.layers < 1 or a.iters < 1 or a.warmup < 2:
+        p.error("--dp and --layers must be positive, --iters >= 1, --warmup >= 2")
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # glibc returns large frees
+
+    rows, results = [], {}
+    for world in a.dp:
+        for kind in KINDS:
+            small = run(kind, world, a.widths[0], a.layers, a.iters, a.warmup)
+            large = run(kind, world, a.widths[1], a.layers, a.iters, a.warmup)
+            slope = (large["peak_rss"] - small["peak_rss"]) / (large["params"] - small["params"]) / world
+            results[f"{kind}_dp{world}"] = {"small": small, "large": large, "bytes_per_param": slope}
+            print(f"  {kind} DP={world}: {large['iter_ms']:.1f} ms/iteration, {slope:.1f} bytes/param", flush=True)
+    ratios = {}
+    for world in a.dp:
+        ours, theirs = results[f"nxd_smp_dp{world}"], results[f"torch_xla_dp{world}"]
+        ratios[f"dp{world}"] = {
+            "iteration": ours["large"]["iter_ms"] / theirs["large"]["iter_ms"],
+            "memory": ours["bytes_per_param"] / theirs["bytes_per_param"],
+            "hlo_instructions": ours["large"]["step_hlo_instructions"] / theirs["large"]["step_hlo_instructions"],
+        }
+        for kind in KINDS:
+            r = results[f"{kind}_dp{world}"]
+            rows.append((f"{kind} DP={world}", f"{r['large']['iter_ms']:.1f}", f"{r['bytes_per_param']:.1f}",
+                         f"{r['large']['compiles']} ({r['large']['compiles_after_warmup']})",
+                         f"{r['large']['compile_s']:.1f}", str(r["large"]["step_hlo_instructions"]),
+                         "yes" if r["large"]["one_graph_for_all_ranks"] else "NO"))
+    n = results[f"nxd_smp_dp{a.dp[0]}"]["large"]["params"]
+    print(f"\n{a.layers}-layer bf16 MLP, {n / 1e6:.1f}M parameters (slope against {a.widths[0]} wide), AdamW, "
+          f"median of {a.iters} iterations after {a.warmup} warm-up; XLA CPU replicas in one process")
+    header = ("optimizer", "iteration ms", "bytes/param/rank", "compilations (after warm-up)",
+              "compile s", "step HLO instructions", "one step graph for all ranks")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("-" * (len(h) + 2) for h in header) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    for world in a.dp:
+        r = ratios[f"dp{world}"]
+        print(f"DP={world}: nxd_smp / torch_xla: iteration {r['iteration']:.2f}, memory {r['memory']:.2f} "
+              f"(targets <= {TARGETS['iteration_ratio']}), step HLO instructions {r['hlo_instructions']:.2f} (<= 1)")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({"results": results, "ratios": ratios, "targets": TARGETS,
+                                 "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}},
+                                indent=2) + "\n")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
