@@ -45,11 +45,20 @@ __all__ = [
     "Zero1Optimizer",
     "NeuronZero1Optimizer",
     "DEFAULT_BUCKET_CAP_MB",
+    "DEFAULT_XLA_BUCKET_CAP_MB",
 ]
 
-#: Default bucket size: 128 MiB of fp32 gradient (32M elements). NxD reports NaNs on
-#: Neuron with buckets above ~140 MB, so stay below that.
+#: Default bucket size on CPU/CUDA: 128 MiB of fp32 gradient (32M elements); the fused
+#: kernels run over a few large shards. NxD reports NaNs on Neuron with buckets above
+#: ~140 MB, so stay below that.
 DEFAULT_BUCKET_CAP_MB = 128.0
+#: Default on XLA devices: 16 MiB (4M elements). A step works through its buckets one after
+#: the other, so a bucket's temporaries (its concatenated gradient, its gathered parameters)
+#: are what the step adds to memory, and XLA's fusions run faster at this size. On the XLA
+#: CPU device (16.8M-parameter MLP): 25.5 bytes/param peak and 139 ms per step, against
+#: 37.1 and 199 ms with one 128 MiB bucket. With pin_layout=False (NxD's setting) the
+#: buckets of a step still go out as one coalesced collective.
+DEFAULT_XLA_BUCKET_CAP_MB = 16.0
 
 SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -207,7 +216,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
         reduce_dtype: dtype of the gradient reduce-scatter (None: fp32 with fp32
             accumulation, else the parameter dtype).
         bucket_cap_mb: largest bucket in MiB of fp32 elements; ``0`` puts each parameter
-            in a bucket of its own, ``inf`` makes one bucket per (group, dtype).
+            in a bucket of its own, ``inf`` makes one bucket per (group, dtype). None: 128
+            on CPU/CUDA, 16 on XLA devices (``DEFAULT_BUCKET_CAP_MB``,
+            ``DEFAULT_XLA_BUCKET_CAP_MB``).
         grad_norm_groups: the tensor-parallel groups (NxD passes its TP replica groups): a
             process group, a list of them, or torch_xla replica groups. Parameters marked
             ``tensor_model_parallel=True`` count each member's part, the others are counted
@@ -245,7 +256,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         max_norm: float = 1.0,
         process_group: GroupSpec = None,
         reduce_dtype: torch.dtype | None = None,
-        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        bucket_cap_mb: float | None = None,
         grad_norm_groups: NormGroupSpec = None,
         pipeline_groups: NormGroupSpec = None,
         pin_layout: bool = True,
@@ -288,12 +299,11 @@ class Zero1Optimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"reduce_dtype must be None or a floating torch.dtype, got {reduce_dtype!r}."
             )
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not (
-            bucket_cap_mb >= 0
-        ):
+        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+                                          or not bucket_cap_mb >= 0):
             raise ValueError(
-                f"bucket_cap_mb must be a number >= 0 (0: one bucket per parameter, inf: no "
-                f"limit), got {bucket_cap_mb!r}."
+                f"bucket_cap_mb must be None or a number >= 0 (0: one bucket per parameter, inf: "
+                f"no limit), got {bucket_cap_mb!r}."
             )
 
         groups = _param_groups(params)
@@ -345,6 +355,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
         super().__init__(wrapper_groups, full_defaults)
         self._layout_frozen = True
 
+        if bucket_cap_mb is None:
+            bucket_cap_mb = DEFAULT_XLA_BUCKET_CAP_MB if self._device.type == "xla" else DEFAULT_BUCKET_CAP_MB
         cap = bucket_cap_mb * 2**20 / 4
         self._cap_numel = None if math.isinf(cap) else max(1, int(cap))
         self._initialized = False

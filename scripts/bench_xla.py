@@ -14,16 +14,17 @@ the optimizer step, so the step graph can be read alone.
 
 Per optimizer and DP size:
 * iteration time (median after warm-up; every replica waits at a barrier before each graph);
-* peak resident memory per parameter on each rank, as a slope over two model sizes run in
-  separate processes (DESIGN.md section 8): (peak_b - peak_a) / (params_b - params_a) / dp;
+* peak resident memory per parameter on each rank, as a slope over two model depths run in
+  separate processes (DESIGN.md section 8): (peak_b - peak_a) / (params_b - params_a) / dp
+  (depths rather than widths, so that both sizes cut into buckets the same way);
 * graph compilations (all replicas together), after warm-up, and compile time;
 * HLO instructions of the step graph, and whether every rank's step graph is the same text.
 
 Prints a table and writes JSON (``--out``).
 
-    python scripts/bench_xla.py                                       # widths 768 and 1024, DP 1 2 4
+    python scripts/bench_xla.py                                  # 12 and 24 layers of 1024, DP 1 2 4
     python scripts/bench_xla.py --dp 1 2 4 8
-    python scripts/bench_xla.py --widths 64 128 --layers 2 --dp 1 2 --iters 2 --warmup 2   # a quick look
+    python scripts/bench_xla.py --width 64 --layers 2 4 --dp 1 2 --iters 2 --warmup 2   # a quick look
 """
 
 from __future__ import annotations
@@ -212,24 +213,24 @@ def run(kind: str, world: int, width: int, layers: int, iters: int, warmup: int)
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--widths", type=int, nargs=2, default=[768, 1024], help="two model widths for the memory slope")
-    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--layers", type=int, nargs=2, default=[12, 24], help="two depths for the memory slope")
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("bench_results/bench_xla.json"))
     a = p.parse_args()
-    if a.widths[0] >= a.widths[1] or min(a.widths) < 1:
-        p.error("--widths needs two increasing positive widths")
-    if min(a.dp) < 1 or a.layers < 1 or a.iters < 1 or a.warmup < 2:
-        p.error("--dp and --layers must be positive, --iters >= 1, --warmup >= 2")
+    if a.layers[0] >= a.layers[1] or min(a.layers) < 1:
+        p.error("--layers needs two increasing positive depths")
+    if min(a.dp) < 1 or a.width < 1 or a.iters < 1 or a.warmup < 2:
+        p.error("--dp and --width must be positive, --iters >= 1, --warmup >= 2")
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # glibc returns large frees
 
     rows, results = [], {}
     for world in a.dp:
         for kind in KINDS:
-            small = run(kind, world, a.widths[0], a.layers, a.iters, a.warmup)
-            large = run(kind, world, a.widths[1], a.layers, a.iters, a.warmup)
+            small = run(kind, world, a.width, a.layers[0], a.iters, a.warmup)
+            large = run(kind, world, a.width, a.layers[1], a.iters, a.warmup)
             slope = (large["peak_rss"] - small["peak_rss"]) / (large["params"] - small["params"]) / world
             results[f"{kind}_dp{world}"] = {"small": small, "large": large, "bytes_per_param": slope}
             print(f"  {kind} DP={world}: {large['iter_ms']:.1f} ms/iteration, {slope:.1f} bytes/param", flush=True)
@@ -248,7 +249,8 @@ def main() -> None:
                          f"{r['large']['compile_s']:.1f}", str(r["large"]["step_hlo_instructions"]),
                          "yes" if r["large"]["one_graph_for_all_ranks"] else "NO"))
     n = results[f"nxd_smp_dp{a.dp[0]}"]["large"]["params"]
-    print(f"\n{a.layers}-layer bf16 MLP, {n / 1e6:.1f}M parameters (slope against {a.widths[0]} wide), AdamW, "
+    print(f"\nbf16 MLP {a.layers[1]} x {a.width} wide, {n / 1e6:.1f}M parameters (memory: slope against "
+          f"{a.layers[0]} layers), AdamW, "
           f"median of {a.iters} iterations after {a.warmup} warm-up; XLA CPU replicas in one process")
     header = ("optimizer", "iteration ms", "bytes/param/rank", "compilations (after warm-up)",
               "compile s", "step HLO instructions", "one step graph for all ranks")
