@@ -2,7 +2,7 @@
 neuronx-distributed's ``NeuronZero1Optimizer`` and ``mixed_precision_config``."""
 
 from . import fused_adamw, precision_ops
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, finalize_checkpoint, load_checkpoint, save_checkpoint
 from .loss_scaler import DynamicLossScaler
 from .mixed_precision_config import ConfigError, MixedPrecisionConfig, OptimizerConfig
 from .trainer import ClippedOptimizer, initialize_parallel_optimizer, neuronx_distributed_config
@@ -15,6 +15,7 @@ __all__ = [
     "ClippedOptimizer",
     "ConfigError",
     "DynamicLossScaler",
+    "finalize_checkpoint",
     "MixedPrecisionConfig",
     "NeuronZero1Optimizer",
     "OptimizerConfig",

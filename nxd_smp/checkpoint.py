@@ -1,4 +1,5 @@
-"""Sharded, reshardable, atomic checkpoints of a model and its ``Zero1Optimizer``.
+"""Sharded, reshardable, atomic checkpoints of a model, its ``Zero1Optimizer``, and the
+caller's scheduler and other stateful objects; saved synchronously or in the background.
 
 Format: a PyTorch Distributed Checkpoint (``torch.distributed.checkpoint``) directory,
 keyed by parameter name:
@@ -9,15 +10,21 @@ keyed by parameter name:
   contiguous piece a rank owned; ``optim/<param>/<state key>`` for 0-dim state (``step``);
 * ``master/<param>/<start>``: the same for fp32 master weights, when they are saved;
 
-plus ``nxd_smp_meta.pt`` (shapes, dtypes, param groups, which pieces exist, the DP size
-written at), ``extra.pt`` (the caller's ``extra``) and, written last, ``COMPLETE.json``
-(size and CRC-32 of every file). Because every piece is addressed by parameter name and
-element range, a checkpoint written at DP size N loads at any DP size M.
+stored as raw bytes by ``checkpoint_storage`` (a few large files per rank, CRC-32 of every
+tensor and file computed while writing), plus ``nxd_smp_meta.pt`` (shapes, dtypes, param
+groups, which pieces exist, the DP size written at), ``extra.pt`` (the caller's ``extra``
+and the state dicts of the scheduler and other stateful objects) and, written last,
+``COMPLETE.json`` (size and CRC-32 of every file, when it was saved). Because every piece is
+addressed by parameter name and element range, a checkpoint written at DP size N loads at
+any DP size M. Checkpoints of format 1 (DCP's own file writer) still load.
 
 Atomicity: ``path`` is a symbolic link to a sibling directory ``.<name>.v-<id>``. A save
 writes a new sibling, fsyncs it, then swaps the link with ``os.replace`` and removes the
 old sibling, so ``path`` always resolves to a complete checkpoint. A save cut off before
 the swap leaves a sibling without ``COMPLETE.json``, which ``load_checkpoint`` reports.
+With ``async_save=True`` the call returns once the state is copied to host memory and the
+rest happens in the background (``finalize_checkpoint()`` waits for it); with
+``num_kept_ckpts`` only the newest checkpoints of the directory are kept.
 
 Loading reads and checks everything into staging buffers before it changes the model or
 the optimizer; a refused load changes nothing.
@@ -26,10 +33,13 @@ the optimizer; a refused load changes nothing.
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import logging
 import os
 import shutil
+import threading
+import time
 import uuid
 import warnings
 import zlib
@@ -43,12 +53,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
+from .checkpoint_storage import ChecksumError, RawStorageReader, RawStorageWriter
 from .zero1_optimizer import Zero1Optimizer
 
 __all__ = [
     "CheckpointError",
     "save_checkpoint",
     "load_checkpoint",
+    "finalize_checkpoint",
     "inspect_checkpoint",
     "consolidate",
     "read_checkpoint",
@@ -57,13 +69,15 @@ __all__ = [
     "load_full_optimizer_state",
 ]
 
-FORMAT = "nxd_smp.checkpoint/1"
+FORMAT = "nxd_smp.checkpoint/2"
+FORMAT_V1 = "nxd_smp.checkpoint/1"  # tensors in DCP's own FileSystemWriter files; still loaded
 META_FILE = "nxd_smp_meta.pt"
 EXTRA_FILE = "extra.pt"
 COMPLETE_FILE = "COMPLETE.json"
 _CRC_BLOCK = 16 << 20
-# DCP writes one file per thread and rank; two writers overlap serialisation with I/O.
+# Files (and threads) per rank: two overlap one file's checksum with the other's writes.
 _WRITE_THREADS = max(1, min(4, os.cpu_count() or 1))
+_SCHEDULER = "scheduler"
 
 log = logging.getLogger(__name__)
 
@@ -210,14 +224,114 @@ def param_group_names(model: nn.Module, optimizer: Zero1Optimizer) -> list[list[
     return [record["params"] for record in _group_records(optimizer, managed_param_names(model, optimizer))]
 
 
+# ---------------------------------------------------------------------------- stateful objects
+def _stateful_objects(scheduler: Any, stateful: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``{name: object}`` for the scheduler and the caller's other stateful objects, each
+    checked to have ``state_dict()`` and ``load_state_dict()``."""
+    objects: dict[str, Any] = {}
+    if stateful is not None:
+        if not isinstance(stateful, Mapping):
+            raise TypeError(f"stateful must be a dict of name -> object, got {type(stateful).__name__}.")
+        for name, obj in stateful.items():
+            if not isinstance(name, str) or name == _SCHEDULER:
+                raise ValueError(
+                    f"stateful names must be strings other than {_SCHEDULER!r} (pass the scheduler as "
+                    f"scheduler=...), got {name!r}."
+                )
+            objects[name] = obj
+    if scheduler is not None:
+        objects[_SCHEDULER] = scheduler
+    for name, obj in objects.items():
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(
+                f"{name}: {type(obj).__name__} has no state_dict()/load_state_dict(); pass objects that "
+                f"do (an LR scheduler, a data loader's sampler, ...), or put plain values in extra=."
+            )
+    return objects
+
+
+# ---------------------------------------------------------------------------- saves in flight
+class _SaveInFlight:
+    """The background part of an asynchronous save: its thread and how it ended."""
+
+    def __init__(self, name: str, work) -> None:
+        self.name = name
+        self.error: BaseException | None = None
+        self.raised = False
+        self._thread = threading.Thread(target=self._run, args=(work,), name=f"nxd_smp save {name}")
+        self._thread.start()
+
+    def _run(self, work) -> None:
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - kept for finalize_checkpoint / the next save
+            self.error = e
+            log.error("nxd_smp: the asynchronous save of %s failed: %s", self.name, e)
+
+    def wait(self) -> None:
+        self._thread.join()
+
+
+_in_flight: _SaveInFlight | None = None
+_in_flight_lock = threading.Lock()
+_async_groups: dict[Any, dist.ProcessGroup] = {}
+
+
+def finalize_checkpoint() -> None:
+    """Wait for the asynchronous save in flight (if any) to finish; raise its error. Every
+    rank calls it, e.g. before the end of training. A failure is raised once: by this
+    call, or else by the next ``save_checkpoint``."""
+    _finish_save_in_flight(raise_error=True)
+
+
+def _finish_save_in_flight(raise_error: bool) -> None:
+    """Wait for the save in flight. Its failure stays pending until raised once (here when
+    ``raise_error``); then the next save starts afresh."""
+    global _in_flight
+    with _in_flight_lock:
+        save = _in_flight
+    if save is None:
+        return
+    save.wait()
+    if save.error is not None and not raise_error:
+        return
+    with _in_flight_lock:
+        if _in_flight is save:
+            _in_flight = None
+    if save.error is not None and not save.raised:
+        save.raised = True
+        raise CheckpointError(f"the asynchronous save of {save.name} failed: {save.error}") from save.error
+
+
+def _background_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A gloo group over the same ranks for the background thread's coordination, so that it
+    never shares a communicator with the training loop. Made once, by every rank."""
+    if not _dist_active():
+        return None
+    world = dist.get_world_size()
+    if group is not None and dist.get_world_size(group) != world:
+        raise CheckpointError(
+            "async_save=True needs the optimizer's data-parallel group to span every rank (its "
+            "coordination group is made by all of them); save synchronously with this group."
+        )
+    key = "world"
+    if key not in _async_groups:
+        _async_groups[key] = dist.new_group(backend="gloo")
+    return _async_groups[key]
+
+
 # ---------------------------------------------------------------------------- save
 def save_checkpoint(
     path: str | os.PathLike,
     *,
     model: nn.Module,
     optimizer: Zero1Optimizer | None = None,
+    scheduler: Any = None,
+    stateful: Mapping[str, Any] | None = None,
     extra: Any = None,
     save_master_weights: bool | None = None,
+    async_save: bool = False,
+    num_kept_ckpts: int | None = None,
     progress: bool | None = None,
 ) -> Path:
     """Write ``model`` (and ``optimizer``'s sharded state) to ``path``; every rank calls it.
@@ -228,21 +342,36 @@ def save_checkpoint(
             existing empty directory at ``path`` is replaced, anything else is refused.
         model: the model; its ``state_dict()`` is written once (it is replicated).
         optimizer: a ``Zero1Optimizer``; each rank writes only the pieces it owns.
+        scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``), saved
+            with the optimizer and restored by ``load_checkpoint(..., scheduler=...)``.
+        stateful: more such objects by name (a sampler, a data loader, ...).
         extra: anything picklable (step counter, RNG state, ...), returned by ``load_checkpoint``.
         save_master_weights: write the fp32 master weights (default: the optimizer's
             ``use_master_weights_in_ckpt``).
+        async_save: return once the state is copied to host memory; writing, fsync and the
+            swap of ``path`` happen in the background. At most one save is in flight: the
+            next save (or ``finalize_checkpoint()``) waits for it and raises its error.
+        num_kept_ckpts: keep only the newest this many complete checkpoints in ``path``'s
+            directory (NxD's name); the new one and the newest complete one are never removed.
         progress: show a progress bar on rank 0 (default: when this module's logger is
             at INFO or below).
 
     Returns:
-        The path of the version directory now behind ``path``.
+        The path of the version directory behind ``path`` (for an asynchronous save, the one
+        it will be once the background part is done).
+
+    Raises:
+        CheckpointError: bad arguments, or the error of a previous asynchronous save that
+            nothing raised yet (that save is then over, and this one is not started).
     """
     _check_args(model, optimizer)
+    objects = _stateful_objects(scheduler, stateful)
+    if not isinstance(async_save, bool):
+        raise TypeError(f"async_save must be True or False, got {async_save!r}.")
+    if num_kept_ckpts is not None and (isinstance(num_kept_ckpts, bool) or not isinstance(num_kept_ckpts, int)
+                                       or num_kept_ckpts < 1):
+        raise ValueError(f"num_kept_ckpts must be a positive int or None, got {num_kept_ckpts!r}.")
     path = Path(path)
-    if path.exists() and not path.is_symlink() and not (path.is_dir() and not any(path.iterdir())):
-        raise CheckpointError(
-            f"{path} exists and is not an nxd_smp checkpoint link; pass a new path or remove it."
-        )
     masters_on = optimizer is not None and optimizer.mixed_precision.use_master_weights
     if save_master_weights is None:
         save_master_weights = optimizer is not None and optimizer.mixed_precision.use_master_weights_in_ckpt
@@ -251,55 +380,137 @@ def save_checkpoint(
             "save_master_weights=True, but the optimizer keeps no master weights "
             "(use_master_weights=False); pass save_master_weights=None or False."
         )
+    _finish_save_in_flight(raise_error=True)  # at most one in flight; its failure surfaces here
+    if path.exists() and not path.is_symlink() and not (path.is_dir() and not any(path.iterdir())):
+        raise CheckpointError(
+            f"{path} exists and is not an nxd_smp checkpoint link; pass a new path or remove it."
+        )
     group = _group(optimizer)
     rank = _rank(group)
-    phases = ["gather state", "write shards", "checksum", "publish"]
-    with _phases(progress, rank, phases, f"save {path.name}") as advance:
-        version = _broadcast(f"{_version_prefix(path)}{uuid.uuid4().hex[:12]}", group)
-        target = path.parent / version
-        if rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if path.is_dir() and not path.is_symlink():
-                path.rmdir()  # an empty directory made for us: the link takes its place
-            target.mkdir()
-        _barrier(group)
+    background = _background_group(group) if async_save else None
 
-        state, meta = _state_to_save(model, optimizer, bool(save_master_weights))
-        advance("gather state")
-        with _quiet_dcp():
-            dcp.save(
-                state,
-                storage_writer=dcp.FileSystemWriter(target, sync_files=True, thread_count=_WRITE_THREADS),
-                process_group=group,
-                no_dist=not _dist_active(),
-            )
-        advance("write shards")
-        own = {f.name: [f.stat().st_size, _crc32(f)] for f in target.glob(f"__{rank}_*.distcp")}
-        gathered = [own]
-        if _dist_active():
-            gathered = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, own, group=group)
-        advance("checksum")
-        if rank == 0:
-            torch.save(meta, target / META_FILE)
-            torch.save(extra, target / EXTRA_FILE)
-            files = {name: v for part in gathered for name, v in part.items()}
-            for name in (".metadata", META_FILE, EXTRA_FILE):
-                f = target / name
-                files[name] = [f.stat().st_size, _crc32(f)]
-            for name in (META_FILE, EXTRA_FILE):
-                with open(target / name, "rb") as f:
-                    os.fsync(f.fileno())
-            complete = target / COMPLETE_FILE
-            with open(complete, "w") as f:
-                json.dump({"format": FORMAT, "files": files}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(target)
-            _publish(path, version)
-        _barrier(group)
-        advance("publish")
+    version = _broadcast(f"{_version_prefix(path)}{uuid.uuid4().hex[:12]}", group)
+    target = path.parent / version
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_dir() and not path.is_symlink():
+            path.rmdir()  # an empty directory made for us: the link takes its place
+        target.mkdir()
+    _barrier(group)
+
+    state, meta = _state_to_save(model, optimizer, bool(save_master_weights))
+    small_files = _serialize_small_files(meta, extra, objects) if rank == 0 else {}
+    job = dict(path=path, target=target, version=version, num_kept=num_kept_ckpts, rank=rank)
+    if not async_save:
+        with _phases(progress, rank, ["write", "publish"], f"save {path.name}") as advance:
+            _write_and_publish(state, small_files, group, advance=advance, **job)
+        return target
+
+    with _phases(progress, rank, ["stage"], f"stage {path.name}") as advance:
+        state = _stage(state)
+        advance("stage")
+
+    def work() -> None:
+        _write_and_publish(state, small_files, background, advance=lambda name: log.info("save %s: %s", path.name, name),
+                           **job)
+
+    global _in_flight
+    with _in_flight_lock:
+        _in_flight = _SaveInFlight(str(path), work)
     return target
+
+
+def _serialize_small_files(meta: dict[str, Any], extra: Any, objects: Mapping[str, Any]) -> dict[str, bytes]:
+    """The metadata and the caller's state as bytes, taken now (an asynchronous save writes
+    what the state was at the call, whatever happens to the objects afterwards)."""
+    files = {}
+    for name, value in (
+        (META_FILE, meta),
+        (EXTRA_FILE, {"extra": extra, "objects": {k: obj.state_dict() for k, obj in objects.items()}}),
+    ):
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        files[name] = buffer.getvalue()
+    return files
+
+
+# Host buffers of the last asynchronous save, reused by the next one: copying into memory
+# already paged in is ~6x faster than into fresh memory (0.09 s against 0.6 s for 1.3 GB
+# here), and that copy is all an asynchronous save holds training up for. They cost this
+# rank's part of a checkpoint in host memory, as DCP's cached staging does.
+_staging: dict[str, torch.Tensor] = {}
+
+
+def _stage(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host-memory copies of every tensor (the live ones may change while they are written),
+    in the previous asynchronous save's buffers where they fit. Only called once the
+    previous save has finished with them."""
+    staged = {}
+    for key, t in state.items():
+        buffer = _staging.get(key)
+        if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
+            buffer = torch.empty(t.shape, dtype=t.dtype)
+        staged[key] = buffer.copy_(t.detach())
+    _staging.clear()
+    _staging.update(staged)
+    return staged
+
+
+def _write_and_publish(
+    state: Mapping[str, torch.Tensor],
+    small_files: Mapping[str, bytes],
+    group: dist.ProcessGroup | None,
+    *,
+    path: Path,
+    target: Path,
+    version: str,
+    num_kept: int | None,
+    rank: int,
+    advance,
+) -> None:
+    """Write every rank's tensors, then (rank 0) the small files, the completion record,
+    the swap of ``path`` and the retention; every rank ends with the same outcome."""
+    writer = RawStorageWriter(target, threads=_WRITE_THREADS)
+    with _quiet_dcp():
+        dcp.save(state, storage_writer=writer, process_group=group, no_dist=not _dist_active())
+    advance("write")
+    gathered = [writer.files]
+    if _dist_active():
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, writer.files, group=group)
+    error = None
+    if rank == 0:
+        try:
+            _complete_and_publish(path, target, version, gathered, small_files, num_kept)
+        except Exception as e:  # noqa: BLE001 - every rank raises it below
+            error = e
+    error = _broadcast(error, group)
+    if error is not None:
+        raise error
+    advance("publish")
+
+
+def _complete_and_publish(
+    path: Path, target: Path, version: str, gathered: list[dict], small_files: Mapping[str, bytes],
+    num_kept: int | None,
+) -> None:
+    files = {name: list(v) for part in gathered for name, v in part.items()}
+    for name, data in small_files.items():
+        with open(target / name, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        files[name] = [len(data), zlib.crc32(data)]
+    metadata = target / ".metadata"
+    files[".metadata"] = [metadata.stat().st_size, _crc32(metadata)]
+    with open(target / COMPLETE_FILE, "w") as f:
+        json.dump({"format": FORMAT, "files": files, "saved_at_ns": time.time_ns()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(target)
+    _publish(path, version)
+    if num_kept is not None:
+        _retain(path.parent, num_kept, newest=path)
 
 
 def _publish(path: Path, version: str) -> None:
@@ -315,6 +526,41 @@ def _publish(path: Path, version: str) -> None:
     for stale in path.parent.glob(f"{_version_prefix(path)}*"):
         if stale.name != version and not (stale / COMPLETE_FILE).exists():
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def _checkpoint_links(directory: Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints in ``directory`` (links to a version with a completion
+    record), with when they were saved, newest first."""
+    found = []
+    for entry in directory.iterdir():
+        if not entry.is_symlink() or entry.name.startswith("."):
+            continue
+        target = directory / os.readlink(entry)
+        if not target.name.startswith(_version_prefix(entry)) or not (target / COMPLETE_FILE).is_file():
+            continue
+        try:
+            with open(target / COMPLETE_FILE) as f:
+                saved_at = int(json.load(f).get("saved_at_ns") or 0)
+        except (OSError, ValueError):
+            continue
+        found.append((saved_at or int((target / COMPLETE_FILE).stat().st_mtime_ns), entry))
+    return sorted(found, key=lambda item: (item[0], item[1].name), reverse=True)
+
+
+def _retain(directory: Path, keep: int, newest: Path) -> None:
+    """Remove all but the newest ``keep`` complete checkpoints of ``directory`` (never
+    ``newest``, the one just written), then every version directory no link points to: those
+    of saves killed before their swap, or after an unlink here. Only this save is in flight."""
+    for _, link in _checkpoint_links(directory)[keep:]:
+        if link != newest:
+            version = directory / os.readlink(link)
+            link.unlink()
+            shutil.rmtree(version, ignore_errors=True)
+    pointed = {os.readlink(entry) for entry in directory.iterdir() if entry.is_symlink()}
+    for entry in directory.iterdir():
+        if entry.name.startswith(".") and ".v-" in entry.name and entry.is_dir() and entry.name not in pointed:
+            shutil.rmtree(entry, ignore_errors=True)
+    _fsync_dir(directory)
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -398,7 +644,8 @@ def _state_to_save(
 
 # ---------------------------------------------------------------------------- load
 def _resolve(path: Path) -> Path:
-    """The complete version directory behind ``path``, or an error that says why not."""
+    """The complete version directory behind ``path`` (a checkpoint link, a version directory,
+    or a directory of checkpoints: its newest complete one), or an error that says why not."""
     if not os.path.lexists(path):
         partial = [p for p in path.parent.glob(f"{_version_prefix(path)}*") if not (p / COMPLETE_FILE).exists()]
         if partial:
@@ -407,6 +654,12 @@ def _resolve(path: Path) -> Path:
                 f"it finished (incomplete: it has no {COMPLETE_FILE}). Resume from an earlier checkpoint."
             )
         raise FileNotFoundError(f"no checkpoint at {path}: the path does not exist.")
+    if path.is_dir() and not path.is_symlink() and not (path / COMPLETE_FILE).exists() \
+            and not path.name.startswith("."):
+        links = _checkpoint_links(path)
+        if not links:
+            raise CheckpointError(f"{path} is a directory without a complete checkpoint in it.")
+        return links[0][1].resolve()
     target = path.resolve()
     if not target.is_dir():
         raise CheckpointError(f"{path} is not a checkpoint directory.")
@@ -418,11 +671,20 @@ def _resolve(path: Path) -> Path:
     return target
 
 
-def _verify_files(target: Path, checksums: bool = True) -> None:
+def _completion_record(target: Path) -> dict[str, Any]:
     with open(target / COMPLETE_FILE) as f:
         record = json.load(f)
-    if record.get("format") != FORMAT:
-        raise CheckpointError(f"{target} has format {record.get('format')!r}; this nxd_smp reads {FORMAT!r}.")
+    if record.get("format") not in (FORMAT, FORMAT_V1):
+        raise CheckpointError(
+            f"{target} has format {record.get('format')!r}; this nxd_smp reads {FORMAT!r} and {FORMAT_V1!r}."
+        )
+    return record
+
+
+def _verify_files(target: Path, record: Mapping[str, Any], checksums: bool) -> None:
+    """Every file the completion record lists is there with its size; with ``checksums``
+    also its CRC-32 (a second read of every byte: the loader checks the format-2 tensors it
+    reads as it reads them, so only format 1 and ``inspect --verify`` need this)."""
     problems = []
     for name, (size, crc) in sorted(record["files"].items()):
         f = target / name
@@ -436,68 +698,104 @@ def _verify_files(target: Path, checksums: bool = True) -> None:
         raise CheckpointError(f"the checkpoint at {target} is damaged: " + "; ".join(problems) + ".")
 
 
+def _storage_reader(target: Path, record: Mapping[str, Any], verify: bool):
+    if record["format"] == FORMAT_V1:
+        return dcp.FileSystemReader(target)
+    return RawStorageReader(target, verify=verify, threads=_WRITE_THREADS)
+
+
+def _load_tensors(staging: dict[str, torch.Tensor], target: Path, record, verify: bool, group) -> None:
+    """``dcp.load`` into ``staging``; a damaged tensor on any rank is a CheckpointError on
+    every rank (DCP gathers the readers' failures), so either all ranks commit or none."""
+    try:
+        with _quiet_dcp():
+            dcp.load(staging, storage_reader=_storage_reader(target, record, verify),
+                     process_group=group, no_dist=not _dist_active())
+    except ChecksumError as e:
+        raise CheckpointError(f"the checkpoint at {target} is damaged: {e}") from e
+    except dcp.api.CheckpointException as e:
+        causes = [failure[0] if isinstance(failure, tuple) else failure for failure in e.failures.values()]
+        damaged = [str(c) for c in causes if isinstance(c, ChecksumError)]
+        if damaged:
+            raise CheckpointError(f"the checkpoint at {target} is damaged: " + "; ".join(sorted(set(damaged)))) from e
+        raise
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     *,
     model: nn.Module,
     optimizer: Zero1Optimizer | None = None,
+    scheduler: Any = None,
+    stateful: Mapping[str, Any] | None = None,
     verify_checksums: bool = True,
     progress: bool | None = None,
 ) -> Any:
     """Load a checkpoint written by ``save_checkpoint`` at any DP size; every rank calls it.
 
-    The model gets the saved weights; the optimizer its states, hyperparameters and,
-    when the checkpoint has them, master weights (the parameters then equal
-    ``master.to(param dtype)``). Without saved master weights the masters are rebuilt
-    from the loaded parameters, with a warning that precision was lost. Pending
-    ``main_grad`` is cleared. Everything is read and checked before anything changes.
+    ``path`` is a checkpoint, or a directory of them (the newest complete one is loaded).
+    The model gets the saved weights; the optimizer its states, hyperparameters and, when
+    the checkpoint has them, master weights (the parameters then equal ``master.to(param
+    dtype)``). Without saved master weights the masters are rebuilt from the loaded
+    parameters, with a warning that precision was lost. ``scheduler`` and the ``stateful``
+    objects get their saved state. Pending ``main_grad`` is cleared. Everything is read and
+    checked (sizes of all files, CRC-32 of every tensor read) before anything changes. An
+    asynchronous save of this process still in flight is waited for first.
 
     Returns:
         The ``extra`` object that was saved.
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
-        CheckpointError: incomplete, truncated or corrupted files, or names, shapes or
-            dtypes that do not fit, each named.
+        CheckpointError: incomplete, truncated or corrupted files, or names, shapes, dtypes
+            or saved objects that do not fit, each named.
     """
     _check_args(model, optimizer)
+    objects = _stateful_objects(scheduler, stateful)
+    _finish_save_in_flight(raise_error=False)
     path = Path(path)
     group = _group(optimizer)
     rank = _rank(group)
     with _phases(progress, rank, ["verify", "read", "commit"], f"load {path.name}") as advance:
-        error = None
+        found = None
         if rank == 0:
             try:
                 target = _resolve(path)
-                _verify_files(target, verify_checksums)
+                record = _completion_record(target)
+                _verify_files(target, record, checksums=verify_checksums and record["format"] == FORMAT_V1)
+                found = (str(target), record)
             except (CheckpointError, FileNotFoundError) as e:
-                error = e
-        error = _broadcast(error, group)
-        if error is not None:
-            raise error
-        target = _resolve(path)
+                found = e
+        found = _broadcast(found, group)
+        if isinstance(found, BaseException):
+            raise found
+        target, record = Path(found[0]), found[1]
         meta = torch.load(target / META_FILE, weights_only=True)
+        saved = torch.load(target / EXTRA_FILE, weights_only=False)
+        if record["format"] == FORMAT_V1:
+            saved = {"extra": saved, "objects": {}}
+        missing = sorted(set(objects) - set(saved["objects"]))
+        if missing:
+            raise CheckpointError(
+                f"the checkpoint holds no state for {missing}; it has {sorted(saved['objects']) or 'none'}. "
+                f"Load without them, or from a checkpoint saved with them."
+            )
         advance("verify")
 
         staging, plan = _plan_load(meta, model, optimizer)
-        with _quiet_dcp():
-            dcp.load(
-                staging,
-                storage_reader=dcp.FileSystemReader(target),
-                process_group=group,
-                no_dist=not _dist_active(),
-            )
+        _load_tensors(staging, target, record, verify_checksums, group)
         shards = _assemble(staging, plan, optimizer)
-        extra = torch.load(target / EXTRA_FILE, weights_only=False)
         advance("read")
         _commit(staging, shards, meta, model, optimizer)
+        for name, obj in objects.items():
+            obj.load_state_dict(saved["objects"][name])
         advance("commit")
-    return extra
+    return saved["extra"]
 
 
 def _plan_load(meta: Mapping[str, Any], model: nn.Module, optimizer: Zero1Optimizer | None):
     """Check the checkpoint against the live objects; allocate staging buffers."""
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in (FORMAT, FORMAT_V1):
         raise CheckpointError(f"unknown checkpoint format {meta.get('format')!r}; expected {FORMAT!r}.")
     live = model.state_dict()
     saved = meta["model"]
@@ -731,13 +1029,15 @@ def load_full_optimizer_state(
 
 
 # ---------------------------------------------------------------------------- offline tools
-def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
     """What a checkpoint holds: per tensor its shape, dtype and bytes; master weights or
-    not; the DP size it was written at; total bytes on disk."""
+    not; the DP size it was written at; the saved stateful objects; total bytes on disk.
+    ``verify``: also check the size and CRC-32 of every file (CheckpointError if damaged)."""
     target = _resolve(Path(path))
+    record = _completion_record(target)
+    _verify_files(target, record, checksums=verify)
     meta = torch.load(target / META_FILE, weights_only=True)
-    reader = dcp.FileSystemReader(target)
-    entries = reader.read_metadata().state_dict_metadata
+    entries = _storage_reader(target, record, verify=False).read_metadata().state_dict_metadata
     tensors = {}
     for key, info in sorted(entries.items()):
         size = tuple(getattr(info, "size", ()))
@@ -747,8 +1047,12 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             n *= d
         tensors[key] = {"shape": size, "dtype": str(dtype), "bytes": n * (dtype.itemsize if dtype else 0)}
     opt = meta["optimizer"]
+    saved = torch.load(target / EXTRA_FILE, weights_only=False)
     return {
         "path": str(target),
+        "format": record["format"],
+        "saved_at_ns": record.get("saved_at_ns"),
+        "stateful": sorted(saved["objects"]) if record["format"] == FORMAT else [],
         "model": meta["model"],
         "optimizer": None if opt is None else {
             "dp_size_written_at": opt["world_size"],
@@ -766,18 +1070,22 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Every tensor of a checkpoint, whole: {"model": state_dict, "optimizer": None or
     {"groups": [{"hyper", "params": names}], "state": {name: {key: tensor shaped like the
-    parameter (or 0-dim)}}, "master_weights": {name: fp32 tensor} or None}, "extra"}."""
+    parameter (or 0-dim)}}, "master_weights": {name: fp32 tensor} or None}, "extra",
+    "stateful": {name: state dict}}."""
     target = _resolve(Path(path))
-    _verify_files(target)
+    record = _completion_record(target)
+    _verify_files(target, record, checksums=record["format"] == FORMAT_V1)
     meta = torch.load(target / META_FILE, weights_only=True)
-    entries = dcp.FileSystemReader(target).read_metadata().state_dict_metadata
+    reader = _storage_reader(target, record, verify=True)
+    entries = reader.read_metadata().state_dict_metadata
     staging = {key: torch.empty(tuple(info.size), dtype=info.properties.dtype) for key, info in entries.items()}
-    with _quiet_dcp():
-        dcp.load(staging, storage_reader=dcp.FileSystemReader(target), no_dist=True)
+    _load_tensors(staging, target, record, True, None)
+    saved = torch.load(target / EXTRA_FILE, weights_only=False)
     result: dict[str, Any] = {
         "model": {k[len("model/"):]: v for k, v in staging.items() if k.startswith("model/")},
         "optimizer": None,
-        "extra": torch.load(target / EXTRA_FILE, weights_only=False),
+        "extra": saved if record["format"] == FORMAT_V1 else saved["extra"],
+        "stateful": {} if record["format"] == FORMAT_V1 else saved["objects"],
     }
     opt = meta["optimizer"]
     if opt is None:
@@ -809,10 +1117,11 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> None:
     """Write one plain ``torch.save`` file: ``{"model": state_dict, "optimizer":
     torch.optim-style state dict (param ids in the saved group order; each group also lists
-    its ``param_names``), "master_weights": {name: fp32 tensor} or None, "extra": ...}``.
-    Runs in one process."""
+    its ``param_names``), "master_weights": {name: fp32 tensor} or None, "extra": ...,
+    "stateful": {name: state dict} (the scheduler's under "scheduler")}``. Runs in one process."""
     full = read_checkpoint(path)
-    result = {"model": full["model"], "optimizer": None, "master_weights": None, "extra": full["extra"]}
+    result = {"model": full["model"], "optimizer": None, "master_weights": None, "extra": full["extra"],
+              "stateful": full["stateful"]}
     opt = full["optimizer"]
     if opt is not None:
         state, groups, index = {}, [], 0

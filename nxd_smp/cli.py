@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m nxd_smp") -> int:
     p = sub.add_parser("inspect", help="print what a checkpoint holds")
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--verify", action="store_true", help="also check the size and CRC-32 of every file")
     p = sub.add_parser("consolidate", help="write a plain per-parameter state dict (torch.save)")
     p.add_argument("path")
     p.add_argument("out")
@@ -32,13 +33,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m nxd_smp") -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
-            info = inspect_checkpoint(args.path)
+            info = inspect_checkpoint(args.path, verify=args.verify)
             if args.json:
                 print(json.dumps(info, indent=2, default=str))
                 return 0
             opt = info["optimizer"]
             print(f"checkpoint  {info['path']}")
-            print(f"on disk     {info['bytes_on_disk'] / 2**20:.1f} MiB")
+            print(f"on disk     {info['bytes_on_disk'] / 2**20:.1f} MiB ({info['format']})"
+                  + (", every file checked" if args.verify else ""))
+            print(f"objects     {', '.join(info['stateful']) or 'none'}")
             if opt is None:
                 print("optimizer   none")
             else:

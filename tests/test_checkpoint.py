@@ -18,6 +18,7 @@ from nxd_smp import (
     CheckpointError,
     MixedPrecisionConfig,
     Zero1Optimizer,
+    finalize_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
@@ -53,11 +54,14 @@ def params_of(model):
 
 
 # ---------------------------------------------------------------- across DP sizes
-def save_then_continue(rank, world_size, path):
+def save_then_continue(rank, world_size, path, async_save=False):
+    """Train 3 steps, save (in the background when ``async_save``: training goes on while
+    the checkpoint is written), train 2 more."""
     model, opt = build(seed=0)
     train(model, opt, 3, 0, rank, world_size)
-    save_checkpoint(path, model=model, optimizer=opt, extra={"step": 3})
+    save_checkpoint(path, model=model, optimizer=opt, extra={"step": 3}, async_save=async_save)
     train(model, opt, 2, 3, rank, world_size)
+    finalize_checkpoint()
     return params_of(model)
 
 
@@ -89,9 +93,9 @@ def test_resume_from_dp2_at_dp3_matches_within_rounding(dp2_run):
     assert_params_close(resumed[0], uninterrupted[0], max_ulp=2, max_flip_fraction=0.05)
 
 
-def test_resume_from_dp3_at_dp1_matches_within_rounding(tmp_path):
+def test_resume_from_dp3_saved_in_the_background_at_dp1_matches_within_rounding(tmp_path):
     path = str(tmp_path / "ckpt")
-    uninterrupted = run_ranks(3, save_then_continue, path)
+    uninterrupted = run_ranks(3, save_then_continue, path, True)
     resumed = load_then_continue(0, 1, path)
     assert_params_close(resumed, uninterrupted[0], max_ulp=2, max_flip_fraction=0.05)
 
@@ -241,7 +245,7 @@ def version_dir(path: Path) -> Path:
 
 def test_truncated_shard_file_is_refused_naming_it(saved, live):
     model, opt = live
-    shard = next(version_dir(saved).glob("__0_*.distcp"))
+    shard = next(version_dir(saved).glob("__0_*.bin"))
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size // 2)
     before = snapshot_all(model, opt)
@@ -252,7 +256,7 @@ def test_truncated_shard_file_is_refused_naming_it(saved, live):
 
 def test_corrupted_shard_file_is_refused_naming_it(saved, live):
     model, opt = live
-    shard = next(version_dir(saved).glob("__0_*.distcp"))
+    shard = next(version_dir(saved).glob("__0_*.bin"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -349,25 +353,32 @@ def test_inspect_and_consolidate(tmp_path):
 
 # ---------------------------------------------------------------- kill safety
 KILL_SCRIPT = r"""
-import sys, torch
-from nxd_smp import Zero1Optimizer, MixedPrecisionConfig, save_checkpoint
-path, versions = sys.argv[1], [int(v) for v in sys.argv[2:]]
+import sys, time, torch
+from nxd_smp import Zero1Optimizer, MixedPrecisionConfig, finalize_checkpoint, save_checkpoint
+path, background, versions = sys.argv[1], sys.argv[2] == "async", [int(v) for v in sys.argv[3:]]
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, dtype=torch.bfloat16) for _ in range(12)])  # 50.4M
 opt = Zero1Optimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9,
                      mixed_precision=MixedPrecisionConfig(use_master_weights_in_ckpt=True))
-for v in versions:
+for i, v in enumerate(versions):
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(v)
-    save_checkpoint(path, model=model, optimizer=opt)
+    save_checkpoint(path, model=model, optimizer=opt, async_save=background and i > 0)
     print(f"saved {v}", flush=True)
+    if background:  # "training" overwrites the live tensors while the background write runs
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(-1)
+        finalize_checkpoint()
+        print(f"finished {v}", flush=True)
 """
 
 
-def _spawn_saver(path, *versions):
+def _spawn_saver(path, *versions, background=False):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(path), *map(str, versions)],
+    mode = "async" if background else "sync"
+    return subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(path), mode, *map(str, versions)],
                             stdout=subprocess.PIPE, text=True, env=env)
 
 
@@ -392,6 +403,23 @@ def test_a_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     assert {1.0} in outcomes  # at least one kill really landed mid-save
 
 
+def test_a_process_killed_during_a_background_save_leaves_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "c"
+    outcomes = []
+    for delay in (0.05, 0.3, 1.0):
+        proc = _spawn_saver(path, 1, 2, background=True)
+        assert proc.stdout.readline().strip() == "saved 1"
+        assert proc.stdout.readline().strip() == "finished 1"
+        assert proc.stdout.readline().strip() == "saved 2"  # staged: the write runs in the background
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        seen = _loaded_version(path)
+        assert seen in ({1.0}, {2.0}), f"a mix of versions after a kill at {delay}s: {seen}"
+        outcomes.append(seen)
+    assert {1.0} in outcomes  # at least one kill really landed mid-write
+
+
 def test_a_first_save_killed_midway_is_refused_as_incomplete(tmp_path):
     path = tmp_path / "c"
     proc = _spawn_saver(path, 1)
@@ -413,3 +441,180 @@ def test_progress_is_shown_when_asked(tmp_path, capsys):
     assert "save c" in err and "load c" in err
     save_checkpoint(tmp_path / "c", model=model, optimizer=opt)  # default: quiet unless logging asks
     assert "save c" not in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- asynchronous saves
+@pytest.fixture
+def gated_writes(monkeypatch):
+    """Background writes wait for ``gate.set()``: what happens to the live tensors before
+    that must not reach the checkpoint."""
+    import threading
+
+    from nxd_smp import checkpoint as ckpt
+
+    gate = threading.Event()
+
+    class GatedWriter(ckpt.RawStorageWriter):
+        def write_data(self, plan, planner):
+            assert gate.wait(60), "the test never opened the gate"
+            return super().write_data(plan, planner)
+
+    monkeypatch.setattr(ckpt, "RawStorageWriter", GatedWriter)
+    yield gate
+    gate.set()
+    finalize_checkpoint()
+
+
+def opt_state(opt):
+    return [{k: v.clone() for k, v in opt.inner_optimizer.state[m].items()} for m in opt.master_shards]
+
+
+def test_an_async_save_holds_the_state_of_the_call_not_of_the_write(tmp_path, gated_writes):
+    model, opt = build()
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(model, opt, 2, 0)
+    scheduler.step()
+    expected = params_of(model), [m.clone() for m in opt.master_shards], opt_state(opt), scheduler.state_dict()
+    save_checkpoint(tmp_path / "c", model=model, optimizer=opt, scheduler=scheduler, extra={"step": 2},
+                    async_save=True)
+    assert not (tmp_path / "c").exists()  # nothing published before the write
+    train(model, opt, 2, 2)  # the live tensors change while the write waits
+    scheduler.step()
+    gated_writes.set()
+    finalize_checkpoint()
+
+    fresh, fresh_opt = build(seed=5)
+    fresh_scheduler = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=1, gamma=0.5)
+    assert load_checkpoint(tmp_path / "c", model=fresh, optimizer=fresh_opt, scheduler=fresh_scheduler) == {"step": 2}
+    params, masters, state, sched = expected
+    assert all(torch.equal(v, params[n]) for n, v in params_of(fresh).items())
+    assert all(torch.equal(a, b) for a, b in zip(fresh_opt.master_shards, masters))
+    for mine, saved in zip(opt_state(fresh_opt), state):
+        assert all(torch.equal(mine[k], v) for k, v in saved.items())
+    assert fresh_scheduler.state_dict() == sched and fresh_opt.param_groups[0]["lr"] == 5e-3
+
+
+def test_two_saves_in_quick_succession_both_complete_in_order(tmp_path):
+    model, opt = build()
+    save_checkpoint(tmp_path / "run" / "a", model=model, optimizer=opt, extra="a", async_save=True)
+    train(model, opt, 1, 0)
+    save_checkpoint(tmp_path / "run" / "b", model=model, optimizer=opt, extra="b", async_save=True)  # waits for a
+    save_checkpoint(tmp_path / "run" / "b", model=model, optimizer=opt, extra="b2", async_save=True)
+    finalize_checkpoint()
+    assert load_checkpoint(tmp_path / "run" / "a", model=build()[0]) == "a"
+    assert load_checkpoint(tmp_path / "run" / "b", model=build()[0]) == "b2"
+    assert load_checkpoint(tmp_path / "run", model=build()[0]) == "b2"  # the directory: its newest
+
+
+def test_a_failed_background_save_is_raised_once_and_the_next_save_works(tmp_path, monkeypatch):
+    from nxd_smp import checkpoint as ckpt
+
+    class BrokenWriter(ckpt.RawStorageWriter):
+        def write_data(self, plan, planner):
+            raise OSError("disk full")
+
+    model, opt = build()
+    save_checkpoint(tmp_path / "good", model=model, optimizer=opt, extra=1)
+    working = ckpt.RawStorageWriter
+    monkeypatch.setattr(ckpt, "RawStorageWriter", BrokenWriter)
+    save_checkpoint(tmp_path / "good", model=model, optimizer=opt, extra=2, async_save=True)
+    with pytest.raises(CheckpointError, match="disk full"):
+        finalize_checkpoint()
+    finalize_checkpoint()  # raised once
+    save_checkpoint(tmp_path / "good", model=model, optimizer=opt, extra=3, async_save=True)
+    monkeypatch.setattr(ckpt, "RawStorageWriter", working)
+    with pytest.raises(CheckpointError, match="disk full"):  # not finalized: the next save says so
+        save_checkpoint(tmp_path / "good", model=model, optimizer=opt, extra=4)
+    save_checkpoint(tmp_path / "good", model=model, optimizer=opt, extra=5)
+    assert load_checkpoint(tmp_path / "good", model=model, optimizer=opt) == 5
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".good.v-") and p != (tmp_path / "good").resolve()]
+
+
+# ---------------------------------------------------------------- retention
+def test_retention_keeps_the_newest_k_and_no_partial_version(tmp_path):
+    model, opt = build()
+    run = tmp_path / "run"
+    (run / ".step_0.v-killed").mkdir(parents=True)  # what a save killed before its swap leaves
+    (run / ".step_0.v-killed" / "__0_0.bin").write_bytes(b"partial")
+    for step in range(1, 6):
+        train(model, opt, 1, step)
+        save_checkpoint(run / f"step_{step}", model=model, optimizer=opt, extra=step, num_kept_ckpts=2,
+                        async_save=step % 2 == 0)
+    finalize_checkpoint()
+    assert sorted(p.name for p in run.iterdir()) == [
+        f".step_4.v-{os.readlink(run / 'step_4').split('.v-')[1]}",
+        f".step_5.v-{os.readlink(run / 'step_5').split('.v-')[1]}", "step_4", "step_5"]
+    assert load_checkpoint(run, model=build()[0]) == 5
+    with pytest.raises(ValueError, match="num_kept_ckpts"):
+        save_checkpoint(run / "x", model=model, num_kept_ckpts=0)
+
+
+# ---------------------------------------------------------------- the scheduler and other state
+class Counter:
+    def __init__(self):
+        self.n = 0
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state):
+        self.n = state["n"]
+
+
+def test_scheduler_and_stateful_objects_round_trip_and_missing_ones_are_refused(tmp_path):
+    model, opt = build()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.9**step)
+    counter = Counter()
+    for _ in range(3):
+        train(model, opt, 1, 0)
+        scheduler.step()
+        counter.n += 1
+    save_checkpoint(tmp_path / "c", model=model, optimizer=opt, scheduler=scheduler, stateful={"data": counter})
+    fresh, fresh_opt = build(seed=5)
+    fresh_scheduler = torch.optim.lr_scheduler.LambdaLR(fresh_opt, lambda step: 0.9**step)
+    fresh_counter = Counter()
+    load_checkpoint(tmp_path / "c", model=fresh, optimizer=fresh_opt, scheduler=fresh_scheduler,
+                    stateful={"data": fresh_counter})
+    assert fresh_scheduler.state_dict()["last_epoch"] == 3 and fresh_counter.n == 3
+    assert fresh_opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.9**3)
+    fresh_scheduler.step()
+    scheduler.step()
+    assert fresh_opt.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"])
+
+    save_checkpoint(tmp_path / "plain", model=model, optimizer=opt)
+    live, live_opt = build(seed=7)
+    before = snapshot_all(live, live_opt)
+    with pytest.raises(CheckpointError, match="scheduler"):
+        load_checkpoint(tmp_path / "plain", model=live, optimizer=live_opt, scheduler=fresh_scheduler)
+    assert_unchanged(live, live_opt, before)
+    with pytest.raises(TypeError, match="state_dict"):
+        save_checkpoint(tmp_path / "x", model=model, stateful={"bad": object()})
+
+
+# ---------------------------------------------------------------- format 1 still loads
+def test_a_format_1_checkpoint_still_loads(tmp_path):
+    """What nxd_smp wrote before the raw storage: DCP's own FileSystemWriter files."""
+    import json
+    import zlib
+
+    import torch.distributed.checkpoint as dcp
+
+    from nxd_smp import checkpoint as ckpt
+
+    model, opt = build()
+    train(model, opt, 2, 0)
+    version = tmp_path / ".c.v-format1"
+    version.mkdir()
+    state, meta = ckpt._state_to_save(model, opt, True)
+    meta["format"] = ckpt.FORMAT_V1
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(version), no_dist=True)
+    torch.save(meta, version / ckpt.META_FILE)
+    torch.save({"step": 2}, version / ckpt.EXTRA_FILE)
+    files = {f.name: [f.stat().st_size, zlib.crc32(f.read_bytes())] for f in version.iterdir()}
+    (version / ckpt.COMPLETE_FILE).write_text(json.dumps({"format": ckpt.FORMAT_V1, "files": files}))
+    os.symlink(version.name, tmp_path / "c")
+
+    fresh, fresh_opt = build(seed=5)
+    assert load_checkpoint(tmp_path / "c", model=fresh, optimizer=fresh_opt) == {"step": 2}
+    assert all(torch.equal(v, params_of(model)[n]) for n, v in params_of(fresh).items())
+    assert all(torch.equal(a, b) for a, b in zip(fresh_opt.master_shards, opt.master_shards))

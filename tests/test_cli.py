@@ -40,6 +40,16 @@ def test_consolidate_inspect_and_export_from_the_command_line(tmp_path, capsys):
     assert torch.equal(plain["model"]["lin1.weight"], model.lin1.weight.detach())
     assert main(["inspect", str(tmp_path / "c"), "--json"]) == 0
     assert '"dp_size_written_at": 1' in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path / "c"), "--verify"]) == 0
+    assert "every file checked" in capsys.readouterr().out
+    damaged = next((tmp_path / "c").resolve().glob("__0_*.bin"))
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    assert main(["inspect", str(tmp_path / "c")]) == 0  # sizes only: the table still prints
+    assert main(["inspect", str(tmp_path / "c"), "--verify"]) == 2
+    assert "corrupted" in capsys.readouterr().err
+    save_checkpoint(tmp_path / "c", model=model, optimizer=opt)  # undo the damage
     # torch_xla's layout cannot hold the model's 0-dim parameter: refused by name, exit 2
     assert main(["export-xla", str(tmp_path / "c"), str(tmp_path / "xla"), "--dp-size", "2"]) == 2
     assert "temperature" in capsys.readouterr().err and not (tmp_path / "xla").exists()

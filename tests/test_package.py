@@ -29,7 +29,8 @@ ALLOWED = {
         "mixed_precision_config", "precision_ops", "runtime_env",
     },
     "trainer": {"grad_norm", "mixed_precision_config", "runtime_env", "zero1_optimizer"},
-    "checkpoint": {"zero1_optimizer"},
+    "checkpoint_storage": set(),
+    "checkpoint": {"checkpoint_storage", "zero1_optimizer"},
     "xla_state_dict": {"checkpoint", "zero1_optimizer"},
     "cli": {"checkpoint", "xla_state_dict"},
     "hf_trainer": {"zero1_optimizer"},  # imports transformers; nxd_smp itself does not import it
@@ -108,7 +109,8 @@ DOCUMENTED = {
     "nxd_smp": [
         "MixedPrecisionConfig", "OptimizerConfig", "ConfigError", "neuronx_distributed_config",
         "initialize_parallel_optimizer", "Zero1Optimizer", "NeuronZero1Optimizer", "ClippedOptimizer",
-        "save_checkpoint", "load_checkpoint", "CheckpointError", "DynamicLossScaler", "precision_ops",
+        "save_checkpoint", "load_checkpoint", "finalize_checkpoint", "CheckpointError", "DynamicLossScaler",
+        "precision_ops",
     ],
     "nxd_smp.mixed_precision_config": ["MixedPrecisionConfig", "neuronx_distributed_config", "check_no_xla_downcast"],
     "nxd_smp.zero1_optimizer": ["Zero1Optimizer", "initialize_parallel_optimizer", "ClippedOptimizer"],
