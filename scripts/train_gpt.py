@@ -5,8 +5,9 @@ Byte-level tokens, a fixed train/validation split by file, an NxD-style config
 (``neuronx_distributed_config``) from ``--config FILE.json`` or flags, ZeRO-1 with standard
 mixed precision by default. Shows a progress bar with loss and tokens/s, evaluates the
 validation loss every ``--eval-every`` steps, checkpoints every ``--ckpt-every`` steps
-(``--resume`` continues from the last one), writes metrics as JSON lines and ends with a
-summary.
+into ``OUT/ckpt/step_<N>`` (saved in the background, the newest ``--keep-ckpts`` kept, the LR
+schedule with them; ``--resume`` continues from the newest), writes metrics as JSON lines
+and ends with a summary.
 
     python scripts/train_gpt.py                          # XLA CPU device if torch_xla is there
     python scripts/train_gpt.py --device cpu --steps 50
@@ -53,6 +54,8 @@ class RunConfig:
     eval_every: int = 100
     eval_iters: int = 10
     ckpt_every: int = 0
+    keep_ckpts: int = 2
+    async_save: bool = True
     out: str = "runs/gpt"
     resume: bool = False
     progress: bool = True
@@ -134,10 +137,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
     if world_size > 1:
         dist.barrier()
-    if cfg.resume and os.path.lexists(ckpt):
-        extra = nxd_smp.load_checkpoint(ckpt, model=model, optimizer=optimizer)
-        start = extra["step"]
-        schedule.load_state_dict(extra["schedule"])
+    if cfg.resume and os.path.lexists(ckpt):  # the newest complete checkpoint in it
+        start = nxd_smp.load_checkpoint(ckpt, model=model, optimizer=optimizer, scheduler=schedule)["step"]
     metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None
 
     if cfg.batch % world_size:
@@ -177,8 +178,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             val_loss = evaluate(model, val_tokens, device, cfg.batch, cfg.eval_iters)
             record["val_loss"] = val_loss
         if cfg.ckpt_every and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps):
-            nxd_smp.save_checkpoint(ckpt, model=model, optimizer=optimizer,
-                                    extra={"step": step + 1, "schedule": schedule.state_dict()})
+            nxd_smp.save_checkpoint(ckpt / f"step_{step + 1}", model=model, optimizer=optimizer,
+                                    scheduler=schedule, extra={"step": step + 1},
+                                    async_save=cfg.async_save, num_kept_ckpts=cfg.keep_ckpts)
         if metrics is not None:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
@@ -186,6 +188,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tokens_per_s:,.0f}",
                             **({"val": f"{val_loss:.3f}"} if val_loss is not None else {}))
             bar.update(1)
+    nxd_smp.finalize_checkpoint()  # the save still in the background, if any
     if bar is not None:
         bar.close()
     if metrics is not None:
@@ -230,14 +233,16 @@ def parse_args(argv=None) -> RunConfig:
     p.add_argument("--eval-iters", type=int, default=d.eval_iters)
     p.add_argument("--ckpt-every", type=int, default=100, help="0: no checkpoints (default 100)")
     p.add_argument("--out", default=d.out)
-    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt")
+    p.add_argument("--keep-ckpts", type=int, default=d.keep_ckpts, help="checkpoints kept (default 2)")
+    p.add_argument("--sync-save", action="store_true", help="save checkpoints in the foreground")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT/ckpt")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     for name in ("steps", "batch", "micro_batches", "eval_every", "eval_iters"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if a.lr <= 0 or a.ckpt_every < 0:
-        p.error("--lr must be > 0 and --ckpt-every >= 0")
+    if a.lr <= 0 or a.ckpt_every < 0 or a.keep_ckpts < 1:
+        p.error("--lr must be > 0, --ckpt-every >= 0 and --keep-ckpts >= 1")
     nxd = None
     if a.config is not None:
         try:
@@ -250,7 +255,8 @@ def parse_args(argv=None) -> RunConfig:
         p.error(str(e))
     return RunConfig(steps=a.steps, batch=a.batch, micro_batches=a.micro_batches, lr=a.lr, seed=a.seed,
                      model=model, mode=a.mode, nxd=nxd, device=a.device, eval_every=a.eval_every,
-                     eval_iters=a.eval_iters, ckpt_every=a.ckpt_every, out=a.out, resume=a.resume,
+                     eval_iters=a.eval_iters, ckpt_every=a.ckpt_every, keep_ckpts=a.keep_ckpts,
+                     async_save=not a.sync_save, out=a.out, resume=a.resume,
                      progress=not a.no_progress)
 
 

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT = ["--layers", "1", "--width", "32", "--seq", "32", "--batch", "4"]
 
@@ -37,9 +39,16 @@ def test_train_gpt_runs_checkpoints_and_resumes(tmp_path):
     assert finite(summary["final_train_loss"], summary["final_val_loss"], summary["tokens_per_s"], summary["peak_rss_mib"])
     assert summary["corpus"]["train_bytes"] > 0 and summary["corpus"]["val_bytes"] > 0
     assert os.path.lexists(summary["checkpoint"])
-    run("train_gpt.py", "--steps", "6", "--resume", *args)
+    assert sorted(p.name for p in (out / "ckpt").iterdir() if not p.name.startswith(".")) == ["step_2", "step_4"]
+    run("train_gpt.py", "--steps", "6", "--resume", "--keep-ckpts", "1", *args)
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]  # resumed at 5, not restarted
+    assert sorted(p.name for p in (out / "ckpt").iterdir() if not p.name.startswith(".")) == ["step_6"]
+    # The LR schedule resumed where it was: after 5 steps of the demo's warm-up/decay
+    # schedule over 6 steps (restarted, it would be after 1).
+    cfg = json.loads((out / "summary.json").read_text())["config"]
+    lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lrs[4] == pytest.approx(cfg["lr"] * min(1, 6 / cfg["warmup"]) * max(0.1, 1 - 5 / 6))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(finite(r["loss"], r["grad_norm"], r["tokens_per_s"]) for r in records)
 
@@ -73,12 +82,24 @@ def test_benchmarks_write_finite_json(tmp_path):
     run("bench_step.py", "--params", "2e5", "--width", "256", "--iters", "3", "--out", str(tmp_path / "step.json"))
     step = json.loads((tmp_path / "step.json").read_text())
     assert finite(step["ratio"], step["bytes_per_param_beyond_bf16_params"], step["zero1_step_ms_median"])
-    run("bench_checkpoint.py", "--params", "2e5", "--width", "256", "--repeats", "1",
+    run("bench_checkpoint.py", "--params", "2e5", "4e5", "--width", "256", "--repeats", "1",
         "--out", str(tmp_path / "ckpt.json"))
     ckpt = json.loads((tmp_path / "ckpt.json").read_text())
-    assert finite(ckpt["save_ratio"], ckpt["load_ratio"], *ckpt["save_MBps"].values())
+    assert finite(ckpt["save_ratio"], ckpt["load_ratio"], ckpt["async_blocking_fraction"], *ckpt["save_MBps"].values())
+    assert len(ckpt["results"]) == 2
     run("bench_peers.py", "--width", "128", "--layers", "2", "--iters", "2", "--warmup", "1",
         "--out", str(tmp_path / "peers.json"))
     peers = json.loads((tmp_path / "peers.json").read_text())
     assert finite(*peers["ratios"].values())
     assert peers["results"]["nxd_smp_xla"]["compilations_after_warmup"] >= 0
+
+
+def test_xla_benchmark_runs_both_optimizers_on_replicas(tmp_path):
+    run("bench_xla.py", "--width", "32", "--layers", "2", "4", "--dp", "2", "--iters", "1", "--warmup", "2",
+        "--out", str(tmp_path / "xla.json"), timeout=900)
+    result = json.loads((tmp_path / "xla.json").read_text())
+    for kind in ("nxd_smp_dp2", "torch_xla_dp2"):
+        large = result["results"][kind]["large"]
+        assert finite(large["iter_ms"], large["compile_s"], result["results"][kind]["bytes_per_param"])
+        assert large["one_graph_for_all_ranks"] and large["compiles_after_warmup"] == 0
+    assert result["ratios"]["dp2"]["hlo_instructions"] < 1
