@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["CompiledAdamW", "applies_to"]
+from .placement import is_staggered, plain_alias, staggered_empty
+
+__all__ = ["CompiledAdamW", "applies_to", "compile_cpu_kernel"]
 
 
 def _adamw_and_cast(
@@ -77,15 +79,27 @@ def _scalars(group: dict[str, Any], step: float, decoupled: bool) -> list[float]
     ]
 
 
+def compile_cpu_kernel(fn: Any) -> Any:
+    """``torch.compile`` of ``fn``, an element-wise CPU kernel over flat tensors of any size.
+
+    Inductor picks serial or OpenMP-parallel code from the first size it compiles for, and
+    its on-disk cache keeps that choice for every later size: a small first tensor (a
+    test, a tiny model) would leave every later 20M-element step on one core. A chunk of
+    one element keeps the loop parallel; OpenMP's cost on a small tensor is microseconds.
+    """
+    # inductor's C++ build says "No CUDA runtime is found" on CPU-only machines: noise here.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.min_chunk_size": 1})
+
+
 _compiled = None
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _kernel():
     global _compiled
     if _compiled is None:
-        # inductor's C++ build says "No CUDA runtime is found" on CPU-only machines: noise here.
-        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-        _compiled = torch.compile(_adamw_and_cast, dynamic=True, fullgraph=True)
+        _compiled = compile_cpu_kernel(_adamw_and_cast)
     return _compiled
 
 
@@ -103,12 +117,21 @@ def applies_to(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
     return True
 
 
+def _plain_aliases(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """``plain_alias`` of each tensor; tensors over the same memory (a master shard that
+    is the parameter shard) get the same alias, so the kernel sees that they are one."""
+    seen: dict[int, torch.Tensor] = {}
+    return [seen.setdefault(t.data_ptr(), plain_alias(t)) for t in tensors]
+
+
 class CompiledAdamW:
     """Steps a stock Adam/AdamW over flat fp32 shards and casts them into ``outs``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
         self.enabled = True
+        # A loaded state brings its own allocations: move them where the step wants them.
+        optimizer.register_load_state_dict_post_hook(lambda opt: self.place_state())
 
     def step(
         self,
@@ -138,7 +161,8 @@ class CompiledAdamW:
                 if found_inf is not None:
                     scalars[8] = found_inf
                 try:
-                    kernel(shard, grad, state["exp_avg"], state["exp_avg_sq"], out, scalars, decoupled)
+                    with torch.no_grad():
+                        kernel(*_plain_aliases(shard, grad, state["exp_avg"], state["exp_avg_sq"], out), scalars, decoupled)
                 except Exception as e:  # noqa: BLE001 - any compiler failure means "not here"
                     if index > 1:
                         raise  # it ran for earlier shards: a real error, not a missing compiler
@@ -153,10 +177,24 @@ class CompiledAdamW:
         return True
 
     def _state(self, shard: torch.Tensor) -> dict[str, Any]:
-        """The optimizer's state for ``shard``, created as torch.optim.Adam(W) creates it."""
+        """The optimizer's state for ``shard``, created as torch.optim.Adam(W) creates it
+        (its moments placed as ``nxd_smp.placement`` says)."""
         state = self.optimizer.state[shard]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32, device=shard.device)
-            state["exp_avg"] = torch.zeros_like(shard, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(shard, memory_format=torch.preserve_format)
+            for key in _MOMENTS:
+                state[key] = staggered_empty(shard.numel(), shard.dtype, shard.device, key).view(shard.shape).zero_()
         return state
+
+    def place_state(self) -> None:
+        """Move each shard's moments that do not start where ``nxd_smp.placement`` wants
+        them (a loaded state) there: one copy per tensor, the old one freed right away."""
+        for group in self.optimizer.param_groups:
+            for shard in group["params"]:
+                state = self.optimizer.state.get(shard, {})
+                for key in _MOMENTS:
+                    value = state.get(key)
+                    if isinstance(value, torch.Tensor) and value.is_contiguous() and not is_staggered(value, key):
+                        placed = staggered_empty(value.numel(), value.dtype, value.device, key).view(value.shape)
+                        state[key] = placed.copy_(value)
+                        del value

@@ -22,6 +22,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .layout import BucketLayout
+from .placement import staggered_empty
 
 __all__ = ["MainGradBuffers", "flatten_grads"]
 
@@ -66,7 +67,7 @@ class MainGradBuffers:
         self._numel = len(params)
         self._shapes = [p.shape for p in params]
         self.buffers: list[torch.Tensor] = (
-            [torch.zeros(layout.padded_numel, dtype=dtype, device=device) for layout in layouts]
+            [staggered_empty(layout.padded_numel, dtype, device, "grad").zero_() for layout in layouts]
             if contiguous
             else []
         )

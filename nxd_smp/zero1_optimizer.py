@@ -38,6 +38,7 @@ from .grad_norm import clip_coefficient, global_norm, norm_role, sum_of_squares
 from .layout import BucketLayout, plan_buckets
 from .loss_scaler import DynamicLossScaler
 from .mixed_precision_config import ConfigError, MixedPrecisionConfig, validate_max_norm
+from .placement import staggered_empty
 from .precision_ops import stochastic_round
 from .runtime_env import check_no_xla_downcast
 
@@ -523,7 +524,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             for b, layout in enumerate(self._layouts):
                 dtype = params[layout.param_indices[0]].dtype
                 if self._views:
-                    flat = torch.zeros(layout.padded_numel, dtype=dtype, device=self._device)
+                    flat = staggered_empty(layout.padded_numel, dtype, self._device, "param").zero_()
                     for i, index in enumerate(layout.param_indices):
                         start, end = layout.param_range(i)
                         flat[start:end].copy_(params[index].detach().reshape(-1))
@@ -535,7 +536,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 if self._masters_alias_params:
                     master = shard
                 else:
-                    master = torch.empty(shard.shape, dtype=self._shard_dtype(dtype), device=self._device)
+                    master = staggered_empty(shard.numel(), self._shard_dtype(dtype), self._device, "master")
                     master.copy_(shard)
                 self._masters.append(master)
         if self._views:
