@@ -17,10 +17,14 @@ The groups are passed in as objects with an in-place ``all_reduce_`` (sum), such
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+
+from .fused_adamw import compile_cpu_kernel
+from .placement import plain_alias
 
 __all__ = ["NORM_ROLES", "norm_role", "sum_of_squares", "global_norm", "clip_coefficient"]
 
@@ -45,13 +49,63 @@ def norm_role(param: torch.Tensor, pipeline_parallel: bool) -> str:
 # accurate and cost the same single read of the gradient.
 _CPU_NORM_PIECE = 1 << 18
 
+# The compiled CPU path sums squares along rows of 256 in fp32 (exact to ~1e-7) and the
+# row sums in fp64: ~1e-10 relative error, and at memory speed (2.5 ms for 21M elements
+# on 2 cores, against 4.6 ms for the pieces above).
+_ROW = 256
+_compiled_rows: Any = None  # the compiled kernel; False once compiling failed here
 
-def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squared elements over ``tensors``, accumulated in fp32 (a 0-dim tensor on
-    ``device``; zero for an empty list)."""
+
+def _row_sums(rows: torch.Tensor) -> torch.Tensor:
+    return rows.float().square().sum(1).sum(dtype=torch.float64)
+
+
+def _rows_kernel() -> Any:
+    global _compiled_rows
+    if _compiled_rows is None:
+        _compiled_rows = compile_cpu_kernel(_row_sums)
+    return _compiled_rows
+
+
+def _compiled_sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """``sum_of_squares`` on CPU through the compiled row kernel; None if it cannot be
+    compiled here (said once; the caller uses the eager pieces)."""
+    global _compiled_rows
+    if _compiled_rows is False:
+        return None
+    total = torch.zeros((), dtype=torch.float64)
+    for t in tensors:
+        flat = t.reshape(-1)
+        # (fewer than two rows: eager, as the compiler would specialise on one row)
+        whole = flat.numel() - flat.numel() % _ROW if flat.numel() >= 2 * _ROW else 0
+        if whole:
+            try:
+                with torch.no_grad():
+                    total = total + _rows_kernel()(plain_alias(flat[:whole].view(-1, _ROW)))
+            except Exception as e:  # noqa: BLE001 - any compiler failure means "not here"
+                warnings.warn(
+                    f"nxd_smp: compiling the gradient-norm kernel failed ({type(e).__name__}: {e}); "
+                    f"using torch's norm instead.",
+                    stacklevel=4,
+                )
+                _compiled_rows = False
+                return None
+        if whole < flat.numel():
+            total = total + flat[whole:].double().square().sum()
+    return total.float()
+
+
+def sum_of_squares(tensors: list[torch.Tensor], device: torch.device, compiled: bool = False) -> torch.Tensor:
+    """Sum of squared elements over ``tensors``, accumulated in fp32 or better (a 0-dim
+    fp32 tensor on ``device``; zero for an empty list). ``compiled``: on CPU, use the
+    compiled kernel (one read of the gradient at memory speed)."""
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
     if device.type == "cpu":
+        if compiled:
+            total = _compiled_sum_of_squares(tensors)
+            if total is not None:
+                return total
         tensors = [piece for t in tensors for piece in t.reshape(-1).split(_CPU_NORM_PIECE)]
     return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
 

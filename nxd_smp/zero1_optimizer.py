@@ -819,12 +819,13 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm of the mean gradient over the whole model, fp32, as a tensor."""
+        compiled = self._compiled is not None and self._compiled.enabled  # compiling works here
         replicated, split = (
             [grads[b] for b in self._norm_buckets[role]] for role in ("replicated", "split")
         )
         norm = global_norm(
-            sum_of_squares(replicated, self._device),
-            sum_of_squares(split, self._device) if split else None,
+            sum_of_squares(replicated, self._device, compiled),
+            sum_of_squares(split, self._device, compiled) if split else None,
             tensor_parallel=self._norm_comms,
             data_parallel=self._comm,
             pipeline_parallel=self._pipeline_comms,

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nxd_smp"
 ALLOWED = {
     "mixed_precision_config": set(),
     "layout": set(),
-    "grad_norm": set(),
+    "grad_norm": {"fused_adamw", "placement"},
     "runtime_env": {"mixed_precision_config"},
     "loss_scaler": {"mixed_precision_config"},
     "precision_ops": {"mixed_precision_config", "runtime_env"},
