@@ -161,8 +161,9 @@ class CompiledAdamW:
                 if found_inf is not None:
                     scalars[8] = found_inf
                 try:
+                    tensors = _plain_aliases(shard, grad, state["exp_avg"], state["exp_avg_sq"], out)
                     with torch.no_grad():
-                        kernel(*_plain_aliases(shard, grad, state["exp_avg"], state["exp_avg_sq"], out), scalars, decoupled)
+                        kernel(*tensors, scalars, decoupled)
                 except Exception as e:  # noqa: BLE001 - any compiler failure means "not here"
                     if index > 1:
                         raise  # it ran for earlier shards: a real error, not a missing compiler
