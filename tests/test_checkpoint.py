@@ -388,35 +388,28 @@ def _loaded_version(path) -> set[float]:
     return {float(v) for p in model.parameters() for v in p.detach().unique()}
 
 
+def _kill_mid_save(path, delay: float, background: bool) -> set[float]:
+    """Save version 1, start saving version 2, SIGKILL ``delay`` seconds later; the
+    versions a fresh model then loads (one of them, never a mix)."""
+    proc = _spawn_saver(path, 1, 2, background=background)
+    expected = ["saved 1", "finished 1", "saved 2"] if background else ["saved 1"]
+    for line in expected:  # background: "saved 2" means staged, the write runs on
+        assert proc.stdout.readline().strip() == line
+    time.sleep(delay)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    seen = _loaded_version(path)
+    assert seen in ({1.0}, {2.0}), f"a mix of versions after a kill at {delay}s: {seen}"
+    return seen
+
+
 def test_a_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path):
-    path = tmp_path / "c"
-    outcomes = []
-    for delay in (0.3, 1.0, 2.0):
-        proc = _spawn_saver(path, 1, 2)
-        assert proc.stdout.readline().strip() == "saved 1"
-        time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        seen = _loaded_version(path)
-        assert seen in ({1.0}, {2.0}), f"a mix of versions after a kill at {delay}s: {seen}"
-        outcomes.append(seen)
+    outcomes = [_kill_mid_save(tmp_path / "c", delay, background=False) for delay in (0.3, 1.0, 2.0)]
     assert {1.0} in outcomes  # at least one kill really landed mid-save
 
 
 def test_a_process_killed_during_a_background_save_leaves_the_previous_checkpoint(tmp_path):
-    path = tmp_path / "c"
-    outcomes = []
-    for delay in (0.05, 0.3, 1.0):
-        proc = _spawn_saver(path, 1, 2, background=True)
-        assert proc.stdout.readline().strip() == "saved 1"
-        assert proc.stdout.readline().strip() == "finished 1"
-        assert proc.stdout.readline().strip() == "saved 2"  # staged: the write runs in the background
-        time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        seen = _loaded_version(path)
-        assert seen in ({1.0}, {2.0}), f"a mix of versions after a kill at {delay}s: {seen}"
-        outcomes.append(seen)
+    outcomes = [_kill_mid_save(tmp_path / "c", delay, background=True) for delay in (0.05, 0.3, 1.0)]
     assert {1.0} in outcomes  # at least one kill really landed mid-write
 
 
