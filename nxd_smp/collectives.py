@@ -223,6 +223,15 @@ class XlaReplicaCollectives(Collectives):
         finally:
             self._xlac._set_all_reduce_token(self._xlac._xla_get_default_device(), None)
 
+    def _per_bucket(self, op, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``op`` over each tensor; coalesced into one collective where torch_xla allows it
+        (``pin_layout`` off, not the XLA CPU device, more than one bucket)."""
+        if self._cpu:
+            return [self._run(op, t, pin_layout=False) for t in tensors]
+        if self.pin_layout or len(tensors) < 2:  # torch_xla's coalesced forms cannot pin their layout
+            return [self._run(op, t, pin_layout=self.pin_layout) for t in tensors]
+        return list(self._run(op, list(tensors), pin_layout=False))
+
     def reduce_scatter(self, flats):
         xm = self._xm
 
@@ -230,11 +239,7 @@ class XlaReplicaCollectives(Collectives):
             return xm.reduce_scatter(xm.REDUCE_SUM, t, scale=1.0, scatter_dim=0, shard_count=self.world_size,
                                      groups=self.groups, **kwargs)
 
-        if self._cpu:
-            return [self._run(op, f, pin_layout=False) for f in flats]
-        if self.pin_layout or len(flats) < 2:  # torch_xla's coalesced form cannot pin its layout
-            return [self._run(op, f, pin_layout=self.pin_layout) for f in flats]
-        return list(self._run(op, list(flats), pin_layout=False))
+        return self._per_bucket(op, flats)
 
     def all_gather(self, shards, outs=None):
         xm = self._xm
@@ -242,11 +247,7 @@ class XlaReplicaCollectives(Collectives):
         def op(t, **kwargs):
             return xm.all_gather(t, dim=0, groups=self.groups, **kwargs)
 
-        if self._cpu:
-            return [self._run(op, s, pin_layout=False) for s in shards]
-        if self.pin_layout or len(shards) < 2:  # no coalesced all-gather with a pinned layout
-            return [self._run(op, s, pin_layout=self.pin_layout) for s in shards]
-        return list(self._run(op, list(shards), pin_layout=False))
+        return self._per_bucket(op, shards)
 
     def all_reduce_(self, tensor):
         if self._cpu:
