@@ -4,7 +4,7 @@ neuronx-distributed's ``NeuronZero1Optimizer`` and ``mixed_precision_config``.""
 from . import fused_adamw, precision_ops
 from .checkpoint import CheckpointError, finalize_checkpoint, load_checkpoint, save_checkpoint
 from .loss_scaler import DynamicLossScaler
-from .mixed_precision_config import ConfigError, MixedPrecisionConfig, OptimizerConfig
+from .mixed_precision_config import ConfigError, MixedPrecisionConfig, OptimizerConfig, Zero1Config
 from .trainer import ClippedOptimizer, initialize_parallel_optimizer, neuronx_distributed_config
 from .zero1_optimizer import NeuronZero1Optimizer, Zero1Optimizer
 
@@ -19,6 +19,7 @@ __all__ = [
     "MixedPrecisionConfig",
     "NeuronZero1Optimizer",
     "OptimizerConfig",
+    "Zero1Config",
     "Zero1Optimizer",
     "initialize_parallel_optimizer",
     "load_checkpoint",

@@ -11,7 +11,7 @@ keyed by parameter name:
 * ``master/<param>/<start>``: the same for fp32 master weights, when they are saved;
 
 stored as raw bytes by ``checkpoint_storage`` (a few large files per rank, CRC-32 of every
-tensor and file computed while writing), plus ``nxd_smp_meta.pt`` (shapes, dtypes, param
+tensor and file computed while writing; DCP's ``Metadata`` as the index), plus ``nxd_smp_meta.pt`` (shapes, dtypes, param
 groups, which pieces exist, the DP size written at), ``extra.pt`` (the caller's ``extra``
 and the state dicts of the scheduler and other stateful objects) and, written last,
 ``COMPLETE.json`` (size and CRC-32 of every file, when it was saved). Because every piece is
@@ -27,13 +27,20 @@ rest happens in the background (``finalize_checkpoint()`` waits for it); with
 ``num_kept_ckpts`` only the newest checkpoints of the directory are kept.
 
 Loading reads and checks everything into staging buffers before it changes the model or
-the optimizer; a refused load changes nothing.
+the optimizer; a refused load changes nothing. Loading never runs code from the files:
+``torch.load(weights_only=True)`` for the small files, a restricted unpickler for the index.
+
+Ranks agree (on a version, on the outcome) through the optimizer's backend's coordinator
+(``nxd_smp.backend``): a gloo group under torch.distributed, memory shared by the replica
+threads of the XLA CPU device, ``xm.rendezvous`` on Neuron without torch.distributed. The
+offline tools (``inspect_checkpoint``, ``read_checkpoint``, ``consolidate``) read files and
+never communicate.
 """
 
 from __future__ import annotations
 
-import importlib
 import io
+import itertools
 import json
 import logging
 import os
@@ -49,11 +56,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from .checkpoint_storage import ChecksumError, RawStorageReader, RawStorageWriter
+from .backend import Backend, Coordinator, select_backend, this_replica
+from .checkpoint_storage import (
+    ChecksumError,
+    UnsafeFileError,
+    read_index,
+    read_tensors,
+    safe_load,
+    write_metadata,
+    write_tensors,
+)
 from .zero1_optimizer import Zero1Optimizer
 
 __all__ = [
@@ -91,41 +105,24 @@ def _version_prefix(path: Path) -> str:
     return f".{path.name}.v-"
 
 
-def _dist_active() -> bool:
-    return dist.is_available() and dist.is_initialized()
+def _backend(model: nn.Module, optimizer: Zero1Optimizer | None) -> Backend:
+    """The optimizer's backend, or (a model alone) the default one for the model's device:
+    where rank, world and coordination come from."""
+    if optimizer is not None:
+        return optimizer.backend
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return select_backend(first.device if first is not None else torch.device("cpu"))
 
 
-def _group(optimizer: Zero1Optimizer | None) -> dist.ProcessGroup | None:
-    return optimizer.process_group if optimizer is not None else None
+def _safe_load(path: Path) -> Any:
+    try:
+        return safe_load(path)
+    except UnsafeFileError as e:
+        raise CheckpointError(str(e)) from None
 
 
-def _rank(group) -> int:
-    return dist.get_rank(group) if _dist_active() else 0
-
-
-def _broadcast(value: Any, group) -> Any:
-    """Rank 0's ``value`` on every rank of ``group``."""
-    if not _dist_active():
-        return value
-    box = [value]
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
-
-
-def _barrier(group) -> None:
-    if _dist_active():
-        dist.barrier(group=group)
-
-
-@contextmanager
-def _quiet_dcp() -> Iterator[None]:
-    """DCP warns that it runs in a single process (which we chose) and about its own use
-    of TypedStorage; neither is news to our caller."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
-        yield
+def _error_text(error: BaseException) -> str:
+    return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -272,52 +269,37 @@ class _SaveInFlight:
         self._thread.join()
 
 
-_in_flight: _SaveInFlight | None = None
+# Per rank of this process: XLA replicas of the XLA CPU device are threads of one process,
+# each with a save of its own in flight (and its own staging buffers). Keyed by
+# ``this_replica()`` (None in a process that is one rank).
+_in_flight: dict[Any, _SaveInFlight] = {}
 _in_flight_lock = threading.Lock()
-_async_groups: dict[Any, dist.ProcessGroup] = {}
 
 
 def finalize_checkpoint() -> None:
-    """Wait for the asynchronous save in flight (if any) to finish; raise its error. Every
-    rank calls it, e.g. before the end of training. A failure is raised once: by this
+    """Wait for this rank's asynchronous save in flight (if any) to finish; raise its error.
+    Every rank calls it, e.g. before the end of training. A failure is raised once: by this
     call, or else by the next ``save_checkpoint``."""
     _finish_save_in_flight(raise_error=True)
 
 
 def _finish_save_in_flight(raise_error: bool) -> None:
-    """Wait for the save in flight. Its failure stays pending until raised once (here when
-    ``raise_error``); then the next save starts afresh."""
-    global _in_flight
+    """Wait for this rank's save in flight. Its failure stays pending until raised once
+    (here when ``raise_error``); then the next save starts afresh."""
+    key = this_replica()
     with _in_flight_lock:
-        save = _in_flight
+        save = _in_flight.get(key)
     if save is None:
         return
     save.wait()
     if save.error is not None and not raise_error:
         return
     with _in_flight_lock:
-        if _in_flight is save:
-            _in_flight = None
+        if _in_flight.get(key) is save:
+            del _in_flight[key]
     if save.error is not None and not save.raised:
         save.raised = True
         raise CheckpointError(f"the asynchronous save of {save.name} failed: {save.error}") from save.error
-
-
-def _background_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """A gloo group over the same ranks for the background thread's coordination, so that it
-    never shares a communicator with the training loop. Made once, by every rank."""
-    if not _dist_active():
-        return None
-    world = dist.get_world_size()
-    if group is not None and dist.get_world_size(group) != world:
-        raise CheckpointError(
-            "async_save=True needs the optimizer's data-parallel group to span every rank (its "
-            "coordination group is made by all of them); save synchronously with this group."
-        )
-    key = "world"
-    if key not in _async_groups:
-        _async_groups[key] = dist.new_group(backend="gloo")
-    return _async_groups[key]
 
 
 # ---------------------------------------------------------------------------- save
@@ -385,38 +367,45 @@ def save_checkpoint(
         raise CheckpointError(
             f"{path} exists and is not an nxd_smp checkpoint link; pass a new path or remove it."
         )
-    group = _group(optimizer)
-    rank = _rank(group)
-    background = _background_group(group) if async_save else None
+    backend = _backend(model, optimizer)
+    coordinator = backend.coordinator
+    if async_save and not coordinator.works_off_thread:
+        raise CheckpointError(
+            "async_save=True needs a coordination that a background thread can use, and these XLA "
+            "replicas coordinate through xm.rendezvous, which only their own threads may call. Launch "
+            "with torchrun and init_process_group('xla') (a gloo group then coordinates), or save "
+            "with async_save=False."
+        )
+    rank = coordinator.rank
 
-    version = _broadcast(f"{_version_prefix(path)}{uuid.uuid4().hex[:12]}", group)
+    version = coordinator.broadcast(f"{_version_prefix(path)}{uuid.uuid4().hex[:12]}")
     target = path.parent / version
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.is_dir() and not path.is_symlink():
             path.rmdir()  # an empty directory made for us: the link takes its place
         target.mkdir()
-    _barrier(group)
+    coordinator.barrier()
 
-    state, meta = _state_to_save(model, optimizer, bool(save_master_weights))
+    state, meta, copied = _state_to_save(model, optimizer, bool(save_master_weights), backend)
     small_files = _serialize_small_files(meta, extra, objects) if rank == 0 else {}
-    job = dict(path=path, target=target, version=version, num_kept=num_kept_ckpts, rank=rank)
+    job = dict(path=path, target=target, version=version, num_kept=num_kept_ckpts)
     if not async_save:
         with _phases(progress, rank, ["write", "publish"], f"save {path.name}") as advance:
-            _write_and_publish(state, small_files, group, advance=advance, **job)
+            _write_and_publish(state, small_files, coordinator, advance=advance, **job)
         return target
 
     with _phases(progress, rank, ["stage"], f"stage {path.name}") as advance:
-        state = _stage(state)
+        if not copied:  # the live tensors may change while they are written
+            state = _stage(state)
         advance("stage")
 
     def work() -> None:
-        _write_and_publish(state, small_files, background, advance=lambda name: log.info("save %s: %s", path.name, name),
-                           **job)
+        _write_and_publish(state, small_files, coordinator,
+                           advance=lambda name: log.info("save %s: %s", path.name, name), **job)
 
-    global _in_flight
     with _in_flight_lock:
-        _in_flight = _SaveInFlight(str(path), work)
+        _in_flight[this_replica()] = _SaveInFlight(str(path), work)
     return target
 
 
@@ -434,67 +423,75 @@ def _serialize_small_files(meta: dict[str, Any], extra: Any, objects: Mapping[st
     return files
 
 
-# Host buffers of the last asynchronous save, reused by the next one: copying into memory
-# already paged in is ~6x faster than into fresh memory (0.09 s against 0.6 s for 1.3 GB
-# here), and that copy is all an asynchronous save holds training up for. They cost this
-# rank's part of a checkpoint in host memory, as DCP's cached staging does.
-_staging: dict[str, torch.Tensor] = {}
+# Host buffers of the last asynchronous save of each rank of this process, reused by its
+# next one: copying into memory already paged in is ~6x faster than into fresh memory (0.09 s
+# against 0.6 s for 1.3 GB here), and that copy is all an asynchronous save holds training
+# up for. They cost this rank's part of a checkpoint in host memory, as DCP's cached staging
+# does.
+_staging: dict[Any, dict[str, torch.Tensor]] = {}
 
 
 def _stage(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Host-memory copies of every tensor (the live ones may change while they are written),
-    in the previous asynchronous save's buffers where they fit. Only called once the
-    previous save has finished with them."""
+    """Host-memory copies of every tensor, in this rank's previous asynchronous save's buffers
+    where they fit. Only called once that save has finished with them."""
+    previous = _staging.get(this_replica(), {})
     staged = {}
     for key, t in state.items():
-        buffer = _staging.get(key)
+        buffer = previous.get(key)
         if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
             buffer = torch.empty(t.shape, dtype=t.dtype)
         staged[key] = buffer.copy_(t.detach())
-    _staging.clear()
-    _staging.update(staged)
+    _staging[this_replica()] = staged
     return staged
 
 
 def _write_and_publish(
     state: Mapping[str, torch.Tensor],
     small_files: Mapping[str, bytes],
-    group: dist.ProcessGroup | None,
+    coordinator: Coordinator,
     *,
     path: Path,
     target: Path,
     version: str,
     num_kept: int | None,
-    rank: int,
     advance,
 ) -> None:
-    """Write every rank's tensors, then (rank 0) the small files, the completion record,
-    the swap of ``path`` and the retention; every rank ends with the same outcome."""
-    writer = RawStorageWriter(target, threads=_WRITE_THREADS)
-    with _quiet_dcp():
-        dcp.save(state, storage_writer=writer, process_group=group, no_dist=not _dist_active())
+    """Every rank writes its tensors; then rank 0 writes the index, the small files, the
+    completion record, swaps ``path`` and applies the retention. Every rank ends with the
+    same outcome: a failure anywhere is a CheckpointError everywhere."""
+    written = {"entries": {}, "files": {}, "error": None}
+    try:
+        written["entries"], written["files"] = write_tensors(
+            target, f"__{coordinator.rank}_", state, threads=_WRITE_THREADS)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below
+        written["error"] = f"rank {coordinator.rank}: {_error_text(e)}"
+    gathered = coordinator.all_gather(written)
+    failures = [part["error"] for part in gathered if part["error"]]
+    if failures:
+        raise CheckpointError(f"the save of {path} failed: " + "; ".join(failures))
     advance("write")
-    gathered = [writer.files]
-    if _dist_active():
-        gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, writer.files, group=group)
-    error = None
-    if rank == 0:
+    outcome = None
+    if coordinator.rank == 0:
         try:
-            _complete_and_publish(path, target, version, gathered, small_files, num_kept)
+            entries = {}
+            for part in gathered:  # replicated scalars (a bucket's step) come from several ranks
+                for key, entry in part["entries"].items():
+                    entries.setdefault(key, entry)
+            write_metadata(target, entries)
+            files = {name: v for part in gathered for name, v in part["files"].items()}
+            _complete_and_publish(path, target, version, files, small_files, num_kept)
         except Exception as e:  # noqa: BLE001 - every rank raises it below
-            error = e
-    error = _broadcast(error, group)
-    if error is not None:
-        raise error
+            outcome = _error_text(e)
+    outcome = coordinator.broadcast(outcome)
+    if outcome is not None:
+        raise CheckpointError(f"the save of {path} failed: {outcome}")
     advance("publish")
 
 
 def _complete_and_publish(
-    path: Path, target: Path, version: str, gathered: list[dict], small_files: Mapping[str, bytes],
+    path: Path, target: Path, version: str, files: dict[str, list[int]], small_files: Mapping[str, bytes],
     num_kept: int | None,
 ) -> None:
-    files = {name: list(v) for part in gathered for name, v in part.items()}
     for name, data in small_files.items():
         with open(target / name, "wb") as f:
             f.write(data)
@@ -563,24 +560,36 @@ def _retain(directory: Path, keep: int, newest: Path) -> None:
     _fsync_dir(directory)
 
 
-def _cpu(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return t if t.device.type == "cpu" else t.cpu()
+def _model_keys_of(rank: int, world_size: int, model_state: Mapping[str, torch.Tensor]) -> list[str]:
+    """The model tensors ``rank`` writes: each one by one rank (they are replicated), the
+    largest first to the rank with the fewest bytes so far, the same split on every rank."""
+    load = [0] * world_size
+    mine = []
+    for key in sorted(model_state, key=lambda k: (-model_state[k].numel() * model_state[k].element_size(), k)):
+        r = load.index(min(load))
+        load[r] += model_state[key].numel() * model_state[key].element_size()
+        if r == rank:
+            mine.append(key)
+    return mine
 
 
 def _state_to_save(
-    model: nn.Module, optimizer: Zero1Optimizer | None, with_masters: bool
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    state: dict[str, torch.Tensor] = {}
+    model: nn.Module, optimizer: Zero1Optimizer | None, with_masters: bool, backend: Backend
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], bool]:
+    """This rank's tensors of the checkpoint (on the host), the metadata, and whether the
+    tensors are copies (False: some are the live ones, which an asynchronous save stages)."""
+    model_state = model.state_dict()
     model_keys = {}
-    for key, value in model.state_dict().items():
+    for key, value in model_state.items():
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(f"model state '{key}' is not a tensor; nxd_smp saves tensors only.")
-        state[f"model/{key}"] = _cpu(value)
         model_keys[key] = {"shape": tuple(value.shape), "dtype": str(value.dtype)}
+    mine = _model_keys_of(backend.rank, backend.world_size, model_state)
+    host, copied = backend.to_host([model_state[key] for key in mine])
+    state: dict[str, torch.Tensor] = {f"model/{key}": value for key, value in zip(mine, host)}
     meta: dict[str, Any] = {"format": FORMAT, "model": model_keys, "optimizer": None}
     if optimizer is None:
-        return state, meta
+        return state, meta, copied
 
     optimizer.adopt_param_changes()  # weights changed in place since the last step are the truth
     names = managed_param_names(model, optimizer)
@@ -588,9 +597,8 @@ def _state_to_save(
     layouts, masters = optimizer.bucket_layouts, optimizer.master_shards
     tensor_keys: set[str] = set()
     scalar_keys: set[str] = set()
-    for layout, master in zip(layouts, masters):
-        shard_state = inner.state.get(master, {})
-        for key, value in shard_state.items():
+    for master in masters:
+        for key, value in inner.state.get(master, {}).items():
             if not isinstance(value, torch.Tensor):
                 raise CheckpointError(f"inner optimizer state '{key}' is not a tensor; it cannot be sharded.")
             if value.dim() == 0:
@@ -602,21 +610,30 @@ def _state_to_save(
                     f"inner optimizer state '{key}' has shape {tuple(value.shape)}, neither a "
                     f"scalar nor the shard's {tuple(master.shape)}; it cannot be resharded."
                 )
+    # Whole shards to the host at once (one transfer each on XLA), cut into pieces there.
+    live = [(b, key, value) for b, master in enumerate(masters) for key, value in inner.state.get(master, {}).items()]
+    live += [(b, None, master) for b, master in enumerate(masters)] if with_masters else []
+    host, copied_shards = backend.to_host([value for _, _, value in live])
+    shard_state: list[dict[Any, torch.Tensor]] = [{} for _ in masters]
+    for (b, key, _), value in zip(live, host):
+        shard_state[b][key] = value
+    for b, layout in enumerate(layouts):
         for piece in layout.pieces(optimizer.rank):
             name = names[layout.param_indices[piece.index]]
             span = slice(piece.shard_start, piece.shard_start + piece.numel)
-            for key, value in shard_state.items():
-                if value.dim() == 0:
-                    state[f"optim/{name}/{key}"] = _cpu(value)
+            for key, value in shard_state[b].items():
+                if key is None:
+                    state[f"master/{name}/{piece.param_start}"] = value[span]
+                elif value.dim() == 0:
+                    state[f"optim/{name}/{key}"] = value
                 else:
-                    state[f"optim/{name}/{key}/{piece.param_start}"] = _cpu(value[span])
-            if with_masters:
-                state[f"master/{name}/{piece.param_start}"] = _cpu(master[span])
+                    state[f"optim/{name}/{key}/{piece.param_start}"] = value[span]
 
     scaler = optimizer.loss_scaler
     if scaler is not None:
-        for key, value in scaler.state_dict().items():
-            state[f"loss_scaler/{key}"] = _cpu(value)
+        scaler_state = scaler.state_dict()
+        values, _ = backend.to_host(list(scaler_state.values()))
+        state.update({f"loss_scaler/{key}": value for key, value in zip(scaler_state, values)})
 
     pieces: dict[str, list[tuple[int, int]]] = {name: [] for name in names}
     for layout in layouts:
@@ -639,7 +656,7 @@ def _state_to_save(
         "inner_class": type(inner).__name__,
         "loss_scaler": scaler is not None,
     }
-    return state, meta
+    return state, meta, copied and copied_shards
 
 
 # ---------------------------------------------------------------------------- load
@@ -698,27 +715,29 @@ def _verify_files(target: Path, record: Mapping[str, Any], checksums: bool) -> N
         raise CheckpointError(f"the checkpoint at {target} is damaged: " + "; ".join(problems) + ".")
 
 
-def _storage_reader(target: Path, record: Mapping[str, Any], verify: bool):
-    if record["format"] == FORMAT_V1:
-        return dcp.FileSystemReader(target)
-    return RawStorageReader(target, verify=verify, threads=_WRITE_THREADS)
-
-
-def _load_tensors(staging: dict[str, torch.Tensor], target: Path, record, verify: bool, group) -> None:
-    """``dcp.load`` into ``staging``; a damaged tensor on any rank is a CheckpointError on
-    every rank (DCP gathers the readers' failures), so either all ranks commit or none."""
+def _read_tensors(staging: dict[str, torch.Tensor], target: Path, verify: bool) -> None:
+    """Read every staging tensor from the checkpoint at ``target`` (this process only)."""
     try:
-        with _quiet_dcp():
-            dcp.load(staging, storage_reader=_storage_reader(target, record, verify),
-                     process_group=group, no_dist=not _dist_active())
-    except ChecksumError as e:
-        raise CheckpointError(f"the checkpoint at {target} is damaged: {e}") from e
-    except dcp.api.CheckpointException as e:
-        causes = [failure[0] if isinstance(failure, tuple) else failure for failure in e.failures.values()]
-        damaged = [str(c) for c in causes if isinstance(c, ChecksumError)]
-        if damaged:
-            raise CheckpointError(f"the checkpoint at {target} is damaged: " + "; ".join(sorted(set(damaged)))) from e
-        raise
+        index = read_index(target)
+        missing = sorted(set(staging) - set(index))
+        if missing:
+            raise CheckpointError(f"the checkpoint at {target} lacks the tensors {missing[:8]}"
+                                  + (f" and {len(missing) - 8} more" if len(missing) > 8 else "") + ".")
+        read_tensors(target, index, staging, verify=verify, threads=_WRITE_THREADS)
+    except (ChecksumError, ValueError) as e:  # damaged bytes, a refused index, a bad entry
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"the checkpoint at {target} is damaged or refused: {e}") from e
+
+
+def _agree(coordinator: Coordinator, error: BaseException | None) -> None:
+    """Every rank learns whether any rank failed; if one did, all raise (so either all ranks
+    commit or none)."""
+    failures = [f for f in coordinator.all_gather(None if error is None else _error_text(error)) if f]
+    if error is not None:
+        raise error
+    if failures:
+        raise CheckpointError("another rank could not load the checkpoint: " + "; ".join(failures))
 
 
 def load_checkpoint(
@@ -754,37 +773,43 @@ def load_checkpoint(
     objects = _stateful_objects(scheduler, stateful)
     _finish_save_in_flight(raise_error=False)
     path = Path(path)
-    group = _group(optimizer)
-    rank = _rank(group)
+    coordinator = _backend(model, optimizer).coordinator
+    rank = coordinator.rank
     with _phases(progress, rank, ["verify", "read", "commit"], f"load {path.name}") as advance:
-        found = None
+        found: Any = None
         if rank == 0:
             try:
                 target = _resolve(path)
                 record = _completion_record(target)
                 _verify_files(target, record, checksums=verify_checksums and record["format"] == FORMAT_V1)
-                found = (str(target), record)
-            except (CheckpointError, FileNotFoundError) as e:
-                found = e
-        found = _broadcast(found, group)
-        if isinstance(found, BaseException):
-            raise found
+                found = [str(target), record]
+            except FileNotFoundError as e:
+                found = {"missing": str(e)}
+            except CheckpointError as e:
+                found = {"refused": str(e)}
+        found = coordinator.broadcast(found)
+        if isinstance(found, dict):
+            raise FileNotFoundError(found["missing"]) if "missing" in found else CheckpointError(found["refused"])
         target, record = Path(found[0]), found[1]
-        meta = torch.load(target / META_FILE, weights_only=True)
-        saved = torch.load(target / EXTRA_FILE, weights_only=False)
-        if record["format"] == FORMAT_V1:
-            saved = {"extra": saved, "objects": {}}
-        missing = sorted(set(objects) - set(saved["objects"]))
-        if missing:
-            raise CheckpointError(
-                f"the checkpoint holds no state for {missing}; it has {sorted(saved['objects']) or 'none'}. "
-                f"Load without them, or from a checkpoint saved with them."
-            )
-        advance("verify")
-
-        staging, plan = _plan_load(meta, model, optimizer)
-        _load_tensors(staging, target, record, verify_checksums, group)
-        shards = _assemble(staging, plan, optimizer)
+        error = None
+        try:
+            meta = _safe_load(target / META_FILE)
+            saved = _safe_load(target / EXTRA_FILE)
+            if record["format"] == FORMAT_V1:
+                saved = {"extra": saved, "objects": {}}
+            missing = sorted(set(objects) - set(saved["objects"]))
+            if missing:
+                raise CheckpointError(
+                    f"the checkpoint holds no state for {missing}; it has {sorted(saved['objects']) or 'none'}. "
+                    f"Load without them, or from a checkpoint saved with them."
+                )
+            advance("verify")
+            staging, plan = _plan_load(meta, model, optimizer)
+            _read_tensors(staging, target, verify_checksums)
+            shards = _assemble(staging, plan, optimizer)
+        except (CheckpointError, OSError) as e:
+            error = e
+        _agree(coordinator, error)
         advance("read")
         _commit(staging, shards, meta, model, optimizer)
         for name, obj in objects.items():
@@ -1036,18 +1061,15 @@ def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = False) -> dict
     target = _resolve(Path(path))
     record = _completion_record(target)
     _verify_files(target, record, checksums=verify)
-    meta = torch.load(target / META_FILE, weights_only=True)
-    entries = _storage_reader(target, record, verify=False).read_metadata().state_dict_metadata
-    tensors = {}
-    for key, info in sorted(entries.items()):
-        size = tuple(getattr(info, "size", ()))
-        dtype = getattr(getattr(info, "properties", None), "dtype", None)
-        n = 1
-        for d in size:
-            n *= d
-        tensors[key] = {"shape": size, "dtype": str(dtype), "bytes": n * (dtype.itemsize if dtype else 0)}
+    meta = _safe_load(target / META_FILE)
+    try:
+        index = read_index(target)
+    except ValueError as e:
+        raise CheckpointError(f"the checkpoint at {target} is damaged or refused: {e}") from e
+    tensors = {key: {"shape": info.shape, "dtype": str(info.dtype), "bytes": info.nbytes}
+               for key, info in sorted(index.items())}
     opt = meta["optimizer"]
-    saved = torch.load(target / EXTRA_FILE, weights_only=False)
+    saved = _safe_load(target / EXTRA_FILE)
     return {
         "path": str(target),
         "format": record["format"],
@@ -1075,12 +1097,14 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     target = _resolve(Path(path))
     record = _completion_record(target)
     _verify_files(target, record, checksums=record["format"] == FORMAT_V1)
-    meta = torch.load(target / META_FILE, weights_only=True)
-    reader = _storage_reader(target, record, verify=True)
-    entries = reader.read_metadata().state_dict_metadata
-    staging = {key: torch.empty(tuple(info.size), dtype=info.properties.dtype) for key, info in entries.items()}
-    _load_tensors(staging, target, record, True, None)
-    saved = torch.load(target / EXTRA_FILE, weights_only=False)
+    meta = _safe_load(target / META_FILE)
+    saved = _safe_load(target / EXTRA_FILE)
+    try:
+        index = read_index(target)
+    except ValueError as e:
+        raise CheckpointError(f"the checkpoint at {target} is damaged or refused: {e}") from e
+    staging = {key: torch.empty(info.shape, dtype=info.dtype) for key, info in index.items()}
+    _read_tensors(staging, target, verify=True)
     result: dict[str, Any] = {
         "model": {k[len("model/"):]: v for k, v in staging.items() if k.startswith("model/")},
         "optimizer": None,
@@ -1136,17 +1160,6 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> None:
         result["optimizer"] = {"state": state, "param_groups": groups}
         result["master_weights"] = opt["master_weights"]
     torch.save(result, out)
-
-
-# torch_xla interop and the command line have rooms of their own (``xla_state_dict``,
-# ``cli``), which import this module; their names stay reachable here, resolved on use.
-_MOVED = {"export_xla": ".xla_state_dict", "import_xla": ".xla_state_dict"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        return getattr(importlib.import_module(_MOVED[name], __package__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":  # ``python -m nxd_smp.checkpoint ...``: the CLI under its old name

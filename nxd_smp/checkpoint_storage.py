@@ -1,55 +1,66 @@
-"""The bytes of a checkpoint on disk: a ``torch.distributed.checkpoint`` storage writer and
-reader that move tensors as raw bytes.
+"""The bytes of a checkpoint on disk: tensors as raw bytes, and the index that says where.
 
-``RawStorageWriter`` writes every tensor a rank saves straight from its memory (a view of
-a flat shard is written as it is: no clone, no per-tensor pickle) into a few large files
-per rank (``__<rank>_<k>.bin``, one per writer thread), computing CRC-32 of each tensor and
-of each file on the bytes while it writes them, then fsyncs. The coordinator writes DCP's
-``.metadata``, whose storage data say where each tensor's bytes are (file, offset, length,
-CRC-32).
+Each rank writes the tensors it saves straight from their memory (a view of a flat shard
+is written as it is: no clone, no per-tensor pickle) into a few large files
+(``__<rank>_<k>.bin``, one per writer thread), computing CRC-32 of each tensor and of each
+file on the bytes while it writes them, then fsyncs (``write_tensors``). The index is a
+``torch.distributed.checkpoint`` ``Metadata`` in ``.metadata`` (``write_metadata``), whose
+storage data say where each tensor's bytes are (``RawItem``: file, offset, length, CRC-32),
+so the directory stays in DCP's layout. Checkpoints of format 1 hold DCP's own
+``FileSystemWriter`` files (each tensor a ``torch.save`` at an offset); they still load.
 
-``RawStorageReader`` reads each requested tensor straight into the destination buffer the
-load planner gives it and checks the tensor's CRC-32 on those bytes (``verify=True``).
-
-Everything else (plans, resharding by name and offset, the coordinator) is DCP's own.
+Reading never runs code from the files: the index is unpickled by ``SafeUnpickler``, which
+admits only the classes DCP writes into its metadata (and what they reference), and the
+format-1 tensors load with ``torch.load(weights_only=True)``. Nothing here communicates:
+each rank reads and writes its own files, and whoever calls these functions coordinates.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import io
 import os
 import pickle
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import (
-    LoadPlan,
-    LoadPlanner,
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
     Metadata,
-    SavePlan,
-    SavePlanner,
-    StorageReader,
-    StorageWriter,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
 
-__all__ = ["RawItem", "RawStorageWriter", "RawStorageReader", "ChecksumError", "METADATA_FILE"]
+__all__ = [
+    "ChecksumError",
+    "METADATA_FILE",
+    "RawItem",
+    "SafeUnpickler",
+    "StoredTensor",
+    "UnsafeFileError",
+    "read_index",
+    "read_tensors",
+    "safe_load",
+    "write_metadata",
+    "write_tensors",
+]
 
 METADATA_FILE = ".metadata"
 _CHUNK = 64 << 20  # bytes per write/read call: large, and the GIL is released for each
 
 
 class ChecksumError(ValueError):
-    """The bytes read back are not the bytes written (CRC-32 mismatch)."""
+    """The bytes read back are not the bytes written (CRC-32 mismatch, truncation)."""
+
+
+class UnsafeFileError(ValueError):
+    """A file asks to build an object that loading must not build (it could run code)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,75 @@ class RawItem:
     shape: tuple[int, ...]
 
 
+# ---------------------------------------------------------------------------- safe reading
+def _dcp_metadata_globals() -> set[tuple[str, str]]:
+    """Every global a DCP ``.metadata`` written by nxd_smp (either format) refers to."""
+    allowed = {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+                     "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    }
+    allowed |= {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # format 1
+        (__name__, "RawItem"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a layout by its name
+        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
+        ("pathlib", "PurePosixPath"),
+        ("collections", "OrderedDict"),
+    }
+    allowed |= {("torch", name) for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
+    return allowed
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """Unpickles only the classes ``torch.distributed.checkpoint`` writes into its metadata
+    (and nxd_smp's ``RawItem``); anything else is an ``UnsafeFileError`` naming the class."""
+
+    _allowed: set[tuple[str, str]] | None = None
+
+    def __init__(self, file, *, source: str = "the file"):
+        super().__init__(file)
+        self._source = source
+        if SafeUnpickler._allowed is None:
+            SafeUnpickler._allowed = _dcp_metadata_globals()
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self._allowed:
+            raise UnsafeFileError(
+                f"{self._source} asks to load {module}.{name}, which is not part of a checkpoint "
+                f"index; refused (loading it could run code)."
+            )
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeFileError(f"{self._source} holds a persistent reference; refused.")
+
+
+def safe_load(path: str | os.PathLike) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU, a refusal as ``UnsafeFileError``
+    naming the file and what it asked for. Plain containers, numbers, strings and tensors
+    load; a class of the caller's own loads once allowed with
+    ``torch.serialization.add_safe_globals([TheClass])`` (torch's rule since 2.6)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeFileError(
+            f"{path} was refused by torch.load(weights_only=True): {_first_line(e)} Loading it as "
+            f"it is could run code from the file. If it holds a class of your own that you trust, "
+            f"allow it with torch.serialization.add_safe_globals([TheClass]) and load again."
+        ) from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    for line in text.splitlines():
+        if "Unsupported global" in line or "GLOBAL" in line:
+            return line.strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+# ---------------------------------------------------------------------------- writing
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     flat = tensor.detach().reshape(-1)
@@ -73,194 +153,211 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-@dataclass
-class _Prefix:
-    prefix: str
+def write_tensors(
+    directory: str | os.PathLike,
+    prefix: str,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    threads: int = 2,
+    sync: bool = True,
+) -> tuple[dict[str, list], dict[str, list[int]]]:
+    """Write CPU ``tensors`` as raw bytes into ``threads`` files ``<prefix><k>.bin`` of
+    ``directory`` (largest first, balanced by size), fsynced when ``sync``.
 
-
-class RawStorageWriter(StorageWriter):
-    """Writes a rank's tensors as raw bytes into ``threads`` files in ``path``.
-
-    After ``dcp.save`` returns, ``files`` maps each file this rank wrote to ``(size,
-    crc32)``, for the caller's completion record.
+    Returns:
+        ``(entries, files)``, both JSON values: ``entries[key] = [file, offset, length,
+        crc32, dtype name, shape]`` and ``files[name] = [size, crc32]``.
     """
+    directory = Path(directory)
+    threads = max(1, int(threads))
+    groups: list[list[str]] = [[] for _ in range(threads)]
+    sizes = [0] * threads
+    for key in sorted(tensors, key=lambda k: tensors[k].numel() * tensors[k].element_size(), reverse=True):
+        k = sizes.index(min(sizes))
+        groups[k].append(key)
+        sizes[k] += tensors[key].numel() * tensors[key].element_size()
+    jobs = [(f"{prefix}{k}.bin", keys) for k, keys in enumerate(groups) if keys]
+    entries: dict[str, list] = {}
+    files: dict[str, list[int]] = {}
+    lock = threading.Lock()
 
-    def __init__(self, path: str | os.PathLike, *, threads: int = 2, sync_files: bool = True):
-        super().__init__()
-        self.path = Path(path)
-        self.threads = max(1, int(threads))
-        self.sync_files = sync_files
-        self.files: dict[str, tuple[int, int]] = {}
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
-            self.path = Path(checkpoint_id)
-        self.files = {}
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return True
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [dataclasses.replace(plan, storage_data=_Prefix(f"__{rank}_")) for rank, plan in enumerate(plans)]
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        prefix = plan.storage_data.prefix
-        groups: list[list[WriteItem]] = [[] for _ in range(self.threads)]
-        sizes = [0] * self.threads
-        for item in sorted(plan.items, key=_item_bytes, reverse=True):  # balance the files
-            k = sizes.index(min(sizes))
-            groups[k].append(item)
-            sizes[k] += _item_bytes(item)
-        jobs = [(f"{prefix}{k}.bin", items) for k, items in enumerate(groups) if items]
-        lock = threading.Lock()
-
-        def write_file(name: str, items: list[WriteItem]) -> list[WriteResult]:
-            results, offset, file_crc = [], 0, 0
-            with open(self.path / name, "wb", buffering=0) as f:
-                for item in items:
-                    data = planner.resolve_data(item)
-                    if item.type == WriteItemType.BYTE_IO:
-                        raise TypeError(f"{item.index.fqn}: nxd_smp checkpoints hold tensors only.")
-                    tensor = data.detach()
-                    if tensor.device.type != "cpu":
-                        tensor = tensor.cpu()
-                    if not tensor.is_contiguous():
-                        tensor = tensor.contiguous()
-                    view, crc = _byte_view(tensor), 0
-                    for start in range(0, len(view), _CHUNK):
-                        chunk = view[start : start + _CHUNK]
-                        crc = zlib.crc32(chunk, crc)
-                        file_crc = zlib.crc32(chunk, file_crc)
-                        while chunk:  # a raw write may take fewer bytes than given
-                            chunk = chunk[f.write(chunk) :]
-                    info = RawItem(name, offset, len(view), crc, tensor.dtype, tuple(tensor.shape))
-                    results.append(WriteResult(index=item.index, size_in_bytes=len(view), storage_data=info))
-                    offset += len(view)
-                if self.sync_files:
-                    os.fsync(f.fileno())
-            with lock:
-                self.files[name] = (offset, file_crc)
-            return results
-
-        if len(jobs) == 1:
-            results = write_file(*jobs[0])
-        else:
-            with ThreadPoolExecutor(len(jobs)) as pool:
-                results = [r for part in pool.map(lambda job: write_file(*job), jobs) for r in part]
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(results)
-        return future
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        metadata.storage_data = {r.index: r.storage_data for part in results for r in part}
-        with open(self.path / METADATA_FILE, "wb") as f:
-            pickle.dump(metadata, f)
-            f.flush()
-            if self.sync_files:
+    def write_file(name: str, keys: list[str]) -> None:
+        offset, file_crc, mine = 0, 0, {}
+        with open(directory / name, "wb", buffering=0) as f:
+            for key in keys:
+                tensor = tensors[key].detach()
+                if tensor.device.type != "cpu":
+                    tensor = tensor.cpu()
+                if not tensor.is_contiguous():
+                    tensor = tensor.contiguous()
+                view, crc = _byte_view(tensor), 0
+                for start in range(0, len(view), _CHUNK):
+                    chunk = view[start : start + _CHUNK]
+                    crc = zlib.crc32(chunk, crc)
+                    file_crc = zlib.crc32(chunk, file_crc)
+                    while chunk:  # a raw write may take fewer bytes than given
+                        chunk = chunk[f.write(chunk) :]
+                mine[key] = [name, offset, len(view), crc, str(tensor.dtype).removeprefix("torch."),
+                             list(tensor.shape)]
+                offset += len(view)
+            if sync:
                 os.fsync(f.fileno())
+        with lock:
+            entries.update(mine)
+            files[name] = [offset, file_crc]
 
-    def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=str(self.path))
-
-
-def _item_bytes(item: WriteItem) -> int:
-    if item.tensor_data is None:
-        return 0
-    n = 1
-    for d in item.tensor_data.size:
-        n *= d
-    return n * item.tensor_data.properties.dtype.itemsize
+    if len(jobs) == 1:
+        write_file(*jobs[0])
+    elif jobs:
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            list(pool.map(lambda job: write_file(*job), jobs))
+    return entries, files
 
 
-class RawStorageReader(StorageReader):
-    """Reads raw-byte tensors straight into the load planner's destination buffers,
-    checking each one's CRC-32 when ``verify``. Raises ``ChecksumError`` naming the tensor
-    and the file on a mismatch."""
+def write_metadata(directory: str | os.PathLike, entries: Mapping[str, Sequence], *, sync: bool = True) -> None:
+    """The index of every rank's ``entries`` (as ``write_tensors`` returns them) as DCP's
+    ``Metadata`` in ``directory/.metadata``: one whole-tensor chunk per key, its
+    ``RawItem`` as storage data."""
+    state, storage = {}, {}
+    for key, (file, offset, length, crc, dtype_name, shape) in sorted(entries.items()):
+        dtype = getattr(torch, dtype_name)
+        size = torch.Size(shape)
+        zeros = torch.Size([0] * len(shape))
+        state[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), size, [ChunkStorageMetadata(zeros, size)])
+        storage[MetadataIndex(key, zeros, 0)] = RawItem(file, offset, length, crc, dtype, tuple(shape))
+    with open(Path(directory) / METADATA_FILE, "wb") as f:
+        pickle.dump(Metadata(state_dict_metadata=state, storage_data=storage), f)
+        f.flush()
+        if sync:
+            os.fsync(f.fileno())
 
-    def __init__(self, path: str | os.PathLike, *, verify: bool = True, threads: int = 2):
-        super().__init__()
-        self.path = Path(path)
-        self.verify = verify
-        self.threads = max(1, int(threads))
-        self.storage_data: dict[MetadataIndex, RawItem] = {}
 
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
-            self.path = Path(checkpoint_id)
+# ---------------------------------------------------------------------------- reading
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a checkpoint: its dtype and shape, and where its bytes are. ``raw``:
+    raw bytes with a CRC-32 (format 2), else a ``torch.save`` record (format 1)."""
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return True
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+    crc32: int | None
+    raw: bool
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with open(self.path / METADATA_FILE, "rb") as f:
-            metadata = pickle.load(f)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        return metadata
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.storage_data = metadata.storage_data
 
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+def read_index(directory: str | os.PathLike) -> dict[str, StoredTensor]:
+    """Every tensor of the checkpoint in ``directory``, from its ``.metadata`` (read with
+    ``SafeUnpickler``).
 
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+    Raises:
+        UnsafeFileError: the index asks for a class a DCP index does not hold.
+        ValueError: an entry that is not one whole tensor (nxd_smp writes no other).
+    """
+    path = Path(directory) / METADATA_FILE
+    with open(path, "rb") as f:
+        metadata = SafeUnpickler(f, source=str(path)).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeFileError(f"{path} holds a {type(metadata).__name__}, not a checkpoint index.")
+    where: dict[str, Any] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if isinstance(index, MetadataIndex):
+            where[index.fqn] = info
+    out = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata) or len(meta.chunks) != 1 or key not in where:
+            raise ValueError(f"{path}: entry {key!r} is not one whole tensor; nxd_smp writes no other.")
+        info = where[key]
+        shape = tuple(meta.size)
+        if isinstance(info, RawItem):
+            out[key] = StoredTensor(info.dtype, shape, info.file, info.offset, info.length, info.crc32, True)
+        else:  # format 1: DCP's _StorageInfo, a torch.save record at an offset
+            out[key] = StoredTensor(meta.properties.dtype, shape, str(info.relative_path), int(info.offset),
+                                    int(info.length), None, False)
+    return out
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        per_file: dict[str, list[ReadItem]] = {}
-        for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].file, []).append(item)
 
-        def read_file(name: str, items: Sequence[ReadItem]) -> None:
-            with open(self.path / name, "rb", buffering=0) as f:
-                for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
-                    info = self.storage_data[item.storage_index]
-                    target = planner.resolve_tensor(item).detach()
-                    whole = tuple(item.lengths) == info.shape and not any(item.storage_offsets)
-                    if whole and target.is_contiguous() and target.device.type == "cpu" and target.dtype == info.dtype:
-                        self._read_into(f, info, target, item)
-                    else:
-                        source = torch.empty(info.shape, dtype=info.dtype)
-                        self._read_into(f, info, source, item)
-                        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                            source = source.narrow(dim, start, length)
-                        target.copy_(source)
-                    planner.commit_tensor(item, target)
+def read_tensors(
+    directory: str | os.PathLike,
+    index: Mapping[str, StoredTensor],
+    targets: Mapping[str, torch.Tensor],
+    *,
+    verify: bool = True,
+    threads: int = 2,
+) -> None:
+    """Read each ``targets[key]`` (a tensor of the stored shape) from the checkpoint in
+    ``directory``: raw bytes straight into it where it is a contiguous CPU tensor of the
+    stored dtype (else through a staging tensor, cast on the copy), checked against their
+    CRC-32 when ``verify``; format-1 records through ``torch.load(weights_only=True)``.
 
-        jobs = list(per_file.items())
-        if len(jobs) <= 1 or self.threads == 1:
-            for job in jobs:
-                read_file(*job)
-        else:
-            with ThreadPoolExecutor(min(self.threads, len(jobs))) as pool:
-                list(pool.map(lambda job: read_file(*job), jobs))
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
+    Raises:
+        ChecksumError: bytes that are not those written, naming the tensor and the file.
+    """
+    directory = Path(directory)
+    per_file: dict[str, list[str]] = {}
+    for key in targets:
+        per_file.setdefault(index[key].file, []).append(key)
 
-    def _read_into(self, f, info: RawItem, tensor: torch.Tensor, item: ReadItem) -> None:
-        view = _byte_view(tensor)
-        if len(view) != info.length:
-            raise ChecksumError(
-                f"{item.storage_index.fqn}: {info.length} bytes in {info.file}, the destination holds {len(view)}."
-            )
-        f.seek(info.offset)
-        crc, done = 0, 0
-        while done < len(view):
-            n = f.readinto(view[done : done + _CHUNK])
-            if not n:
-                raise ChecksumError(f"{item.storage_index.fqn}: {info.file} ends before its bytes (truncated).")
-            if self.verify:
-                crc = zlib.crc32(view[done : done + n], crc)
-            done += n
-        if self.verify and crc != info.crc32:
-            raise ChecksumError(f"{item.storage_index.fqn} in {info.file} is corrupted (CRC-32 mismatch).")
+    def read_file(name: str, keys: Sequence[str]) -> None:
+        with open(directory / name, "rb", buffering=0) as f:
+            for key in sorted(keys, key=lambda k: index[k].offset):
+                stored, target = index[key], targets[key]
+                if tuple(target.shape) != stored.shape:
+                    raise ValueError(f"{key}: stored with shape {stored.shape}, the target has "
+                                     f"{tuple(target.shape)}.")
+                if stored.raw and target.is_contiguous() and target.device.type == "cpu" and target.dtype == stored.dtype:
+                    _read_raw(f, key, stored, target, verify)
+                elif stored.raw:
+                    staging = torch.empty(stored.shape, dtype=stored.dtype)
+                    _read_raw(f, key, stored, staging, verify)
+                    target.copy_(staging)
+                else:
+                    target.copy_(_read_record(f, key, stored))
+
+    jobs = list(per_file.items())
+    if len(jobs) <= 1 or threads <= 1:
+        for job in jobs:
+            read_file(*job)
+    else:
+        with ThreadPoolExecutor(min(threads, len(jobs))) as pool:
+            list(pool.map(lambda job: read_file(*job), jobs))
+
+
+def _read_raw(f, key: str, stored: StoredTensor, tensor: torch.Tensor, verify: bool) -> None:
+    view = _byte_view(tensor)
+    if len(view) != stored.length:
+        raise ChecksumError(f"{key}: {stored.length} bytes in {stored.file}, the destination holds {len(view)}.")
+    f.seek(stored.offset)
+    crc, done = 0, 0
+    while done < len(view):
+        n = f.readinto(view[done : done + _CHUNK])
+        if not n:
+            raise ChecksumError(f"{key}: {stored.file} ends before its bytes (truncated).")
+        if verify:
+            crc = zlib.crc32(view[done : done + n], crc)
+        done += n
+    if verify and crc != stored.crc32:
+        raise ChecksumError(f"{key} in {stored.file} is corrupted (CRC-32 mismatch).")
+
+
+def _read_record(f, key: str, stored: StoredTensor) -> torch.Tensor:
+    f.seek(stored.offset)
+    data = f.read(stored.length)
+    if len(data) != stored.length:
+        raise ChecksumError(f"{key}: {stored.file} ends before its bytes (truncated).")
+    try:
+        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeFileError(f"{key} in {stored.file} was refused by torch.load(weights_only=True): "
+                              f"{_first_line(e)}") from None
+    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != stored.shape:
+        raise ChecksumError(f"{key} in {stored.file} is not the {stored.shape} tensor its index says.")
+    return tensor

@@ -11,7 +11,7 @@
 * ``clip_coefficient``: ``min(1, max_norm / (norm + 1e-6))``, as torch, NxD and torch_xla.
 
 The groups are passed in as objects with an in-place ``all_reduce_`` (sum), such as
-``nxd_smp.collectives.Collectives``; nothing here picks a backend.
+``nxd_smp.backend.Backend``; nothing here picks a backend.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ live in ``runtime_env``, NxD's ``neuronx_distributed_config`` in ``trainer``.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -19,6 +18,8 @@ __all__ = [
     "ConfigError",
     "MixedPrecisionConfig",
     "OptimizerConfig",
+    "Zero1Config",
+    "require_bool",
     "validate_max_norm",
 ]
 
@@ -27,12 +28,18 @@ class ConfigError(ValueError):
     """A configuration value or combination that nxd_smp refuses; the message names the fix."""
 
 
-def _require_bool(owner: str, name: str, value: Any) -> None:
+def require_bool(owner: str, name: str, value: Any) -> bool:
+    """``value`` if it is a bool.
+
+    Raises:
+        ConfigError: naming ``owner.name``.
+    """
     if not isinstance(value, bool):
         raise ConfigError(
             f"{owner}.{name} must be True or False, got {value!r} "
             f"({type(value).__name__}); pass a bool."
         )
+    return value
 
 
 def _reject_unknown_keys(owner: str, given: Mapping[str, Any], known: tuple[str, ...]) -> None:
@@ -84,7 +91,7 @@ class MixedPrecisionConfig:
 
     def __post_init__(self) -> None:
         for name in self._FIELDS:
-            _require_bool("mixed_precision_config", name, getattr(self, name))
+            require_bool("mixed_precision_config", name, getattr(self, name))
         if self.use_master_weights_in_ckpt and not self.use_master_weights:
             raise ConfigError(
                 "mixed_precision_config.use_master_weights_in_ckpt=True needs "
@@ -106,7 +113,7 @@ class MixedPrecisionConfig:
             ConfigError: unknown keys, non-bool values, an SMP flag without ZeRO-1,
                 or master weights in checkpoints without master weights.
         """
-        _require_bool("optimizer_config", "zero_one_enabled", zero_one_enabled)
+        require_bool("optimizer_config", "zero_one_enabled", zero_one_enabled)
         d = {} if d is None else d
         _reject_unknown_keys("mixed_precision_config", d, cls._FIELDS)
         values = {
@@ -115,7 +122,7 @@ class MixedPrecisionConfig:
             "use_master_weights_in_ckpt": d.get("use_master_weights_in_ckpt", False),
         }
         for name, value in values.items():
-            _require_bool("mixed_precision_config", name, value)
+            require_bool("mixed_precision_config", name, value)
         if not zero_one_enabled:
             # NxD's own refusals, word for word where it has them.
             if values["use_master_weights"]:
@@ -152,13 +159,14 @@ class OptimizerConfig:
     max_grad_norm: float = 1.0
 
     _FIELDS = ("zero_one_enabled", "grad_clipping", "max_grad_norm")
+    # How errors name the fields: NxD's dict keys here, the optimizer's arguments in Zero1Config.
+    _OWNER = "optimizer_config"
+    _MAX_NORM_NAME = "optimizer_config.max_grad_norm"
 
     def __post_init__(self) -> None:
-        _require_bool("optimizer_config", "zero_one_enabled", self.zero_one_enabled)
-        _require_bool("optimizer_config", "grad_clipping", self.grad_clipping)
-        object.__setattr__(
-            self, "max_grad_norm", validate_max_norm(self.max_grad_norm, "optimizer_config.max_grad_norm")
-        )
+        require_bool(self._OWNER, "zero_one_enabled", self.zero_one_enabled)
+        require_bool(self._OWNER, "grad_clipping", self.grad_clipping)
+        object.__setattr__(self, "max_grad_norm", validate_max_norm(self.max_grad_norm, self._MAX_NORM_NAME))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "OptimizerConfig":
@@ -171,17 +179,80 @@ class OptimizerConfig:
         return asdict(self)
 
 
-# Names that lived here before the trainer API and the environment checks got rooms of
-# their own; resolved on first use, so importing this module imports nothing else.
-_MOVED = {
-    "neuronx_distributed_config": ".trainer",
-    "configs_from_nxd_dict": ".trainer",
-    "check_no_xla_downcast": ".runtime_env",
-    "XLA_DOWNCAST_VARIABLES": ".runtime_env",
-}
+@dataclass(frozen=True)
+class Zero1Config(OptimizerConfig):
+    """Everything that configures one ``Zero1Optimizer``, validated once: NxD's
+    ``optimizer_config`` (ZeRO-1 on) plus the mixed precision and the sharding options.
 
+    Attributes:
+        mixed_precision: a ``MixedPrecisionConfig`` (None: SMP on).
+        reduce_dtype: a floating torch dtype for the gradient reduce-scatter, or None (fp32
+            with fp32 accumulation, else the parameter dtype).
+        bucket_cap_mb: the largest bucket in MiB of fp32 elements (0: a bucket per
+            parameter, ``inf``: one per param group and dtype), or None (the device's default).
+        pin_layout: passed to torch_xla's collectives.
+        lazy_init: build the shards at ``init_zero()`` rather than in the constructor.
+        compile_update: the compiled one-pass CPU update: None (where nxd_smp picked the
+            fused kernel itself), True (required) or False.
+        stochastic_rounding: round the bf16 update stochastically (legacy mode only).
+        sr_seed: the seed of those draws (an int).
+    """
 
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        return getattr(importlib.import_module(_MOVED[name], __package__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    zero_one_enabled: bool = True
+    mixed_precision: MixedPrecisionConfig | None = None
+    reduce_dtype: Any = None
+    bucket_cap_mb: float | None = None
+    pin_layout: bool = True
+    lazy_init: bool = False
+    compile_update: bool | None = None
+    stochastic_rounding: bool = False
+    sr_seed: int = 0
+
+    _OWNER = "Zero1Optimizer"
+    _MAX_NORM_NAME = "max_norm"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.zero_one_enabled:
+            raise ConfigError(
+                "Zero1Config.zero_one_enabled must be True: it configures a ZeRO-1 optimizer. With "
+                "ZeRO-1 off use initialize_parallel_optimizer, which builds a plain optimizer."
+            )
+        mp = MixedPrecisionConfig() if self.mixed_precision is None else self.mixed_precision
+        if not isinstance(mp, MixedPrecisionConfig):
+            raise TypeError(
+                f"mixed_precision must be a MixedPrecisionConfig or None, got {type(mp).__name__}; "
+                f"build one with MixedPrecisionConfig(...) or MixedPrecisionConfig.from_dict(d, "
+                f"zero_one_enabled=True)."
+            )
+        object.__setattr__(self, "mixed_precision", mp)
+        dtype = self.reduce_dtype
+        if dtype is not None and (type(dtype).__name__ != "dtype" or getattr(dtype, "is_floating_point", None) is not True):
+            raise ConfigError(f"reduce_dtype must be None or a floating torch.dtype, got {dtype!r}.")
+        cap = self.bucket_cap_mb
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 0):
+            raise ConfigError(
+                f"bucket_cap_mb must be None or a number >= 0 (0: one bucket per parameter, inf: "
+                f"no limit), got {cap!r}."
+            )
+        for name in ("pin_layout", "lazy_init", "stochastic_rounding"):
+            require_bool(self._OWNER, name, getattr(self, name))
+        if self.compile_update is not None:
+            require_bool(self._OWNER, "compile_update", self.compile_update)
+        if isinstance(self.sr_seed, bool) or not isinstance(self.sr_seed, int):
+            raise ConfigError(f"sr_seed must be an int, got {self.sr_seed!r}.")
+        if self.stochastic_rounding and mp.use_master_weights:
+            raise ConfigError(
+                "stochastic_rounding=True is for legacy mode (use_master_weights=False), where the "
+                "bf16 shard itself is updated; with master weights the fp32 copy already keeps "
+                "what rounding would lose. Turn one of them off."
+            )
+
+    @property
+    def bucket_cap_numel(self) -> int | None:
+        """``bucket_cap_mb`` in fp32 elements (at least 1), None for no limit; the bucket
+        size must have been chosen (``bucket_cap_mb`` not None)."""
+        if self.bucket_cap_mb is None:
+            raise ValueError("bucket_cap_mb is not chosen yet: replace(config, bucket_cap_mb=...) first.")
+        cap = self.bucket_cap_mb * 2**20 / 4
+        return None if math.isinf(cap) else max(1, int(cap))

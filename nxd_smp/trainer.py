@@ -17,7 +17,10 @@ import torch
 from .grad_norm import NORM_ROLES, clip_coefficient, global_norm, norm_role, sum_of_squares
 from .mixed_precision_config import ConfigError, MixedPrecisionConfig, OptimizerConfig, validate_max_norm
 from .runtime_env import check_no_xla_downcast, set_stochastic_rounding
-from .zero1_optimizer import GroupSpec, NormGroupSpec, Zero1Optimizer, check_optimizer_class, norm_collectives
+from .backend import GroupSpec, NormGroupSpec, norm_backends
+from .param_groups import check_optimizer_class
+from .parallel_state import nxd_parallel_groups
+from .zero1_optimizer import Zero1Optimizer
 
 __all__ = [
     "neuronx_distributed_config",
@@ -188,8 +191,8 @@ class ClippedOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         params = [p for g in self.param_groups for p in g["params"]]
         device = params[0].device if params else torch.device("cpu")
-        self._norm_comms = norm_collectives(grad_norm_groups, device)
-        self._pipeline_comms = norm_collectives(pipeline_groups, device)
+        self._norm_backends = norm_backends(grad_norm_groups, device)
+        self._pipeline_backends = norm_backends(pipeline_groups, device)
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
@@ -205,14 +208,14 @@ class ClippedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    by_role[norm_role(p, pipeline_parallel=bool(self._pipeline_comms))].append(p.grad)
+                    by_role[norm_role(p, pipeline_parallel=bool(self._pipeline_backends))].append(p.grad)
         grads = [g for role in NORM_ROLES for g in by_role[role]]
         device = grads[0].device if grads else torch.device("cpu")
         norm = global_norm(
             sum_of_squares(by_role["replicated"], device),
             sum_of_squares(by_role["split"], device) if by_role["split"] else None,
-            tensor_parallel=self._norm_comms,
-            pipeline_parallel=self._pipeline_comms,
+            tensor_parallel=self._norm_backends,
+            pipeline_parallel=self._pipeline_backends,
         )
         coef = clip_coefficient(norm, self._grad_clipping, self._max_norm)
         if grads and coef is not None:
@@ -245,16 +248,24 @@ def initialize_parallel_optimizer(
 
     ZeRO-1 on: a ``Zero1Optimizer`` with the config's mixed precision, clipping and
     ``max_grad_norm`` (which NxD drops; we pass it). ZeRO-1 off: a ``ClippedOptimizer``
-    over ``optimizer_class(parameters, **defaults)``. nxd_smp does not own model-parallel
-    state, so the groups NxD takes from its parallel state are arguments here:
-    ``process_group`` (data parallel; default all ranks), ``grad_norm_groups`` (tensor
-    parallel) and ``pipeline_groups``. A config with tensor or pipeline parallelism needs
-    the matching groups, or the clipped norm would cover part of the model only.
+    over ``optimizer_class(parameters, **defaults)``. The groups are ``process_group``
+    (data parallel; default all ranks), ``grad_norm_groups`` (tensor parallel) and
+    ``pipeline_groups``; where NxD's parallel state is initialised (``neuronx_distributed``
+    installed, ``initialize_model_parallel`` called), those left None come from it as NxD
+    takes them (the ZeRO-1 sharding groups, the tensor- and pipeline-parallel replica
+    groups). Otherwise a config with tensor or pipeline parallelism needs the matching
+    groups passed, or the clipped norm would cover part of the model only.
 
     Raises:
         ConfigError: the config breaks a rule, or a group the config needs is missing.
     """
     opt_cfg, mp_cfg = configs_from_nxd_dict(nxd_config)
+    nxd = nxd_parallel_groups()
+    if nxd is not None:
+        if opt_cfg.zero_one_enabled and process_group is None:
+            process_group = nxd.data
+        grad_norm_groups = nxd.tensor if grad_norm_groups is None else grad_norm_groups
+        pipeline_groups = nxd.pipeline if pipeline_groups is None else pipeline_groups
     sizes = {k: nxd_config.get(k, 1) for k in _PARALLEL_SIZE_KEYS}
     needed = []
     if sizes["tensor_parallel_size"] > 1 and grad_norm_groups is None:

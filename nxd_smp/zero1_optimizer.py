@@ -5,13 +5,18 @@ packed into flat buckets (see ``layout``); each data-parallel rank owns one cont
 shard of every bucket and keeps, for its shard only, the master weights and the inner
 optimizer's states. One ``step()``:
 
-1. per bucket, reduce-scatter the accumulated gradient (a sum; the 1/world_size of the
-   mean is folded into step 3),
-2. the global gradient norm in fp32 (shards, then ``grad_norm_groups``, DP and
+1. reduce: per bucket, reduce-scatter the accumulated gradient (a sum; the 1/world_size of
+   the mean is folded into step 3),
+2. norm: the global gradient norm in fp32 (shards, then ``grad_norm_groups``, DP and
    ``pipeline_groups``),
-3. scale the shard gradients by ``min(1, max_norm / (norm + 1e-6)) / world_size``,
-4. the inner optimizer's step on the master shards,
-5. cast each shard to the parameter dtype and all-gather it into the parameters.
+3. clip: the coefficient ``min(1, max_norm / (norm + 1e-6)) / world_size`` (and 1/loss
+   scale), applied while the inner step reads the gradient,
+4. inner step: the inner optimizer's step on the master shards (``inner_step``),
+5. publish: cast each shard to the parameter dtype and all-gather it into the parameters.
+
+Where the buffers live and how ranks talk is the backend's (``backend``), chosen once at
+construction; the options are one validated ``Zero1Config``; the master shards and what
+the parameters still agree with are ``master_weights``'.
 
 ``NeuronZero1Optimizer`` keeps torch_xla's / NxD's signature and maps it onto this.
 NxD's trainer API (``initialize_parallel_optimizer``, ``ClippedOptimizer``) is in
@@ -20,10 +25,9 @@ NxD's trainer API (``initialize_parallel_optimizer``, ``ClippedOptimizer``) is i
 
 from __future__ import annotations
 
-import importlib
 import copy
+import dataclasses
 import inspect
-import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -31,15 +35,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import Collectives, is_replica_groups, make_collectives
+from .backend import Backend, GroupSpec, NormGroupSpec, norm_backends, select_backend
+from .backend.eager import DEFAULT_BUCKET_CAP_MB
+from .backend.xla import DEFAULT_BUCKET_CAP_MB as DEFAULT_XLA_BUCKET_CAP_MB
 from .fused_adamw import CompiledAdamW, applies_to
 from .grad_accum import MainGradBuffers, flatten_grads
 from .grad_norm import clip_coefficient, global_norm, norm_role, sum_of_squares
+from .inner_step import InnerStep
 from .layout import BucketLayout, plan_buckets
 from .loss_scaler import DynamicLossScaler
-from .mixed_precision_config import ConfigError, MixedPrecisionConfig, validate_max_norm
-from .placement import staggered_empty
-from .precision_ops import stochastic_round
+from .master_weights import MasterWeights
+from .mixed_precision_config import ConfigError, MixedPrecisionConfig, Zero1Config, require_bool
+from .param_groups import auto_fuse, check_optimizer_class, index_groups, managed_params, normalize_param_groups
+from .parallel_state import nxd_parallel_groups
 from .runtime_env import check_no_xla_downcast
 
 __all__ = [
@@ -49,152 +57,10 @@ __all__ = [
     "DEFAULT_XLA_BUCKET_CAP_MB",
 ]
 
-#: Default bucket size on CPU/CUDA: 128 MiB of fp32 gradient (32M elements); the fused
-#: kernels run over a few large shards. NxD reports NaNs on Neuron with buckets above
-#: ~140 MB, so stay below that.
-DEFAULT_BUCKET_CAP_MB = 128.0
-#: Default on XLA devices: 16 MiB (4M elements). A step works through its buckets one after
-#: the other, so a bucket's temporaries (its concatenated gradient, its gathered parameters)
-#: are what the step adds to memory, and XLA's fusions run faster at this size. On the XLA
-#: CPU device (16.8M-parameter MLP): 25.5 bytes/param peak and 139 ms per step, against
-#: 37.1 and 199 ms with one 128 MiB bucket. With pin_layout=False (NxD's setting) the
-#: buckets of a step still go out as one coalesced collective.
-DEFAULT_XLA_BUCKET_CAP_MB = 16.0
+# DEFAULT_BUCKET_CAP_MB (128, CPU/CUDA) and DEFAULT_XLA_BUCKET_CAP_MB (16, XLA devices): MiB
+# of fp32 gradient per bucket when the caller chose none; the reasons are in the backends.
 
-SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-# Inner optimizers whose update of an element depends on other elements (factored or
-# orthogonalised updates, line searches, sparse gradients): sharding changes their result.
-_NOT_ELEMENTWISE = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
-
-GroupSpec = dist.ProcessGroup | Sequence[Sequence[int]] | None
-NormGroupSpec = dist.ProcessGroup | Sequence[dist.ProcessGroup] | Sequence[Sequence[int]] | None
-
-
-def _param_groups(params: Any) -> list[dict[str, Any]]:
-    """Normalise ``params`` (tensors or dicts of groups) into a list of group dicts."""
-    if isinstance(params, torch.Tensor):
-        raise TypeError(
-            "params must be an iterable of tensors or of param-group dicts, got a single "
-            "Tensor; pass [tensor] or model.parameters()."
-        )
-    groups = list(params)
-    if not groups:
-        raise ValueError("Zero1Optimizer got an empty parameter list; pass model.parameters().")
-    if not isinstance(groups[0], dict):
-        groups = [{"params": groups}]
-    normalised = []
-    for i, group in enumerate(groups):
-        if not isinstance(group, dict) or "params" not in group:
-            raise TypeError(
-                f"param group {i} must be a dict with a 'params' key, got {type(group).__name__}."
-            )
-        tensors = group["params"]
-        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        for p in tensors:
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(
-                    f"param group {i} holds a {type(p).__name__}, not a Tensor; "
-                    f"pass parameters (e.g. model.parameters())."
-                )
-        normalised.append({**group, "params": tensors})
-    return normalised
-
-
-def _check_params(groups: list[dict[str, Any]]) -> tuple[list[torch.Tensor], torch.device]:
-    """Validate the managed parameters; return them in layout order and their device."""
-    seen: dict[int, int] = {}
-    managed: list[torch.Tensor] = []
-    for gi, group in enumerate(groups):
-        for p in group["params"]:
-            if id(p) in seen:
-                raise ValueError(
-                    f"a parameter of shape {tuple(p.shape)} is listed twice (param groups "
-                    f"{seen[id(p)]} and {gi}); list each parameter once."
-                )
-            seen[id(p)] = gi
-            if not p.requires_grad:
-                continue
-            if not p.is_leaf:
-                raise ValueError(
-                    f"a parameter of shape {tuple(p.shape)} is not a leaf tensor; the "
-                    f"optimizer can only update leaves (e.g. nn.Parameter)."
-                )
-            if p.dtype not in SUPPORTED_PARAM_DTYPES:
-                raise ValueError(
-                    f"a parameter of shape {tuple(p.shape)} has dtype {p.dtype}; Zero1Optimizer "
-                    f"supports {[str(d) for d in SUPPORTED_PARAM_DTYPES]}. Cast the model, e.g. "
-                    f"model.to(torch.bfloat16), or freeze that parameter."
-                )
-            if p.is_sparse:
-                raise ValueError("sparse parameters are not supported; use dense parameters.")
-            managed.append(p)
-    if not managed:
-        raise ValueError(
-            "Zero1Optimizer got no trainable parameters (all have requires_grad=False)."
-        )
-    devices = sorted({str(p.device) for p in managed})
-    if len(devices) > 1:
-        raise ValueError(
-            f"parameters are on several devices {devices}; move the whole model to one "
-            f"device (each data-parallel rank owns one) before building the optimizer."
-        )
-    return managed, managed[0].device
-
-
-def check_optimizer_class(optimizer_class: Any, *, sharded: bool = True) -> None:
-    if not (inspect.isclass(optimizer_class) and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(
-            f"optimizer_class must be a torch.optim.Optimizer subclass such as "
-            f"torch.optim.AdamW, got {optimizer_class!r}."
-        )
-    if not sharded:
-        return
-    for name in _NOT_ELEMENTWISE:
-        refused = getattr(torch.optim, name, None)
-        if refused is not None and issubclass(optimizer_class, refused):
-            raise ValueError(
-                f"{optimizer_class.__name__} is not element-wise (its update of one element "
-                f"depends on others), so sharding it would change its result. Use an "
-                f"element-wise optimizer such as AdamW, Adam or SGD."
-            )
-
-
-def _auto_fuse(
-    optimizer_class: type, defaults: dict[str, Any], device: torch.device, all_fp32: bool
-) -> dict[str, Any]:
-    """Ask for the fused kernel on CPU/CUDA fp32 shards when the caller chose no variant.
-
-    The inner optimizer sees a few large flat tensors, where the fused kernel is the
-    fastest and allocates no temporaries. Low-precision shards keep the stock path so
-    legacy mode rounds exactly like the stock optimizer.
-    """
-    chosen = {"fused", "foreach", "capturable", "differentiable"} & set(defaults)
-    try:
-        accepts_fused = "fused" in inspect.signature(optimizer_class.__init__).parameters
-    except (TypeError, ValueError):
-        accepts_fused = False
-    if chosen or not accepts_fused or not all_fp32 or device.type not in ("cpu", "cuda"):
-        return defaults
-    return {**defaults, "fused": True}
-
-
-def norm_collectives(groups: NormGroupSpec, device: torch.device, pin_layout: bool = True) -> list[Collectives]:
-    """The collectives of a norm group spec: None, one process group or replica-group
-    list, or a list of process groups."""
-    if groups is None:
-        return []
-    if isinstance(groups, dist.ProcessGroup) or is_replica_groups(groups):
-        return [make_collectives(groups, device, pin_layout)]
-    return [make_collectives(g, device, pin_layout) for g in groups]
-
-
-def _copy_group_settings(sources: list[dict[str, Any]], targets: list[dict[str, Any]]) -> None:
-    """Every key but ``params`` of each source param group into its target group."""
-    for source, target in zip(sources, targets):
-        for key, value in source.items():
-            if key != "params":
-                target[key] = value
+STATE_DICT_FORMAT = "nxd_smp.zero1.rank_local/1"
 
 
 class Zero1Optimizer(torch.optim.Optimizer):
@@ -212,8 +78,10 @@ class Zero1Optimizer(torch.optim.Optimizer):
         grad_clipping: clip the global gradient norm at ``max_norm``.
         max_norm: positive; ``inf`` measures the norm without clipping.
         process_group: the data-parallel group: a torch.distributed process group,
-            torch_xla replica groups (list of lists of ranks), or None (the default group;
-            on an XLA device without torch.distributed, all replicas).
+            torch_xla replica groups (list of lists of ranks), or None (every rank). On an
+            XLA device every form becomes replica groups (the default group of
+            ``init_process_group("xla")`` included); on CPU/CUDA every form becomes a process
+            group.
         reduce_dtype: dtype of the gradient reduce-scatter (None: fp32 with fp32
             accumulation, else the parameter dtype).
         bucket_cap_mb: largest bucket in MiB of fp32 elements; ``0`` puts each parameter
@@ -243,8 +111,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
             hardware does; seeded by ``sr_seed`` (and the rank).
         **defaults: hyperparameters for ``optimizer_class`` (lr, weight_decay, ...).
 
-    ``optimizer.zero_grad()`` clears the fp32 ``main_grad`` buffers; ``model.zero_grad()``
-    does not.
+    Every option but the groups and the loss scaler is validated once into a ``Zero1Config``
+    (``optimizer.config``).
     """
 
     def __init__(
@@ -268,104 +136,69 @@ class Zero1Optimizer(torch.optim.Optimizer):
         sr_seed: int = 0,
         **defaults: Any,
     ):
+        config = Zero1Config(
+            grad_clipping=grad_clipping, max_grad_norm=max_norm, mixed_precision=mixed_precision,
+            reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, pin_layout=pin_layout, lazy_init=lazy_init,
+            compile_update=compile_update, stochastic_rounding=stochastic_rounding, sr_seed=sr_seed,
+        )
         check_optimizer_class(optimizer_class)
         if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
             raise TypeError(f"loss_scaler must be a DynamicLossScaler or None, got {type(loss_scaler).__name__}.")
-        if not isinstance(stochastic_rounding, bool):
-            raise ConfigError(f"stochastic_rounding must be True or False, got {stochastic_rounding!r}.")
-        if compile_update not in (None, True, False):
-            raise ValueError(f"compile_update must be None, True or False, got {compile_update!r}.")
-        if mixed_precision is None:
-            mixed_precision = MixedPrecisionConfig()
-        if not isinstance(mixed_precision, MixedPrecisionConfig):
-            raise TypeError(
-                f"mixed_precision must be a MixedPrecisionConfig or None, got "
-                f"{type(mixed_precision).__name__}; build one with MixedPrecisionConfig(...) "
-                f"or MixedPrecisionConfig.from_dict(d, zero_one_enabled=True)."
-            )
-        if mixed_precision.use_master_weights:
+        if config.mixed_precision.use_master_weights:
             check_no_xla_downcast()
-        if stochastic_rounding and mixed_precision.use_master_weights:
-            raise ConfigError(
-                "stochastic_rounding=True is for legacy mode (use_master_weights=False), where the "
-                "bf16 shard itself is updated; with master weights the fp32 copy already keeps "
-                "what rounding would lose. Turn one of them off."
-            )
-        if not isinstance(grad_clipping, bool):
-            raise ConfigError(f"grad_clipping must be True or False, got {grad_clipping!r}.")
-        max_norm = validate_max_norm(max_norm, "max_norm")
-        if reduce_dtype is not None and (
-            not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point
-        ):
-            raise ValueError(
-                f"reduce_dtype must be None or a floating torch.dtype, got {reduce_dtype!r}."
-            )
-        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
-                                          or not bucket_cap_mb >= 0):
-            raise ValueError(
-                f"bucket_cap_mb must be None or a number >= 0 (0: one bucket per parameter, inf: "
-                f"no limit), got {bucket_cap_mb!r}."
-            )
 
-        groups = _param_groups(params)
-        self._managed, self._device = _check_params(groups)
-        self._mp = mixed_precision
-        self._grad_clipping = grad_clipping
-        self._max_norm = max_norm
-        self._reduce_dtype = reduce_dtype
-        self._comm = make_collectives(process_group, self._device, pin_layout)
-        self._norm_comms = norm_collectives(grad_norm_groups, self._device, pin_layout)
-        self._pipeline_comms = norm_collectives(pipeline_groups, self._device, pin_layout)
+        groups = normalize_param_groups(params)
+        self._managed, device = managed_params(groups)
+        self._backend = select_backend(device, process_group, pin_layout=config.pin_layout)
+        self._norm_backends = norm_backends(grad_norm_groups, device, pin_layout=config.pin_layout)
+        self._pipeline_backends = norm_backends(pipeline_groups, device, pin_layout=config.pin_layout)
+        if config.bucket_cap_mb is None:
+            config = dataclasses.replace(config, bucket_cap_mb=self._backend.default_bucket_cap_mb)
+        self._config = config
+        self._mp = config.mixed_precision
+        self._scaler = None if loss_scaler is None else loss_scaler.to(device)
         self._optimizer_class = optimizer_class
-        all_fp32 = all(self._shard_dtype(p.dtype) == torch.float32 for p in self._managed)
-        self._scaler = None if loss_scaler is None else loss_scaler.to(self._device)
-        self._sr = stochastic_rounding
-        if stochastic_rounding:
-            self._sr_generator = None
-            if self._device.type in ("cpu", "cuda"):
-                self._sr_generator = torch.Generator(self._device).manual_seed(sr_seed + 7919 * self._comm.rank)
-        defaults = dict(defaults)
-        if (
-            loss_scaler is not None
-            and self._device.type not in ("cpu", "cuda")
-            and "capturable" not in defaults
-            and "capturable" in inspect.signature(optimizer_class.__init__).parameters
-        ):
-            # Keep the step counter on the device, so a skipped step is undone in-graph.
-            defaults["capturable"] = True
-        self._inner_defaults = _auto_fuse(optimizer_class, defaults, self._device, all_fp32 and not stochastic_rounding)
-        self._compile_update = compile_update
+        self._inner_defaults = self._inner_kwargs(optimizer_class, dict(defaults), loss_scaler is not None)
         # The compiled one-pass update stands in for the fused kernel nxd_smp chose itself;
         # a caller who picked a variant (fused=..., foreach=...) gets exactly that.
-        self._may_compile = compile_update is True or bool(
-            compile_update is None and self._inner_defaults.get("fused") and "fused" not in defaults
+        self._may_compile = config.compile_update is True or bool(
+            config.compile_update is None and self._inner_defaults.get("fused") and "fused" not in defaults
         )
         # Every hyperparameter the inner optimizer will see, with its class defaults, so
         # the wrapper's param_groups are complete (LR schedulers read them) before the
         # shards exist. Building it also validates the hyperparameters now.
-        probe = optimizer_class([torch.zeros(1, device=self._device)], **self._inner_defaults)
+        probe = optimizer_class([torch.zeros(1, device=device)], **self._inner_defaults)
         full_defaults = {k: v for k, v in probe.param_groups[0].items() if k != "params"}
         del probe
-
         managed_ids = {id(p) for p in self._managed}
         wrapper_groups = [
-            {**group, "params": [p for p in group["params"] if id(p) in managed_ids]}
-            for group in groups
+            {**group, "params": [p for p in group["params"] if id(p) in managed_ids]} for group in groups
         ]
         self._layout_frozen = False
         super().__init__(wrapper_groups, full_defaults)
         self._layout_frozen = True
-
-        if bucket_cap_mb is None:
-            bucket_cap_mb = DEFAULT_XLA_BUCKET_CAP_MB if self._device.type == "xla" else DEFAULT_BUCKET_CAP_MB
-        cap = bucket_cap_mb * 2**20 / 4
-        self._cap_numel = None if math.isinf(cap) else max(1, int(cap))
         self._initialized = False
         self._grad_norm: torch.Tensor | None = None
-        if not lazy_init:
+        if not config.lazy_init:
             self.init_zero()
 
+    def _inner_kwargs(self, optimizer_class: type, defaults: dict[str, Any], scaled: bool) -> dict[str, Any]:
+        """What the inner optimizer is built with: the caller's hyperparameters, the fused
+        kernel where the device has one, and ``capturable`` where a skipped fp16 step must be
+        undone inside the step's graph."""
+        if (scaled and self._backend.step_counter_on_device and "capturable" not in defaults
+                and "capturable" in inspect.signature(optimizer_class.__init__).parameters):
+            defaults["capturable"] = True  # keep the step counter on the device
+        all_fp32 = all(self._shard_dtype(p.dtype) == torch.float32 for p in self._managed)
+        return auto_fuse(optimizer_class, defaults, has_fused_kernels=self._backend.has_fused_kernels,
+                         all_fp32=all_fp32 and not self._config.stochastic_rounding)
+
     # ------------------------------------------------------------------ properties
+    @property
+    def config(self) -> Zero1Config:
+        """The validated options this optimizer was built with."""
+        return self._config
+
     @property
     def mixed_precision(self) -> MixedPrecisionConfig:
         return self._mp
@@ -377,12 +210,17 @@ class Zero1Optimizer(torch.optim.Optimizer):
         return self._grad_norm
 
     @property
+    def backend(self) -> Backend:
+        """The device decision: storage, collectives, rank and checkpoint coordination."""
+        return self._backend
+
+    @property
     def world_size(self) -> int:
-        return self._comm.world_size
+        return self._backend.world_size
 
     @property
     def rank(self) -> int:
-        return self._comm.rank
+        return self._backend.rank
 
     @property
     def inner_optimizer(self) -> torch.optim.Optimizer:
@@ -397,20 +235,19 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     @property
     def grad_clipping(self) -> bool:
-        return self._grad_clipping
+        return self._config.grad_clipping
 
     @property
     def max_norm(self) -> float:
-        return self._max_norm
+        return self._config.max_grad_norm
 
     def set_clipping(self, grad_clipping: bool, max_norm: float | None = None) -> None:
         """Change gradient clipping between steps (``max_norm`` None: keep it); validated
         as in the constructor."""
-        if not isinstance(grad_clipping, bool):
-            raise ConfigError(f"grad_clipping must be True or False, got {grad_clipping!r}.")
-        if max_norm is not None:
-            self._max_norm = validate_max_norm(max_norm, "max_norm")
-        self._grad_clipping = grad_clipping
+        self._config = dataclasses.replace(
+            self._config, grad_clipping=grad_clipping,
+            max_grad_norm=self._config.max_grad_norm if max_norm is None else max_norm,
+        )
 
     @property
     def bucket_layouts(self) -> list[BucketLayout]:
@@ -427,27 +264,28 @@ class Zero1Optimizer(torch.optim.Optimizer):
         """This rank's shard of each bucket, in the shard dtype: the inner optimizer's
         parameters (fp32 master weights under SMP)."""
         self._require_initialized()
-        return list(self._masters)
+        return list(self._masters.shards)
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
-        """The torch.distributed data-parallel group (None: the default group, or
-        torch_xla replica groups)."""
-        return getattr(self._comm, "group", None)
+        """The torch.distributed data-parallel group (None: the default group, or torch_xla
+        replica groups on an XLA device)."""
+        return self._backend.process_group
 
+    @property
+    def loss_scaler(self) -> DynamicLossScaler | None:
+        return self._scaler
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale (unchanged without a loss scaler)."""
+        return loss if self._scaler is None else self._scaler.scale_loss(loss)
+
+    # ------------------------------------------------------------------ master weights
     def load_master_shards(self, shards: Sequence[torch.Tensor]) -> None:
         """Set the master shards (same shapes as ``master_shards``) and make every rank's
         parameters ``master.to(param dtype)``. Every rank of the group calls it."""
         self._require_initialized()
-        if len(shards) != len(self._masters) or any(
-            tuple(a.shape) != tuple(b.shape) for a, b in zip(shards, self._masters)
-        ):
-            raise ValueError("master shards do not match this optimizer's layout.")
-        with torch.no_grad():
-            for master, saved in zip(self._masters, shards):
-                master.copy_(saved)
-            self._publish_params()
-        self._record_param_versions()
+        self._masters.load(shards)
 
     def rebuild_master_from_params(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Rebuild the master weights of ``params`` (default: all managed parameters) from
@@ -470,7 +308,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                         f"pass parameters it was built with (requires_grad=True)."
                     )
                 indices.append(position[id(p)])
-        self._rebuild_masters(indices, only_changed_values=False)
+        self._masters.rebuild(indices, only_changed_values=False)
 
     def adopt_param_changes(self) -> None:
         """Take up parameters changed in place outside the optimizer since it last wrote
@@ -478,9 +316,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         their master weights are rebuilt from them, unless their values still equal what
         the optimizer wrote. ``step()``, ``state_dict()`` and ``save_checkpoint`` call it."""
         self._require_initialized()
-        changed = self._changed_params()
-        if changed:
-            self._rebuild_masters(changed, only_changed_values=True)
+        self._masters.adopt_changes()
 
     # ------------------------------------------------------------------ dtypes
     def _shard_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
@@ -492,7 +328,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     def _wire_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         """Dtype the gradient is reduce-scattered in."""
-        return self._reduce_dtype or self._accum_dtype(param_dtype)
+        return self._config.reduce_dtype or self._accum_dtype(param_dtype)
 
     # ------------------------------------------------------------------ construction
     def init_zero(self) -> None:
@@ -504,63 +340,37 @@ class Zero1Optimizer(torch.optim.Optimizer):
         if self._initialized:
             return
         params = self._managed  # in param-group order, as the layout wants them
-        keys = [
-            (gi, p.dtype, norm_role(p, pipeline_parallel=bool(self._pipeline_comms)))
-            for gi, group in enumerate(self.param_groups)
-            for p in group["params"]
-        ]
+        pipeline = bool(self._pipeline_backends)
+        keys = [(gi, p.dtype, norm_role(p, pipeline_parallel=pipeline))
+                for gi, group in enumerate(self.param_groups) for p in group["params"]]
         self._layouts = plan_buckets(
-            [p.numel() for p in params], keys, self._comm.world_size, self._cap_numel
+            [p.numel() for p in params], keys, self._backend.world_size, self._config.bucket_cap_numel
         )
-        # Eager devices: the parameters become views into one flat buffer per bucket, which
-        # the all-gather fills in place. XLA: the parameters stay apart; a bucket exists only
-        # inside the step's graph (one concatenation in, one all-gather out).
-        self._views = self._device.type in ("cpu", "cuda")
-        self._flat_params: list[torch.Tensor] = []
-        self._masters: list[torch.Tensor] = []
-        self._param_ptrs: list[int] = []
-        self._masters_alias_params = self._views and not self._mp.use_master_weights
-        with torch.no_grad():
-            for b, layout in enumerate(self._layouts):
-                dtype = params[layout.param_indices[0]].dtype
-                if self._views:
-                    flat = staggered_empty(layout.padded_numel, dtype, self._device, "param").zero_()
-                    for i, index in enumerate(layout.param_indices):
-                        start, end = layout.param_range(i)
-                        flat[start:end].copy_(params[index].detach().reshape(-1))
-                        params[index].data = flat[start:end].view(params[index].shape)
-                    self._flat_params.append(flat)
-                    shard = self._comm.shard(flat)
-                else:
-                    shard = self._comm.local_shard(self._bucket_of_params(b))
-                if self._masters_alias_params:
-                    master = shard
-                else:
-                    master = staggered_empty(shard.numel(), self._shard_dtype(dtype), self._device, "master")
-                    master.copy_(shard)
-                self._masters.append(master)
-        if self._views:
-            self._param_ptrs = [p.data_ptr() for p in params]
-        self._record_param_versions()
-
+        self._backend.place_params(params, self._layouts)
+        self._masters = MasterWeights(
+            params, self._layouts, self._backend, self._shard_dtype,
+            alias=self._backend.param_shard_is_storage and not self._mp.use_master_weights,
+        )
         self._main_grads = (
-            MainGradBuffers(params, self._layouts, torch.float32, self._device, contiguous=self._views)
-            if self._mp.use_fp32_grad_acc
-            else None
+            MainGradBuffers(params, self._layouts, torch.float32, self._backend.device,
+                            contiguous=self._backend.persistent_grad_buffers)
+            if self._mp.use_fp32_grad_acc else None
         )
-
         inner_groups = []
         for gi, group in enumerate(self.param_groups):
             hyper = {k: v for k, v in group.items() if k != "params"}
-            shards = [m for layout, m in zip(self._layouts, self._masters) if layout.key[0] == gi]
+            shards = [m for layout, m in zip(self._layouts, self._masters.shards) if layout.key[0] == gi]
             inner_groups.append({**hyper, "params": shards})
         self._inner = self._optimizer_class(inner_groups, **self._inner_defaults)
-        self._fused = all(g.get("fused", False) for g in self._inner.param_groups)
+        self._inner_step = InnerStep(
+            self._inner, self._masters.shards, stochastic_rounding=self._config.stochastic_rounding,
+            sr_generator=self._backend.random_generator(self._config.sr_seed) if self._config.stochastic_rounding else None,
+        )
         self._compiled = None
         if self._may_compile:
-            if applies_to(self._inner, self._device):
+            if applies_to(self._inner, self._backend.device):
                 self._compiled = CompiledAdamW(self._inner)
-            elif self._compile_update:
+            elif self._config.compile_update:
                 raise ValueError(
                     "compile_update=True needs torch.optim.Adam or AdamW on CPU with fp32 master "
                     "shards and without amsgrad, maximize or differentiable; pass "
@@ -587,70 +397,6 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 "training or using its state."
             )
 
-    def _record_param_versions(self) -> None:
-        """Remember each parameter's in-place version counter: what the optimizer wrote
-        (and only that) is known to equal the master weights."""
-        self._versions = [p._version for p in self._managed]
-
-    def _changed_params(self) -> list[int]:
-        """Managed parameters written in place since ``_record_param_versions``."""
-        changed = []
-        for i, p in enumerate(self._managed):
-            if self._views and p.data_ptr() != self._param_ptrs[i]:
-                raise RuntimeError(
-                    f"parameter {i} (shape {tuple(p.shape)}) no longer lives in the "
-                    f"optimizer's flat buffer: its storage was replaced after the optimizer was "
-                    f"built (model.to(...), load_state_dict(assign=True), or assigning .data). "
-                    f"Build the optimizer after the model has its final device and dtype, and "
-                    f"change weights in place (load_state_dict, copy_), which step() picks up."
-                )
-            if p._version != self._versions[i]:
-                changed.append(i)
-        return changed
-
-    @torch.no_grad()
-    def _rebuild_masters(self, indices: Sequence[int], only_changed_values: bool) -> None:
-        """Master weights of managed parameters ``indices`` from their current values.
-
-        ``only_changed_values``: only where a parameter's value differs from its master
-        rounded to the parameter dtype, i.e. where the write changed what the optimizer had
-        written (an unchanged parameter, or an element written with its old value, keeps its
-        fp32 master). Element-wise ops on this rank's shard, with no rank in the graph.
-        """
-        wanted = set(indices)
-        for b, layout in enumerate(self._layouts):
-            members = [index in wanted for index in layout.param_indices]
-            if not any(members) or self._masters_alias_params:
-                continue  # (aliased: the master shard is the parameter buffer itself)
-            current = self._comm.shard(self._flat_params[b]) if self._views else self._comm.local_shard(self._bucket_of_params(b))
-            master = self._masters[b]
-            if only_changed_values:
-                take = current != master.to(current.dtype)
-            elif all(members):
-                master.copy_(current)
-                continue
-            else:
-                take = self._comm.local_shard(self._bucket_mask(b, members))
-            master.copy_(torch.where(take, current.to(master.dtype), master))
-        self._record_param_versions()
-
-    def _bucket_of_params(self, b: int) -> torch.Tensor:
-        """Bucket ``b``'s current parameter values as one padded flat tensor (one
-        concatenation; for XLA, where the parameters are not views of a flat buffer)."""
-        layout = self._layouts[b]
-        parts = [self._managed[index].detach().reshape(-1) for index in layout.param_indices]
-        padding = layout.padded_numel - layout.numel
-        if padding:
-            parts.append(torch.zeros(padding, dtype=parts[0].dtype, device=self._device))
-        return torch.cat(parts)
-
-    def _bucket_mask(self, b: int, members: Sequence[bool]) -> torch.Tensor:
-        """A bool per element of bucket ``b``: whether it belongs to a member parameter."""
-        layout = self._layouts[b]
-        parts = [torch.full((n,), m, dtype=torch.bool, device=self._device) for n, m in zip(layout.numels, members)]
-        parts.append(torch.zeros(layout.padded_numel - layout.numel, dtype=torch.bool, device=self._device))
-        return torch.cat(parts)
-
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
@@ -665,226 +411,90 @@ class Zero1Optimizer(torch.optim.Optimizer):
         (``adopt_param_changes``).
         """
         self._require_initialized()
-        loss, inner_args = None, {}
-        if closure is not None and callable(closure):
+        loss, inner_args = None, dict(kwargs)
+        if callable(closure):
             with torch.enable_grad():
                 loss = closure()
         elif closure is not None:
             inner_args["closure"] = closure
-        inner_args.update(kwargs)
-        self._comm.begin_step()
-        self.adopt_param_changes()
-        if self._main_grads is not None:
-            self._take_stray_grads()
-        self._sync_hyperparameters()
+        self._backend.begin_step()
+        self._masters.adopt_changes()
         grads = self._reduce_gradients()
-        if self._main_grads is not None:
-            self._main_grads.start_new_accumulation()  # consumed: the next backward starts anew
         norm = self._global_norm(grads)
         found_inf = None
         if self._scaler is not None:
-            # The norm is reduced over every rank, so all of them see the same overflow.
             norm = norm / self._scaler.scale
-            found_inf = ~torch.isfinite(norm)
-        coef = self._grad_coefficient(norm)
-        if self._scaler is not None:
-            coef = (1.0 if coef is None else coef) / self._scaler.scale
-        if not inner_args and self._compiled is not None and self._compiled.step(
-            grads, [self._comm.shard(flat) for flat in self._flat_params], coef, found_inf
-        ):
-            self._gather_params()  # the compiled pass already cast into the shards
-        else:
+            found_inf = ~torch.isfinite(norm)  # the norm is reduced over every rank: all skip alike
+        coef = self._gradient_coefficient(norm)
+        self._inner_step.pull_hyperparameters(self.param_groups)
+        if not (not inner_args and self._compiled_step(grads, coef, found_inf)):
             self._inner_step(grads, coef, found_inf, inner_args)
-            self._publish_params()
+            self._masters.publish()
+        self._inner_step.push_hyperparameters(self.param_groups)
         if self._scaler is not None:
             self._scaler.update(found_inf)
-        self._sync_hyperparameters_back()
-        self._record_param_versions()  # the optimizer's own writes are not changes
         self._grad_norm = norm
         return loss
 
-    def _take_stray_grads(self) -> None:
-        """Fold a ``.grad`` the hooks did not see (computed before the optimizer existed,
-        or set by hand) into the accumulation."""
-        for i, p in enumerate(self._managed):
-            if p.grad is not None:
-                self._main_grads.add(i, p.grad)
-                p.grad = None
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the loss scale (unchanged without a loss scaler)."""
-        return loss if self._scaler is None else self._scaler.scale_loss(loss)
-
-    @property
-    def loss_scaler(self) -> DynamicLossScaler | None:
-        return self._scaler
-
-    def _inner_step(
-        self,
-        grads: list[torch.Tensor],
-        coef: torch.Tensor | float | None,
-        found_inf: torch.Tensor | None,
-        inner_args: dict[str, Any],
-    ) -> None:
-        """The inner optimizer's step on the master shards, with the gradient scaled by
-        ``coef``; skipped (state unchanged) where ``found_inf``."""
-        if self._fused and not self._sr:
-            self._apply_coefficient(grads, coef)
-            self._inner.found_inf = None if found_inf is None else found_inf.float()
-            self._run_inner(grads, inner_args)  # the fused kernels skip and undo ``step`` themselves
-            self._inner.found_inf = None
-            return
-        before = self._snapshot_state() if found_inf is not None else None
-        if self._sr:
-            widened = self._widen_for_sr()
-            grads = [g.float() for g in grads]
-        self._apply_coefficient(grads, coef)
-        self._run_inner(grads, inner_args)
-        if self._sr:
-            self._round_after_sr(widened)
-        if before is not None:
-            self._restore_where(found_inf, before)
-
-    def _run_inner(self, grads: list[torch.Tensor], inner_args: dict[str, Any]) -> None:
-        for master, grad in zip(self._masters, grads):
-            master.grad = grad
-        self._inner.step(**inner_args)
-        for master in self._masters:
-            master.grad = None
-
-    def _state_tensors(self) -> list[torch.Tensor]:
-        """The master shards and every tensor of the inner optimizer's state."""
-        out = list(self._masters)
-        for master in self._masters:
-            out.extend(v for v in self._inner.state.get(master, {}).values() if isinstance(v, torch.Tensor))
-        return out
-
-    def _snapshot_state(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        return {id(t): (t, t.detach().clone()) for t in self._state_tensors()}
-
-    def _restore_where(self, found_inf: torch.Tensor, before: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Undo the step where ``found_inf``: old values back; state the step created
-        goes back to zero (``step`` counters to 0, buffers to empty)."""
-        for t in self._state_tensors():
-            skip = found_inf.to(t.device)
-            old = before.get(id(t))
-            previous = old[1] if old is not None else torch.zeros_like(t)
-            t.copy_(torch.where(skip, previous, t))
-
-    def _widen_for_sr(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Give every bf16 shard and bf16 state tensor fp32 data for the step; returns
-        (tensor, its bf16 storage) pairs to round back into."""
-        widened = []
-        for t in self._state_tensors():
-            if t.dtype == torch.bfloat16 and t.dim() > 0:
-                widened.append((t, t.data))
-                t.data = t.data.float()
-        return widened
-
-    def _round_after_sr(self, widened: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for t, storage in widened:
-            storage.copy_(stochastic_round(t.data, generator=self._sr_generator))
-            t.data = storage
-
-    def _sync_hyperparameters(self) -> None:
-        """The wrapper's param_groups are the truth (LR schedulers act on them)."""
-        _copy_group_settings(self.param_groups, self._inner.param_groups)
-
-    def _sync_hyperparameters_back(self) -> None:
-        """What the inner step added or changed in its param groups shows on the wrapper
-        (torch's and torch_xla's ZeRO do the same)."""
-        _copy_group_settings(self._inner.param_groups, self.param_groups)
-
     def _reduce_gradients(self) -> list[torch.Tensor]:
-        """Per bucket, this rank's shard of the summed gradient, in the shard dtype."""
-        flats = []
+        """Per bucket, this rank's shard of the gradient summed over ranks (and
+        micro-batches), in the shard dtype. The accumulation is consumed: the next backward
+        starts a new one."""
+        grads = self._main_grads
+        if grads is not None:
+            for i, p in enumerate(self._managed):  # a .grad the hooks did not see (set by hand,
+                if p.grad is not None:              # or computed before the optimizer existed)
+                    grads.add(i, p.grad)
+                    p.grad = None
+        flats, spares = [], []
         for b, layout in enumerate(self._layouts):
             wire = self._wire_dtype(self._managed[layout.param_indices[0]].dtype)
-            if self._main_grads is not None:
-                flat = self._main_grads.flat(b)
-                flats.append(flat if flat.dtype == wire else flat.to(wire))
-            else:
-                flats.append(flatten_grads(self._managed, layout, wire))
-        grads = []
-        for b, shard in enumerate(self._comm.reduce_scatter(flats)):
-            dtype = self._masters[b].dtype
-            if shard.dtype != dtype:
-                if self._main_grads is not None and self._main_grads.contiguous and self._main_grads.dtype == dtype:
-                    target = self._comm.shard(self._main_grads.buffers[b])  # reuse its memory
-                    shard = target.copy_(shard)
-                else:
-                    shard = shard.to(dtype)
-            grads.append(shard)
-        return grads
+            flat = grads.flat(b) if grads is not None else flatten_grads(self._managed, layout, wire)
+            flats.append(flat if flat.dtype == wire else flat.to(wire))
+            # a shard that arrives in another dtype may land in the consumed accumulation
+            spare = grads.buffers[b] if grads is not None and grads.contiguous else None
+            spares.append(spare if spare is not None and spare.dtype == self._masters.shards[b].dtype else None)
+        shards = self._backend.reduce_scatter(flats, into=spares)
+        if grads is not None:
+            grads.start_new_accumulation()
+        return [s if s.dtype == m.dtype else s.to(m.dtype) for s, m in zip(shards, self._masters.shards)]
 
     def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """L2 norm of the mean gradient over the whole model, fp32, as a tensor."""
+        """L2 norm of the mean gradient over the whole model (times the loss scale, if any),
+        fp32, as a tensor."""
         compiled = self._compiled is not None and self._compiled.enabled  # compiling works here
-        replicated, split = (
-            [grads[b] for b in self._norm_buckets[role]] for role in ("replicated", "split")
-        )
+        device = self._backend.device
+        replicated, split = ([grads[b] for b in self._norm_buckets[role]] for role in ("replicated", "split"))
         norm = global_norm(
-            sum_of_squares(replicated, self._device, compiled),
-            sum_of_squares(split, self._device, compiled) if split else None,
-            tensor_parallel=self._norm_comms,
-            data_parallel=self._comm,
-            pipeline_parallel=self._pipeline_comms,
+            sum_of_squares(replicated, device, compiled),
+            sum_of_squares(split, device, compiled) if split else None,
+            tensor_parallel=self._norm_backends,
+            data_parallel=self._backend,
+            pipeline_parallel=self._pipeline_backends,
         )
-        if self._comm.world_size > 1:
-            norm = norm / self._comm.world_size  # the shards hold sums over DP, not means
-        return norm
+        return norm / self._backend.world_size if self._backend.world_size > 1 else norm  # sums -> means
 
-    def _grad_coefficient(self, norm: torch.Tensor) -> torch.Tensor | float | None:
-        """What the summed shard gradients are multiplied by: clip coefficient /
-        world_size (None: 1)."""
-        coef: torch.Tensor | float | None = clip_coefficient(norm, self._grad_clipping, self._max_norm)
-        if self._comm.world_size > 1:
-            coef = 1.0 / self._comm.world_size if coef is None else coef / self._comm.world_size
+    def _gradient_coefficient(self, norm: torch.Tensor) -> torch.Tensor | float | None:
+        """What the summed shard gradients are multiplied by: the clip coefficient of the
+        (unscaled) ``norm``, divided by the world size and the loss scale (None: 1)."""
+        scale = None if self._scaler is None else self._scaler.scale
+        coef: torch.Tensor | float | None = clip_coefficient(norm, self._config.grad_clipping, self._config.max_grad_norm)
+        for divisor in (self._backend.world_size if self._backend.world_size > 1 else None, scale):
+            if divisor is not None:
+                coef = 1.0 / divisor if coef is None else coef / divisor
         return coef
 
-    def _apply_coefficient(self, grads: list[torch.Tensor], coef: torch.Tensor | float | None) -> None:
-        if self._fused:
-            # The fused kernels divide by ``grad_scale`` while they read the gradient:
-            # no extra pass over it.
-            if coef is None:
-                self._inner.grad_scale = None
-            else:
-                self._inner.grad_scale = torch.as_tensor(
-                    coef, dtype=torch.float32, device=self._device
-                ).reciprocal()
-        elif coef is not None:
-            torch._foreach_mul_(grads, coef)
-
-    def _publish_params(self) -> None:
-        """Cast each master shard to the parameter dtype and all-gather it into the
-        parameters."""
-        if not self._views:
-            values = [
-                m if m.dtype == self._managed[layout.param_indices[0]].dtype
-                else m.to(self._managed[layout.param_indices[0]].dtype)
-                for layout, m in zip(self._layouts, self._masters)
-            ]
-            self._copy_into_params(self._comm.all_gather(values))
-            return
-        if not self._masters_alias_params:
-            for flat, master in zip(self._flat_params, self._masters):
-                self._comm.shard(flat).copy_(master)
-        self._gather_params()
-
-    def _gather_params(self) -> None:
-        """All-gather the flat parameter buffers (eager devices: the parameters are views
-        into them) from this rank's shard."""
-        self._comm.all_gather([self._comm.shard(flat) for flat in self._flat_params], self._flat_params)
-
-    def _copy_into_params(self, buckets: list[torch.Tensor]) -> None:
-        """Each parameter from its range of the gathered flat buckets (XLA)."""
-        targets, sources = [], []
-        for layout, flat in zip(self._layouts, buckets):
-            for i, index in enumerate(layout.param_indices):
-                start, end = layout.param_range(i)
-                targets.append(self._managed[index])
-                sources.append(flat[start:end].view(self._managed[index].shape))
-        torch._foreach_copy_(targets, sources)
+    def _compiled_step(self, grads, coef, found_inf) -> bool:
+        """The compiled one-pass update (CPU): it writes the cast straight into the
+        parameters' shards, which are then gathered. False if it does not run here."""
+        if self._compiled is None:
+            return False
+        outs = [self._backend.param_shard(b) for b in range(len(self._layouts))]
+        if not self._compiled.step(grads, outs, coef, found_inf):
+            return False
+        self._backend.publish(outs)
+        self._masters.record_versions()
+        return True
 
     # ------------------------------------------------------------------ grads
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -934,24 +544,19 @@ class Zero1Optimizer(torch.optim.Optimizer):
         the last step are taken up first, so the master weights match the model."""
         self._require_initialized()
         self.adopt_param_changes()
-        groups = []
-        start = 0
-        for group in self.param_groups:
-            n = len(group["params"])
-            groups.append({**{k: v for k, v in group.items() if k != "params"},
-                           "params": list(range(start, start + n))})
-            start += n
+        ids = index_groups([len(g["params"]) for g in self.param_groups])
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": i} for g, i in zip(self.param_groups, ids)]
         state = {
-            "format": "nxd_smp.zero1.rank_local/1",
-            "world_size": self._comm.world_size,
-            "rank": self._comm.rank,
+            "format": STATE_DICT_FORMAT,
+            "world_size": self._backend.world_size,
+            "rank": self._backend.rank,
             "mixed_precision": self._mp.to_dict(),
             "layout": self._layout_signature(),
             "param_groups": groups,
             "inner": self._inner.state_dict(),
         }
         if self._mp.use_master_weights_in_ckpt:
-            state["master_weights"] = [m.detach().clone() for m in self._masters]
+            state["master_weights"] = [m.detach().clone() for m in self._masters.shards]
         if self._scaler is not None:
             state["loss_scaler"] = self._scaler.state_dict()
         return state
@@ -966,13 +571,13 @@ class Zero1Optimizer(torch.optim.Optimizer):
         the state comes from training). Everything is checked before anything changes.
         """
         self._require_initialized()
-        if not isinstance(state_dict, dict) or state_dict.get("format") != "nxd_smp.zero1.rank_local/1":
+        if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_DICT_FORMAT:
             raise ValueError(
-                "not a Zero1Optimizer state dict (missing format 'nxd_smp.zero1.rank_local/1'); "
-                "pass what Zero1Optimizer.state_dict() returned."
+                f"not a Zero1Optimizer state dict (missing format {STATE_DICT_FORMAT!r}); "
+                f"pass what Zero1Optimizer.state_dict() returned."
             )
         problems = []
-        for key, mine in (("world_size", self._comm.world_size), ("rank", self._comm.rank)):
+        for key, mine in (("world_size", self._backend.world_size), ("rank", self._backend.rank)):
             if state_dict.get(key) != mine:
                 problems.append(f"{key} {state_dict.get(key)} (this optimizer: {mine})")
         if state_dict.get("layout") != self._layout_signature():
@@ -984,8 +589,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
             )
         masters = state_dict.get("master_weights")
         if masters is not None:
-            if len(masters) != len(self._masters) or any(
-                tuple(a.shape) != tuple(b.shape) for a, b in zip(masters, self._masters)
+            if len(masters) != len(self._masters.shards) or any(
+                tuple(a.shape) != tuple(b.shape) for a, b in zip(masters, self._masters.shards)
             ):
                 problems.append("master weight shard shapes")
         if problems:
@@ -1004,7 +609,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 if key != "params":
                     group[key] = value
         if masters is not None:
-            self.load_master_shards(masters)
+            self._masters.load(masters)
         elif self._mp.use_master_weights and state_dict["inner"].get("state"):
             warnings.warn(
                 "the optimizer state has no master weights: those of the parameters you load "
@@ -1024,7 +629,9 @@ class NeuronZero1Optimizer(Zero1Optimizer):
     ``higher_cc_precision`` reduces gradients in the master dtype instead of the
     parameter dtype; ``save_master_weights`` puts master weights in the state dict;
     ``max_norm=None`` means 1.0; ``sharding_groups`` / ``grad_norm_groups`` are replica
-    groups (XLA) or process groups. The bucket caps are MB per collective as in
+    groups or process groups. Where NxD's parallel state is initialised, groups left None
+    come from it as NxD's own optimizer takes them: sharding over the data-parallel replica
+    groups, the norm over the tensor- and pipeline-parallel groups. The bucket caps are MB per collective as in
     torch_xla (0: one collective per parameter). ``zero_grad`` keeps gradients
     allocated by default, as torch_xla does. Beyond torch_xla's signature, the keyword
     ``pipeline_groups`` spans the norm over pipeline stages (NxD does that through its
@@ -1065,23 +672,26 @@ class NeuronZero1Optimizer(Zero1Optimizer):
         for name, value in (("save_master_weights", save_master_weights),
                             ("use_grad_acc_hook", use_grad_acc_hook),
                             ("higher_cc_precision", higher_cc_precision)):
-            if not isinstance(value, bool):
-                raise ConfigError(f"{name} must be True or False, got {value!r}.")
+            require_bool("NeuronZero1Optimizer", name, value)
         if save_master_weights and not use_master_weights:
             raise ConfigError(
                 f"save_master_weights=True needs fp32 master weights, but optimizer_dtype="
                 f"{optimizer_dtype} keeps none; use optimizer_dtype=torch.float32."
             )
+        nxd = nxd_parallel_groups()  # NxD's parallel state, where it is initialised: its defaults
+        if nxd is not None:
+            sharding_groups = nxd.data if sharding_groups is None else sharding_groups
+            grad_norm_groups = nxd.tensor if grad_norm_groups is None else grad_norm_groups
+            pipeline_groups = nxd.pipeline if pipeline_groups is None else pipeline_groups
         self._higher_cc_precision = higher_cc_precision
-        mixed_precision = MixedPrecisionConfig(
-            use_master_weights=use_master_weights,
-            use_fp32_grad_acc=use_grad_acc_hook,
-            use_master_weights_in_ckpt=save_master_weights,
-        )
         super().__init__(
             params,
             optimizer_class,
-            mixed_precision=mixed_precision,
+            mixed_precision=MixedPrecisionConfig(
+                use_master_weights=use_master_weights,
+                use_fp32_grad_acc=use_grad_acc_hook,
+                use_master_weights_in_ckpt=save_master_weights,
+            ),
             grad_clipping=grad_clipping,
             max_norm=1.0 if max_norm is None else max_norm,
             process_group=sharding_groups,
@@ -1115,14 +725,3 @@ def _torch_xla_bucket_cap(reduce_scatter_mb: float, all_gather_mb: float) -> flo
     if reduce_scatter_mb == 0 or all_gather_mb == 0:
         return 0.0
     return float(min(reduce_scatter_mb, all_gather_mb))
-
-
-# NxD's trainer API lived here before it got a room of its own (``trainer``, which imports
-# this module); resolved on first use so that importing this module stays free of circles.
-_MOVED = {"initialize_parallel_optimizer": ".trainer", "ClippedOptimizer": ".trainer"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        return getattr(importlib.import_module(_MOVED[name], __package__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -128,7 +128,7 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
     print("AdamW states + fp32 master weights, DP=1, medians of", args.repeats, "(MB/s = MiB on disk / s)")
-    print(f"| params | MiB | save MB/s (torch) | ratio | load MB/s (torch) | ratio | async: blocks / sync save |")
+    print("| params | MiB | save MB/s (torch) | ratio | load MB/s (torch) | ratio | async: blocks / sync save |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
         a = r["async_seconds"]

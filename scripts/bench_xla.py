@@ -78,10 +78,12 @@ def patch_torch_xla_collectives() -> None:
     import torch_xla.core.xla_model as xm
     import torch_xla.distributed.zero_redundancy_optimizer as zero
 
-    from nxd_smp.collectives import XlaReplicaCollectives
+    import torch_xla
+
+    from nxd_smp.backend import XlaBackend
 
     def comm(groups):
-        return XlaReplicaCollectives(groups, pin_layout=False)
+        return XlaBackend(torch_xla.device(), groups, pin_layout=False)
 
     def reduce_scatter(reduce_type, input, scale, scatter_dim, shard_count, groups=None, output=None,
                        pin_layout=True, **_):
@@ -97,7 +99,7 @@ def patch_torch_xla_collectives() -> None:
     def all_gather(value, dim=0, groups=None, output=None, pin_layout=True, **_):
         assert dim == 0 and output is None
         tensors = value if isinstance(value, list) else [value]
-        out = comm(groups).all_gather(tensors)
+        out = comm(groups)._all_gather(tensors)
         return out if isinstance(value, list) else out[0]
 
     def all_gather_bucketized(input_list, dim=0, groups=None, output=None, pin_layout=False, bucket_cap_mb=0, **_):
@@ -146,7 +148,7 @@ def replica(rank: int, world: int, kind: str, width: int, layers: int, iters: in
     import torch_xla
     import torch_xla.debug.metrics as met
 
-    from nxd_smp.collectives import restart_channel_ids
+    from nxd_smp.backend.xla import restart_channel_ids
     from tests.xla_replicas import barrier, serial, sync, wait_for_device
 
     device = torch_xla.device()

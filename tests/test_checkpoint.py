@@ -447,12 +447,13 @@ def gated_writes(monkeypatch):
 
     gate = threading.Event()
 
-    class GatedWriter(ckpt.RawStorageWriter):
-        def write_data(self, plan, planner):
-            assert gate.wait(60), "the test never opened the gate"
-            return super().write_data(plan, planner)
+    write = ckpt.write_tensors
 
-    monkeypatch.setattr(ckpt, "RawStorageWriter", GatedWriter)
+    def gated_write(*args, **kwargs):
+        assert gate.wait(60), "the test never opened the gate"
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "write_tensors", gated_write)
     yield gate
     gate.set()
     finalize_checkpoint()
@@ -502,20 +503,19 @@ def test_two_saves_in_quick_succession_both_complete_in_order(tmp_path):
 def test_a_failed_background_save_is_raised_once_and_the_next_save_works(tmp_path, monkeypatch):
     from nxd_smp import checkpoint as ckpt
 
-    class BrokenWriter(ckpt.RawStorageWriter):
-        def write_data(self, plan, planner):
-            raise OSError("disk full")
+    def broken_write(*args, **kwargs):
+        raise OSError("disk full")
 
     model, opt = build()
     save_checkpoint(tmp_path / "good", model=model, optimizer=opt, extra=1)
-    working = ckpt.RawStorageWriter
-    monkeypatch.setattr(ckpt, "RawStorageWriter", BrokenWriter)
+    working = ckpt.write_tensors
+    monkeypatch.setattr(ckpt, "write_tensors", broken_write)
     save_checkpoint(tmp_path / "good", model=model, optimizer=opt, extra=2, async_save=True)
     with pytest.raises(CheckpointError, match="disk full"):
         finalize_checkpoint()
     finalize_checkpoint()  # raised once
     save_checkpoint(tmp_path / "good", model=model, optimizer=opt, extra=3, async_save=True)
-    monkeypatch.setattr(ckpt, "RawStorageWriter", working)
+    monkeypatch.setattr(ckpt, "write_tensors", working)
     with pytest.raises(CheckpointError, match="disk full"):  # not finalized: the next save says so
         save_checkpoint(tmp_path / "good", model=model, optimizer=opt, extra=4)
     save_checkpoint(tmp_path / "good", model=model, optimizer=opt, extra=5)
@@ -598,7 +598,7 @@ def test_a_format_1_checkpoint_still_loads(tmp_path):
     train(model, opt, 2, 0)
     version = tmp_path / ".c.v-format1"
     version.mkdir()
-    state, meta = ckpt._state_to_save(model, opt, True)
+    state, meta, _ = ckpt._state_to_save(model, opt, True, opt.backend)
     meta["format"] = ckpt.FORMAT_V1
     dcp.save(state, storage_writer=dcp.FileSystemWriter(version), no_dist=True)
     torch.save(meta, version / ckpt.META_FILE)

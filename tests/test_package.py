@@ -21,49 +21,66 @@ ALLOWED = {
     "runtime_env": {"mixed_precision_config"},
     "loss_scaler": {"mixed_precision_config"},
     "precision_ops": {"mixed_precision_config", "runtime_env"},
-    "collectives": set(),
+    "backend": {"layout", "placement"},
     "placement": set(),
+    "param_groups": set(),
+    "parallel_state": set(),
     "grad_accum": {"layout", "placement"},
     "fused_adamw": {"placement"},
+    "master_weights": {"backend", "layout", "placement"},
+    "inner_step": {"precision_ops"},
     "zero1_optimizer": {
-        "collectives", "fused_adamw", "grad_accum", "grad_norm", "layout", "loss_scaler",
-        "mixed_precision_config", "placement", "precision_ops", "runtime_env",
+        "backend", "fused_adamw", "grad_accum", "grad_norm", "inner_step", "layout", "loss_scaler",
+        "master_weights", "mixed_precision_config", "param_groups", "parallel_state", "runtime_env",
     },
-    "trainer": {"grad_norm", "mixed_precision_config", "runtime_env", "zero1_optimizer"},
+    "trainer": {"backend", "grad_norm", "mixed_precision_config", "param_groups", "parallel_state",
+                "runtime_env", "zero1_optimizer"},
     "checkpoint_storage": set(),
-    "checkpoint": {"checkpoint_storage", "zero1_optimizer"},
-    "xla_state_dict": {"checkpoint", "zero1_optimizer"},
+    "checkpoint": {"backend", "checkpoint_storage", "zero1_optimizer"},
+    "xla_state_dict": {"checkpoint", "checkpoint_storage", "zero1_optimizer"},
     "cli": {"checkpoint", "xla_state_dict"},
     "hf_trainer": {"zero1_optimizer"},  # imports transformers; nxd_smp itself does not import it
 }
 
 
+def room_of(path: Path) -> str:
+    """A module's room: its own name, or its subpackage's (``backend/eager.py``: backend)."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return parts[0]
+
+
 def import_time_imports(path: Path) -> set[str]:
-    """nxd_smp modules a module imports when it is imported: module-level statements only
-    (an import inside a function runs later, on use; an ``if __name__ == "__main__"`` block
-    runs only as a script)."""
+    """The rooms of nxd_smp a module imports when it is imported: module-level statements
+    only (an import inside a function runs later, on use; an ``if __name__ == "__main__"``
+    block runs only as a script)."""
+    package = path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1]  # ("nxd_smp", ...)
     found = set()
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
             continue  # runs as a script only
         nodes = [node] + ([n for n in ast.walk(node)] if isinstance(node, (ast.If, ast.Try)) else [])
         for n in nodes:
-            if isinstance(n, ast.ImportFrom) and n.level == 1:
-                if n.module:
-                    found.add(n.module.split(".")[0])
-                else:
-                    found.update(alias.name for alias in n.names)
-            elif isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("nxd_smp."):
-                found.add(n.module.split(".")[1])
-    return found
+            if not isinstance(n, ast.ImportFrom):
+                continue
+            if n.level:
+                base = package[: len(package) - (n.level - 1)]
+                names = [n.module] if n.module else [alias.name for alias in n.names]
+                targets = [(*base, *name.split(".")) for name in names]
+            elif n.module and n.module.startswith("nxd_smp."):
+                targets = [tuple(n.module.split("."))]
+            else:
+                continue
+            found.update(t[1] for t in targets if len(t) > 1)
+    return found - {room_of(path)}
 
 
 def graph() -> dict[str, set[str]]:
-    return {
-        p.stem: import_time_imports(p)
-        for p in PACKAGE.glob("*.py")
-        if p.stem not in ("__init__", "__main__")
-    }
+    rooms: dict[str, set[str]] = {}
+    for p in PACKAGE.rglob("*.py"):
+        if p.parent == PACKAGE and p.stem in ("__init__", "__main__"):
+            continue
+        rooms.setdefault(room_of(p), set()).update(import_time_imports(p))
+    return rooms
 
 
 def test_every_room_is_in_the_table():
@@ -105,19 +122,20 @@ def test_the_package_and_its_tools_import_in_a_fresh_process():
     assert "nxd_smp.trainer" in out.stdout and "nxd_smp.runtime_env" in out.stdout
 
 
-# Names the README documents, where it documents them (moved names stay reachable).
+# Names the README documents, where it documents them: in ``nxd_smp`` and in the room that
+# holds them.
 DOCUMENTED = {
     "nxd_smp": [
-        "MixedPrecisionConfig", "OptimizerConfig", "ConfigError", "neuronx_distributed_config",
+        "MixedPrecisionConfig", "OptimizerConfig", "Zero1Config", "ConfigError", "neuronx_distributed_config",
         "initialize_parallel_optimizer", "Zero1Optimizer", "NeuronZero1Optimizer", "ClippedOptimizer",
         "save_checkpoint", "load_checkpoint", "finalize_checkpoint", "CheckpointError", "DynamicLossScaler",
         "precision_ops",
     ],
-    "nxd_smp.mixed_precision_config": ["MixedPrecisionConfig", "neuronx_distributed_config", "check_no_xla_downcast"],
-    "nxd_smp.zero1_optimizer": ["Zero1Optimizer", "initialize_parallel_optimizer", "ClippedOptimizer"],
+    "nxd_smp.mixed_precision_config": ["MixedPrecisionConfig", "OptimizerConfig", "Zero1Config", "ConfigError"],
+    "nxd_smp.zero1_optimizer": ["Zero1Optimizer", "NeuronZero1Optimizer"],
+    "nxd_smp.backend": ["select_backend", "Backend", "EagerBackend", "XlaBackend"],
     "nxd_smp.precision_ops": ["set_stochastic_rounding", "stochastic_round", "NaiveAMPModel", "cast_model"],
-    "nxd_smp.checkpoint": ["save_checkpoint", "load_checkpoint", "inspect_checkpoint", "consolidate",
-                           "export_xla", "import_xla"],
+    "nxd_smp.checkpoint": ["save_checkpoint", "load_checkpoint", "inspect_checkpoint", "consolidate"],
     "nxd_smp.trainer": ["neuronx_distributed_config", "initialize_parallel_optimizer", "ClippedOptimizer",
                         "configs_from_nxd_dict"],
     "nxd_smp.runtime_env": ["check_no_xla_downcast", "set_stochastic_rounding"],
@@ -133,13 +151,3 @@ def test_documented_names_are_importable_where_documented(module):
         assert getattr(mod, name) is not None, f"{module}.{name}"
     with pytest.raises(AttributeError):
         getattr(mod, "no_such_name")
-
-
-def test_a_moved_name_is_the_same_object_in_both_places():
-    import nxd_smp.checkpoint as ckpt
-    import nxd_smp.mixed_precision_config as cfg
-    import nxd_smp.trainer as trainer
-    import nxd_smp.xla_state_dict as xsd
-
-    assert cfg.neuronx_distributed_config is trainer.neuronx_distributed_config
-    assert ckpt.import_xla is xsd.import_xla

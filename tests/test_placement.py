@@ -67,7 +67,7 @@ def streams_of(opt: Zero1Optimizer) -> dict[str, list[torch.Tensor]]:
         "exp_avg": [state[m]["exp_avg"] for m in opt.master_shards],
         "exp_avg_sq": [state[m]["exp_avg_sq"] for m in opt.master_shards],
         "grad": list(opt._main_grads.buffers),
-        "param": list(opt._flat_params),
+        "param": list(opt.backend._flat_params),
     }
 
 

@@ -110,7 +110,7 @@ def test_parameters_are_views_into_flat_buffers_and_frozen_ones_are_untouched():
     model = make_model()
     frozen_storage = model.frozen.untyped_storage().data_ptr()
     opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, bucket_cap_mb=math.inf)
-    (flat,) = opt._flat_params
+    (flat,) = opt.backend._flat_params
     for p in model.parameters():
         if p.requires_grad:
             assert p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
@@ -288,7 +288,7 @@ def test_neuron_signature_maps_onto_zero1():
         use_grad_acc_hook=False, max_norm=None, lr=1e-3,
     )
     assert opt.mixed_precision == MixedPrecisionConfig(False, False, False)
-    assert opt._max_norm == 1.0
+    assert opt.max_norm == 1.0
     assert len(opt.bucket_layouts) == sum(p.requires_grad for p in model.parameters())  # caps 0
     backward(model)
     opt.step()

@@ -1,0 +1,188 @@
+"""The eager backend (CPU, CUDA): parameters as views into flat buffers, torch.distributed
+collectives in place on views of those buffers.
+
+A process group of one rank (or no torch.distributed at all) sends nothing. Replica-group
+lists (NxD's form) are turned into process groups here, every rank creating the same groups
+in the same order, as ``torch.distributed.new_group`` requires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..layout import BucketLayout
+from ..placement import staggered_empty
+from .base import Backend, GroupSpec, check_replica_groups, is_replica_groups
+from .coordination import Coordinator, LocalCoordinator, ProcessGroupCoordinator
+
+__all__ = ["EagerBackend"]
+
+#: 128 MiB of fp32 gradient (32M elements): the fused kernels run over a few large shards.
+#: NxD reports NaNs on Neuron above ~140 MB, so stay below that everywhere.
+DEFAULT_BUCKET_CAP_MB = 128.0
+
+_translated: dict[tuple[int, tuple[tuple[int, ...], ...]], dist.ProcessGroup] = {}
+
+
+def _dist_active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _from_replica_groups(groups: Sequence[Sequence[int]]) -> dist.ProcessGroup:
+    """This rank's process group among replica ``groups`` (every rank creates all of them,
+    in order; made once per default group)."""
+    if not _dist_active():
+        raise ValueError(
+            "replica groups (lists of ranks) were given but torch.distributed is not initialised; "
+            "call torch.distributed.init_process_group(...) first, or pass None."
+        )
+    groups = check_replica_groups(groups, dist.get_world_size())
+    key = (id(dist.group.WORLD), tuple(tuple(g) for g in groups))
+    if key not in _translated:
+        from torch.distributed import distributed_c10d
+
+        me, mine = dist.get_rank(), None
+        for g in groups:
+            created = distributed_c10d.new_group(g)
+            if me in g:
+                mine = created
+        _translated[key] = mine
+    return _translated[key]
+
+
+def _check_group(group: object) -> dist.ProcessGroup | None:
+    if group is None:
+        return None
+    if is_replica_groups(group):
+        return _from_replica_groups(group)
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the given process "
+            f"group (torch.distributed.new_group returned NON_GROUP_MEMBER here); pass the "
+            f"data-parallel group that contains this rank."
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"process_group must be a torch.distributed ProcessGroup, replica groups (a list of "
+            f"lists of ranks) or None, got {type(group).__name__}."
+        )
+    if not _dist_active():
+        raise ValueError(
+            "a process_group was given but torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group(...) first."
+        )
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the given "
+            f"process_group; pass the data-parallel group that contains this rank."
+        )
+    return group
+
+
+class EagerBackend(Backend):
+    """CPU and CUDA: torch.distributed over ``group`` (None: the default group, or a single
+    process without torch.distributed)."""
+
+    default_bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
+    persistent_grad_buffers = True
+    has_fused_kernels = True
+    step_counter_on_device = False
+    param_shard_is_storage = True
+
+    def __init__(self, device: torch.device, group: GroupSpec = None):
+        self.device = device
+        self.group = _check_group(group)
+        if _dist_active():
+            self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        else:
+            self.rank, self.world_size = 0, 1
+        self._flat_params: list[torch.Tensor] = []
+        self._params: list[torch.Tensor] = []
+        self._ptrs: list[int] = []
+        self._coordinator: Coordinator | None = None
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        return self.group
+
+    # ---------------------------------------------------------------- collectives
+    def _shard(self, flat: torch.Tensor) -> torch.Tensor:
+        size = flat.numel() // self.world_size
+        return flat[self.rank * size : (self.rank + 1) * size]
+
+    local_shard = _shard
+
+    def reduce_scatter(self, flats, into=None):
+        shards = [self._shard(flat) for flat in flats]
+        if self.world_size > 1:
+            for flat, shard in zip(flats, shards):
+                dist.reduce_scatter_tensor(shard, flat, group=self.group)
+        return shards if into is None else [
+            self._shard(spare).copy_(shard) if spare is not None and spare.dtype != shard.dtype else shard
+            for shard, spare in zip(shards, into)
+        ]
+
+    def all_reduce_(self, tensor: torch.Tensor) -> None:
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+
+    # ---------------------------------------------------------------- parameters
+    @torch.no_grad()
+    def place_params(self, params: Sequence[torch.Tensor], layouts: Sequence[BucketLayout]) -> None:
+        """Each parameter becomes a view into its bucket's flat buffer, which the all-gather
+        fills in place."""
+        self._params = list(params)
+        for layout in layouts:
+            first = params[layout.param_indices[0]]
+            flat = staggered_empty(layout.padded_numel, first.dtype, self.device, "param").zero_()
+            for i, index in enumerate(layout.param_indices):
+                start, end = layout.param_range(i)
+                flat[start:end].copy_(params[index].detach().reshape(-1))
+                params[index].data = flat[start:end].view(params[index].shape)
+            self._flat_params.append(flat)
+        self._ptrs = [p.data_ptr() for p in self._params]
+
+    def param_shard(self, b: int) -> torch.Tensor:
+        return self._shard(self._flat_params[b])
+
+    @torch.no_grad()
+    def publish(self, shards: Sequence[torch.Tensor]) -> None:
+        for flat, value in zip(self._flat_params, shards):
+            mine = self._shard(flat)
+            if not (value.data_ptr() == mine.data_ptr() and value.dtype == mine.dtype):
+                mine.copy_(value)
+        if self.world_size > 1:
+            for flat in self._flat_params:
+                dist.all_gather_into_tensor(flat, self._shard(flat), group=self.group)
+
+    def check_param_storage(self) -> None:
+        for i, p in enumerate(self._params):
+            if p.data_ptr() != self._ptrs[i]:
+                raise RuntimeError(
+                    f"parameter {i} (shape {tuple(p.shape)}) no longer lives in the optimizer's flat "
+                    f"buffer: its storage was replaced after the optimizer was built (model.to(...), "
+                    f"load_state_dict(assign=True), or assigning .data). Build the optimizer after the "
+                    f"model has its final device and dtype, and change weights in place "
+                    f"(load_state_dict, copy_), which step() picks up."
+                )
+
+    # ---------------------------------------------------------------- host side
+    def random_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(self.device).manual_seed(seed + 7919 * self.rank)
+
+    def to_host(self, tensors):
+        if self.device.type == "cpu":
+            return [t.detach() for t in tensors], False
+        return [t.detach().cpu() for t in tensors], True
+
+    @property
+    def coordinator(self) -> Coordinator:
+        if self._coordinator is None:
+            if self.world_size == 1 or not _dist_active():
+                self._coordinator = LocalCoordinator()
+            else:
+                self._coordinator = ProcessGroupCoordinator(dist.get_process_group_ranks(self.group or dist.group.WORLD))
+        return self._coordinator

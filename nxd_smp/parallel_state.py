@@ -1,0 +1,57 @@
+"""NxD's model-parallel state, read where ``neuronx_distributed`` is installed and its
+parallel state is initialised (``initialize_model_parallel``); nothing otherwise.
+
+NxD's own optimizers take their groups from it: ``NeuronZero1Optimizer`` shards over the
+data-parallel replica groups (``get_zero1_sharding_groups()`` with context parallelism) and
+adds its gradient norm up over the tensor- and pipeline-parallel groups. nxd_smp's
+``NeuronZero1Optimizer`` and ``initialize_parallel_optimizer`` do the same when the caller
+passes no group of their own. NxD is never imported at module level: it stays optional
+(PyPI's ``neuronx-distributed`` is an empty placeholder).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+__all__ = ["ParallelGroups", "nxd_parallel_groups"]
+
+_MODULE = "neuronx_distributed.parallel_layers.parallel_state"
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """Replica groups (lists of global ranks) of NxD's parallel state.
+
+    Attributes:
+        data: the ZeRO-1 sharding groups (the data-parallel groups).
+        tensor: the tensor-parallel groups, None at tensor-parallel size 1.
+        pipeline: the pipeline-parallel groups, None at pipeline-parallel size 1.
+    """
+
+    data: list[list[int]]
+    tensor: list[list[int]] | None
+    pipeline: list[list[int]] | None
+
+
+def _groups(groups) -> list[list[int]]:
+    return [[int(r) for r in g] for g in groups]
+
+
+def nxd_parallel_groups() -> ParallelGroups | None:
+    """The groups of NxD's initialised parallel state, or None (NxD not installed, or its
+    model parallelism not initialised)."""
+    try:
+        ps = importlib.import_module(_MODULE)
+    except ImportError:
+        return None
+    if not ps.model_parallel_is_initialized():
+        return None
+    if ps.get_context_model_parallel_size() > 1:
+        data = ps.get_zero1_sharding_groups()
+    else:
+        data = ps.get_data_parallel_replica_groups()
+    tensor = ps.get_tensor_model_parallel_replica_groups() if ps.get_tensor_model_parallel_size() > 1 else None
+    pipeline = (ps.get_pipeline_model_parallel_replica_groups()
+                if ps.get_pipeline_model_parallel_size() > 1 else None)
+    return ParallelGroups(_groups(data), tensor and _groups(tensor), pipeline and _groups(pipeline))

@@ -1,0 +1,146 @@
+"""The parameters an optimizer is given: param groups normalised and checked, the inner
+optimizer class checked, and param groups numbered the way torch.optim state dicts number
+them."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "SUPPORTED_PARAM_DTYPES",
+    "normalize_param_groups",
+    "managed_params",
+    "check_optimizer_class",
+    "auto_fuse",
+    "index_groups",
+]
+
+SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Inner optimizers whose update of an element depends on other elements (factored or
+# orthogonalised updates, line searches, sparse gradients): sharding changes their result.
+_NOT_ELEMENTWISE = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
+
+
+def normalize_param_groups(params: Any) -> list[dict[str, Any]]:
+    """Normalise ``params`` (tensors or dicts of groups) into a list of group dicts."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            "params must be an iterable of tensors or of param-group dicts, got a single "
+            "Tensor; pass [tensor] or model.parameters()."
+        )
+    groups = list(params)
+    if not groups:
+        raise ValueError("Zero1Optimizer got an empty parameter list; pass model.parameters().")
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    normalised = []
+    for i, group in enumerate(groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError(
+                f"param group {i} must be a dict with a 'params' key, got {type(group).__name__}."
+            )
+        tensors = group["params"]
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        for p in tensors:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(
+                    f"param group {i} holds a {type(p).__name__}, not a Tensor; "
+                    f"pass parameters (e.g. model.parameters())."
+                )
+        normalised.append({**group, "params": tensors})
+    return normalised
+
+
+def managed_params(groups: list[dict[str, Any]]) -> tuple[list[torch.Tensor], torch.device]:
+    """Validate the managed parameters; return them in layout order and their device."""
+    seen: dict[int, int] = {}
+    managed: list[torch.Tensor] = []
+    for gi, group in enumerate(groups):
+        for p in group["params"]:
+            if id(p) in seen:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} is listed twice (param groups "
+                    f"{seen[id(p)]} and {gi}); list each parameter once."
+                )
+            seen[id(p)] = gi
+            if not p.requires_grad:
+                continue
+            if not p.is_leaf:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} is not a leaf tensor; the "
+                    f"optimizer can only update leaves (e.g. nn.Parameter)."
+                )
+            if p.dtype not in SUPPORTED_PARAM_DTYPES:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} has dtype {p.dtype}; Zero1Optimizer "
+                    f"supports {[str(d) for d in SUPPORTED_PARAM_DTYPES]}. Cast the model, e.g. "
+                    f"model.to(torch.bfloat16), or freeze that parameter."
+                )
+            if p.is_sparse:
+                raise ValueError("sparse parameters are not supported; use dense parameters.")
+            managed.append(p)
+    if not managed:
+        raise ValueError(
+            "Zero1Optimizer got no trainable parameters (all have requires_grad=False)."
+        )
+    devices = sorted({str(p.device) for p in managed})
+    if len(devices) > 1:
+        raise ValueError(
+            f"parameters are on several devices {devices}; move the whole model to one "
+            f"device (each data-parallel rank owns one) before building the optimizer."
+        )
+    return managed, managed[0].device
+
+
+def check_optimizer_class(optimizer_class: Any, *, sharded: bool = True) -> None:
+    if not (inspect.isclass(optimizer_class) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass such as "
+            f"torch.optim.AdamW, got {optimizer_class!r}."
+        )
+    if not sharded:
+        return
+    for name in _NOT_ELEMENTWISE:
+        refused = getattr(torch.optim, name, None)
+        if refused is not None and issubclass(optimizer_class, refused):
+            raise ValueError(
+                f"{optimizer_class.__name__} is not element-wise (its update of one element "
+                f"depends on others), so sharding it would change its result. Use an "
+                f"element-wise optimizer such as AdamW, Adam or SGD."
+            )
+
+
+def auto_fuse(
+    optimizer_class: type, defaults: dict[str, Any], *, has_fused_kernels: bool, all_fp32: bool
+) -> dict[str, Any]:
+    """Ask for the fused kernel on fp32 shards, where the device has one (CPU, CUDA) and the
+    caller chose no variant.
+
+    The inner optimizer sees a few large flat tensors, where the fused kernel is the
+    fastest and allocates no temporaries. Low-precision shards keep the stock path so
+    legacy mode rounds exactly like the stock optimizer.
+    """
+    chosen = {"fused", "foreach", "capturable", "differentiable"} & set(defaults)
+    try:
+        accepts_fused = "fused" in inspect.signature(optimizer_class.__init__).parameters
+    except (TypeError, ValueError):
+        accepts_fused = False
+    if chosen or not accepts_fused or not all_fp32 or not has_fused_kernels:
+        return defaults
+    return {**defaults, "fused": True}
+
+
+def index_groups(sizes: Sequence[int]) -> list[list[int]]:
+    """Consecutive indices for param groups of ``sizes`` parameters: ``[2, 3]`` ->
+    ``[[0, 1], [2, 3, 4]]``, how torch.optim state dicts (and torch_xla's, NxD's) name the
+    parameters of each group."""
+    out, start = [], 0
+    for n in sizes:
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
