@@ -11,7 +11,8 @@ and ends with a summary.
 
     python scripts/train_gpt.py                          # XLA CPU device if torch_xla is there
     python scripts/train_gpt.py --device cpu --steps 50
-    torchrun --nproc-per-node 2 scripts/train_gpt.py     # data parallel, gloo on CPU
+    torchrun --standalone --nproc-per-node 1 scripts/train_gpt.py --device xla   # as on Trainium
+    torchrun --nproc-per-node 2 scripts/train_gpt.py --device cpu   # data parallel, gloo on CPU
     python scripts/train_gpt.py --config my_nxd_config.json --resume
 """
 
@@ -67,21 +68,38 @@ def _xla_accelerator() -> bool:
     return os.environ.get("PJRT_DEVICE", "CPU").upper() != "CPU"
 
 
-def pick_device(choice: str, world_size: int) -> torch.device:
+def wants_xla(choice: str, world_size: int) -> bool:
+    """Whether this run trains on an XLA device: ``--device xla``, or ``auto`` with torch_xla
+    installed. Several processes on the XLA CPU device each see a world of one (their
+    collectives cannot meet), so there ``auto`` falls back to the CPU."""
     if choice == "cpu":
-        return torch.device("cpu")
+        return False
     try:
-        import torch_xla
+        import torch_xla  # noqa: F401
     except ImportError:
         if choice == "xla":
             raise SystemExit("--device xla needs torch_xla (pip install -e '.[xla]')")
-        return torch.device("cpu")
+        return False
     if world_size > 1 and not _xla_accelerator():
         if choice == "xla":
-            raise SystemExit("XLA:CPU replicas cannot run collectives (pytorch/xla#9089); use --device cpu")
-        return torch.device("cpu")
+            raise SystemExit("processes on the XLA CPU device cannot run collectives together; use "
+                             "--device cpu, or one process (XLA replicas: tests/xla_replicas.py)")
+        return False
     os.environ.setdefault("PJRT_DEVICE", "CPU")
-    return torch_xla.device()
+    return True
+
+
+def init_distributed(choice: str) -> None:
+    """Under torchrun, the process group an NxD script creates: ``xla`` when training on an
+    XLA device (one process included, as on Trainium), gloo on the CPU."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return  # not launched by torchrun: one process, no process group
+    if wants_xla(choice, int(os.environ["WORLD_SIZE"])):
+        import torch_xla.distributed.xla_backend  # noqa: F401  (registers the "xla" backend)
+
+        dist.init_process_group("xla", init_method="xla://")
+    else:
+        dist.init_process_group("gloo")
 
 
 def nxd_config_for(cfg: RunConfig) -> dict[str, Any]:
@@ -105,7 +123,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     nxd = nxd_config_for(cfg)  # before the device: it sets the Neuron SR variable
-    device = pick_device(cfg.device, world_size)
+    device = __import__("torch_xla").device() if wants_xla(cfg.device, world_size) else torch.device("cpu")
     on_xla = device.type == "xla"
     sync = __import__("torch_xla").sync if on_xla else (lambda: None)
 
@@ -197,6 +215,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         "mode": cfg.mode,
         "device": str(device),
         "dp_size": world_size,
+        "process_group": dist.get_backend() if dist.is_initialized() else None,
         "steps": cfg.steps,
         "params": sum(p.numel() for p in model.parameters()),
         "final_train_loss": sum(losses[-10:]) / max(1, len(losses[-10:])) if losses else None,
@@ -262,13 +281,7 @@ def parse_args(argv=None) -> RunConfig:
 
 def main(argv=None) -> None:
     cfg = parse_args(argv)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        if cfg.device != "cpu" and _xla_accelerator():  # e.g. PJRT_DEVICE=NEURON under torchrun
-            import torch_xla.distributed.xla_backend  # noqa: F401  (registers the "xla" backend)
-
-            dist.init_process_group("xla", init_method="xla://")
-        else:
-            dist.init_process_group("gloo")
+    init_distributed(cfg.device)
     try:
         summary = run(cfg)
     finally:
@@ -277,7 +290,8 @@ def main(argv=None) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"\nfinal train loss {summary['final_train_loss']:.4f}   val loss {summary['final_val_loss']:.4f}   "
               f"{summary['tokens_per_s']:,.0f} tokens/s   peak RSS {summary['peak_rss_mib']:.0f} MiB")
-        print(f"{summary['params'] / 1e6:.2f}M params on {summary['device']} (DP={summary['dp_size']}), "
+        print(f"{summary['params'] / 1e6:.2f}M params on {summary['device']} (DP={summary['dp_size']}, "
+              f"process group {summary['process_group'] or 'none'}), "
               f"metrics {summary['metrics']}, checkpoint {summary['checkpoint']}")
 
 

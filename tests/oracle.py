@@ -123,11 +123,12 @@ class Scenario:
 
 
 def run_oracle(
-    s: Scenario, world_size: int, data_ranks: list[int] | None = None
+    s: Scenario, world_size: int, data_ranks: list[int] | None = None, *, worlds: list[int] | None = None
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train ``s`` unsharded; return the final bf16 parameters by name and the
     per-step global gradient norms. ``data_ranks``: whose data each of the ``world_size``
-    ranks trains on (default: its own).
+    ranks trains on (default: its own). ``worlds``: a DP size per step instead (a run
+    resumed at another size: each rank trains on its own data).
 
     Runs single-threaded like the spawned ranks: CPU kernels sum in a thread-count
     dependent order, and Adam turns a last-bit difference in a near-zero gradient into a
@@ -136,12 +137,15 @@ def run_oracle(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run_oracle(s, world_size, list(range(world_size)) if data_ranks is None else data_ranks)
+        if worlds is not None:
+            assert data_ranks is None and len(worlds) == s.steps
+            return _run_oracle(s, [list(range(w)) for w in worlds])
+        return _run_oracle(s, [list(range(world_size)) if data_ranks is None else data_ranks] * s.steps)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_oracle(s: Scenario, world_size: int, data_ranks: list[int]) -> tuple[dict[str, torch.Tensor], list[float]]:
+def _run_oracle(s: Scenario, ranks_per_step: list[list[int]]) -> tuple[dict[str, torch.Tensor], list[float]]:
     model = make_model(s.seed)
     groups = param_groups(model, lr_a=s.lr_a, lr_b=s.lr_b)
     managed = [p for g in groups for p in g["params"] if p.requires_grad]
@@ -154,6 +158,8 @@ def _run_oracle(s: Scenario, world_size: int, data_ranks: list[int]) -> tuple[di
     )
     norms = []
     for step in range(s.steps):
+        data_ranks = ranks_per_step[step]
+        world_size = len(data_ranks)
         total = [None] * len(managed)
         for rank in range(world_size):
             acc = [torch.zeros(p.shape, dtype=acc_dtype) for p in managed]

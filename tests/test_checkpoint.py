@@ -611,3 +611,15 @@ def test_a_format_1_checkpoint_still_loads(tmp_path):
     assert load_checkpoint(tmp_path / "c", model=fresh, optimizer=fresh_opt) == {"step": 2}
     assert all(torch.equal(v, params_of(model)[n]) for n, v in params_of(fresh).items())
     assert all(torch.equal(a, b) for a, b in zip(fresh_opt.master_shards, opt.master_shards))
+
+
+def test_an_async_save_a_background_thread_cannot_coordinate_is_refused_before_writing(tmp_path):
+    """XLA replicas in separate processes without torch.distributed coordinate through
+    xm.rendezvous, which only the replica's own thread may call."""
+    from nxd_smp.backend.coordination import RendezvousCoordinator
+
+    model, opt = build()
+    opt.backend._coordinator = RendezvousCoordinator([0, 1], 0)
+    with pytest.raises(CheckpointError, match="async_save=False"):
+        save_checkpoint(tmp_path / "c", model=model, optimizer=opt, async_save=True)
+    assert list(tmp_path.iterdir()) == []

@@ -11,8 +11,19 @@ import math
 import pytest
 import torch
 
+from tests.distributed import run_ranks
 from tests.oracle import Scenario, assert_params_close, run_oracle, ulp_distance
-from tests.xla_dp_worker import WARMUP, Case, _tp_grads
+from tests.xla_dp_worker import (
+    CKPT,
+    SAVED_AT,
+    WARMUP,
+    Case,
+    _tp_grads,
+    cpu_ranks_load,
+    cpu_ranks_save,
+    load_and_continue,
+    save_and_continue,
+)
 from tests.xla_replicas import run_replicas
 
 pytest.importorskip("torch_xla", reason="torch_xla is part of the pinned test environment")
@@ -49,18 +60,32 @@ def _with_scaler(case: Case) -> Case:
                 {"loss_scaler": DynamicLossScaler(init_scale=16.0, hysteresis=1)})
 
 
+@pytest.fixture(scope="module")
+def cpu_checkpoints(tmp_path_factory):
+    """Checkpoints saved by CPU ranks at DP 1 and 3 (gloo), for the replicas to load; and
+    what those CPU runs reached without stopping."""
+    root = tmp_path_factory.mktemp("cpu_ckpt")
+    paths = {1: str(root / "dp1"), 3: str(root / "dp3")}
+    reached = {1: save_and_continue(0, paths[1]), 3: run_ranks(3, cpu_ranks_save, paths[3])[0]}
+    return paths, reached
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"dp{n}")
-def replicas(request):
+def replicas(request, cpu_checkpoints, tmp_path_factory):
+    """One replica child per DP size runs every case: the oracle cases, and checkpoints saved
+    there (in the background) and loaded from the CPU ones."""
     n = request.param
     cases = list(ORACLE_CASES)
     if n == 4:
         cases += [PAIRS, _with_scaler(FP16_OVERFLOW), LEGACY_SR]
-    return n, run_replicas(n, "tests.xla_dp_worker:train", cases, timeout=900)
+    paths, _ = cpu_checkpoints
+    job = {"save": str(tmp_path_factory.mktemp(f"xla_dp{n}") / "ckpt"), "load": [paths[1], paths[3]]}
+    return n, run_replicas(n, "tests.xla_dp_worker:train", cases, job, timeout=900), job
 
 
 @pytest.mark.parametrize("case", ORACLE_CASES, ids=lambda c: c.name)
 def test_matches_the_unsharded_oracle(replicas, case):
-    n, ranks = replicas
+    n, ranks, _ = replicas
     expected, expected_norms = run_oracle(case.scenario, n)
     for rank in ranks:
         got = rank[case.name]
@@ -77,7 +102,7 @@ DP4 = pytest.mark.parametrize("replicas", [4], indirect=True, ids=["dp4"])
 
 @DP4
 def test_a_subset_of_replicas_per_group(replicas):
-    n, ranks = replicas
+    n, ranks, _ = replicas
     for pair, data_ranks in ((0, [0, 1]), (1, [2, 3])):
         expected, norms = run_oracle(PAIRS.scenario, 2, data_ranks=data_ranks)
         for rank in data_ranks:
@@ -86,8 +111,8 @@ def test_a_subset_of_replicas_per_group(replicas):
 
 
 def test_every_rank_runs_the_same_step_program_and_nothing_recompiles(replicas):
-    n, ranks = replicas
-    for name in ranks[0]:
+    n, ranks, _ = replicas
+    for name in (case.name for case in ORACLE_CASES):
         hlo = ranks[0][name]["hlo"]
         assert hlo and "reduce-scatter" in hlo and "all-gather" in hlo, name
         for rank in range(1, n):
@@ -101,7 +126,7 @@ def test_every_rank_runs_the_same_step_program_and_nothing_recompiles(replicas):
 
 
 def test_the_step_graph_has_no_rank_baked_in_and_no_slice_update_chains(replicas):
-    n, ranks = replicas
+    n, ranks, _ = replicas
     case = ranks[0]["adamw_smp_clip_active"]
     hlo, buckets = case["hlo"], case["buckets"]
     assert "dynamic-update-slice" not in hlo  # no bucket built by per-parameter slice updates
@@ -113,7 +138,7 @@ def test_the_step_graph_has_no_rank_baked_in_and_no_slice_update_chains(replicas
 
 @DP4
 def test_an_overflow_on_one_rank_skips_the_step_on_all(replicas):
-    n, ranks = replicas
+    n, ranks, _ = replicas
     first = ranks[0][FP16_OVERFLOW.name]
     for rank in ranks:
         got = rank[FP16_OVERFLOW.name]
@@ -126,7 +151,7 @@ def test_an_overflow_on_one_rank_skips_the_step_on_all(replicas):
 
 @DP4
 def test_legacy_stochastic_rounding_runs_rank_free_and_tracks_the_oracle(replicas):
-    n, ranks = replicas
+    n, ranks, _ = replicas
     smp, _ = run_oracle(scenario("sr_reference"), 4)
     for rank in ranks:
         got = rank[LEGACY_SR.name]["params"]
@@ -144,3 +169,37 @@ def test_grad_norm_groups_over_replica_groups():
     expected = math.sqrt(float(replicated.pow(2).sum()) + sum(float(p.pow(2).sum()) for p in split_parts))
     for rank in ranks:
         assert rank["norm"] == pytest.approx(expected, rel=1e-5)
+
+
+# ---------------------------------------------------------------- checkpoints across devices
+def resumed_oracle(before: int, after: int) -> dict[str, torch.Tensor]:
+    """The oracle of a run at DP ``before`` until the save, at DP ``after`` from there."""
+    return run_oracle(CKPT, before, worlds=[before] * SAVED_AT + [after] * (CKPT.steps - SAVED_AT))[0]
+
+
+def test_replicas_saving_in_the_background_train_on_like_the_oracle(replicas):
+    n, ranks, _ = replicas
+    expected = resumed_oracle(n, n)
+    for rank in ranks:
+        assert_params_close(rank["checkpoints"]["uninterrupted"], expected)
+
+
+@pytest.mark.parametrize("cpu_dp", [1, 3])
+def test_a_checkpoint_from_the_replicas_resumes_on_cpu(replicas, cpu_dp):
+    n, _, job = replicas
+    if cpu_dp == 1:
+        resumed = load_and_continue(0, job["save"])
+    else:
+        resumed = run_ranks(3, cpu_ranks_load, [job["save"]])[0][job["save"]]
+    # the replicas' stock AdamW and the CPU's compiled one differ in rare last bits
+    assert_params_close(resumed, resumed_oracle(n, cpu_dp), max_ulp=2, max_flip_fraction=0.05)
+
+
+@pytest.mark.parametrize("cpu_dp", [1, 3])
+def test_the_replicas_resume_a_checkpoint_from_cpu(replicas, cpu_checkpoints, cpu_dp):
+    n, ranks, _ = replicas
+    paths, reached = cpu_checkpoints
+    assert_params_close(reached[cpu_dp], resumed_oracle(cpu_dp, cpu_dp), max_ulp=2, max_flip_fraction=0.05)
+    expected = resumed_oracle(cpu_dp, n)
+    for rank in ranks:
+        assert_params_close(rank["checkpoints"]["resumed"][paths[cpu_dp]], expected, max_ulp=2, max_flip_fraction=0.05)

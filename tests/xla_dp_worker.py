@@ -79,7 +79,93 @@ def _counters() -> dict[str, float]:
     }
 
 
-def train(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
+# ---------------------------------------------------------------- checkpoints across devices
+#: Checkpoints move between these replicas and CPU ranks: 3 steps, a save, 2 more steps.
+CKPT = Scenario("reshard", "AdamW", fixed_grads=True, steps=5, micro=2, max_norm=0.5)
+SAVED_AT = 3
+
+
+def build_for_checkpoints(device, seed: int):
+    """The model and optimizer that move between devices (master weights in checkpoints;
+    small buckets, so that saved pieces straddle the new shards' boundaries)."""
+    import nxd_smp
+
+    with _rng_lock():
+        model = make_model(seed, dtype=torch.bfloat16)
+    model = model.to(device)
+    opt = nxd_smp.Zero1Optimizer(
+        param_groups(model, lr_a=CKPT.lr_a, lr_b=CKPT.lr_b), CKPT.optimizer_class, max_norm=CKPT.max_norm,
+        mixed_precision=nxd_smp.MixedPrecisionConfig(use_master_weights_in_ckpt=True),
+        bucket_cap_mb=CKPT.bucket_cap_mb,
+    )
+    return model, opt
+
+
+def _rng_lock():
+    """Replica threads share torch's global RNG: building a model holds the replicas' lock."""
+    import contextlib
+    import sys
+
+    replicas = sys.modules.get("tests.xla_replicas")
+    return replicas.serial if replicas is not None and replicas._barrier is not None else contextlib.nullcontext()
+
+
+def train_fixed(model, opt, rank: int, steps: range, sync=lambda: None) -> None:
+    """``steps`` of the oracle's fixed gradients of data rank ``rank``."""
+    for step in steps:
+        for micro in range(CKPT.micro):
+            fixed_grad_loss(model, fixed_grads(CKPT.seed, rank, step, micro, model)).backward()
+        opt.step()
+        sync()
+
+
+def load_and_continue(rank: int, path: str, device="cpu", sync=lambda: None) -> dict[str, torch.Tensor]:
+    """A fresh model (other initial weights: everything must come from the file) loads
+    ``path`` and trains the steps after the save at its own DP size."""
+    import nxd_smp
+
+    model, opt = build_for_checkpoints(device, seed=5)
+    assert nxd_smp.load_checkpoint(path, model=model, optimizer=opt) == {"step": SAVED_AT}
+    train_fixed(model, opt, rank, range(SAVED_AT, CKPT.steps), sync)
+    return {n: p.detach().cpu() for n, p in model.named_parameters()}
+
+
+def save_and_continue(rank: int, path: str, device="cpu", sync=lambda: None,
+                      async_save: bool = False) -> dict[str, torch.Tensor]:
+    """Train to the save, save (in the background: training goes on meanwhile), go on."""
+    import nxd_smp
+
+    model, opt = build_for_checkpoints(device, seed=0)
+    train_fixed(model, opt, rank, range(SAVED_AT), sync)
+    nxd_smp.save_checkpoint(path, model=model, optimizer=opt, extra={"step": SAVED_AT}, async_save=async_save)
+    train_fixed(model, opt, rank, range(SAVED_AT, CKPT.steps), sync)
+    nxd_smp.finalize_checkpoint()
+    return {n: p.detach().cpu() for n, p in model.named_parameters()}
+
+
+def cpu_ranks_load(rank: int, world: int, paths: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """CPU ranks (gloo) load each checkpoint and continue (tests/distributed.py runs it)."""
+    return {path: load_and_continue(rank, path) for path in paths}
+
+
+def cpu_ranks_save(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    return save_and_continue(rank, path)
+
+
+def checkpoints(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """On the replicas: save one checkpoint in the background and continue; load each CPU
+    checkpoint in ``job["load"]`` and continue."""
+    import torch_xla
+
+    from tests.xla_replicas import sync
+
+    device = torch_xla.device()
+    out = {"uninterrupted": save_and_continue(rank, job["save"], device, sync, async_save=True)}
+    out["resumed"] = {path: load_and_continue(rank, path, device, sync) for path in job["load"]}
+    return out
+
+
+def train(rank: int, world: int, cases: list[Case], checkpoint_job: dict[str, Any] | None = None) -> dict[str, Any]:
     import torch_xla
 
     from tests.xla_replicas import barrier, serial, sync
@@ -137,6 +223,8 @@ def train(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
             "scale": None if opt.loss_scaler is None else float(opt.loss_scaler.scale.cpu()),
             "buckets": len(opt.bucket_layouts),
         }
+    if checkpoint_job is not None:
+        results["checkpoints"] = checkpoints(rank, world, checkpoint_job)
     return results
 
 
