@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.metadata import (
 
 __all__ = [
     "ChecksumError",
+    "IO_THREADS",
     "METADATA_FILE",
     "RawItem",
     "SafeUnpickler",
@@ -52,6 +53,8 @@ __all__ = [
 ]
 
 METADATA_FILE = ".metadata"
+#: Files (and threads) per rank: two overlap one file's checksum with the other's writes.
+IO_THREADS = max(1, min(4, os.cpu_count() or 1))
 _CHUNK = 64 << 20  # bytes per write/read call: large, and the GIL is released for each
 
 

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from .checkpoint import CheckpointError, load_full_optimizer_state, param_group_names, read_checkpoint
 from .checkpoint_storage import UnsafeFileError, safe_load
+from .param_groups import index_groups
 from .zero1_optimizer import Zero1Optimizer
 
 __all__ = ["export_xla", "import_xla"]
@@ -61,23 +62,20 @@ def export_xla(path: str | os.PathLike, out_dir: str | os.PathLike, dp_size: int
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
+    ids = index_groups([len(g["params"]) for g in opt["groups"]])
+    groups = [{**g["hyper"], "params": i} for g, i in zip(opt["groups"], ids)]
     for rank in range(dp_size):
-        groups, base_state, shape_info, masters, index = [], {}, {}, {}, 0
-        for g in opt["groups"]:
-            ids = []
-            for name in g["params"]:
-                shape_info[index] = torch.Size(full["model"][name].shape)
-                state = opt["state"][name]
-                if state:
-                    base_state[index] = {
-                        key: value.clone() if value.dim() == 0 else _xla_chunk(value, dp_size, rank)
-                        for key, value in state.items()
-                    }
-                if opt["master_weights"] is not None:
-                    masters[index] = _xla_chunk(opt["master_weights"][name], dp_size, rank)
-                ids.append(index)
-                index += 1
-            groups.append({**g["hyper"], "params": ids})
+        base_state, shape_info, masters = {}, {}, {}
+        for index, name in enumerate(names):
+            shape_info[index] = torch.Size(full["model"][name].shape)
+            state = opt["state"][name]
+            if state:
+                base_state[index] = {
+                    key: value.clone() if value.dim() == 0 else _xla_chunk(value, dp_size, rank)
+                    for key, value in state.items()
+                }
+            if opt["master_weights"] is not None:
+                masters[index] = _xla_chunk(opt["master_weights"][name], dp_size, rank)
         record = {"state": {}, "param_groups": groups, "base_state": base_state, "shape_info": shape_info}
         if opt["master_weights"] is not None:
             record["sharded_master_weights"] = masters

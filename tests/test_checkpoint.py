@@ -443,7 +443,7 @@ def gated_writes(monkeypatch):
     that must not reach the checkpoint."""
     import threading
 
-    from nxd_smp import checkpoint as ckpt
+    from nxd_smp import checkpoint_save as ckpt
 
     gate = threading.Event()
 
@@ -501,7 +501,7 @@ def test_two_saves_in_quick_succession_both_complete_in_order(tmp_path):
 
 
 def test_a_failed_background_save_is_raised_once_and_the_next_save_works(tmp_path, monkeypatch):
-    from nxd_smp import checkpoint as ckpt
+    from nxd_smp import checkpoint_save as ckpt
 
     def broken_write(*args, **kwargs):
         raise OSError("disk full")
@@ -592,19 +592,20 @@ def test_a_format_1_checkpoint_still_loads(tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    from nxd_smp import checkpoint as ckpt
+    from nxd_smp import checkpoint_format as fmt
+    from nxd_smp.checkpoint_save import state_to_save
 
     model, opt = build()
     train(model, opt, 2, 0)
     version = tmp_path / ".c.v-format1"
     version.mkdir()
-    state, meta, _ = ckpt._state_to_save(model, opt, True, opt.backend)
-    meta["format"] = ckpt.FORMAT_V1
+    state, meta, _ = state_to_save(model, opt, True, opt.backend)
+    meta["format"] = fmt.FORMAT_V1
     dcp.save(state, storage_writer=dcp.FileSystemWriter(version), no_dist=True)
-    torch.save(meta, version / ckpt.META_FILE)
-    torch.save({"step": 2}, version / ckpt.EXTRA_FILE)
+    torch.save(meta, version / fmt.META_FILE)
+    torch.save({"step": 2}, version / fmt.EXTRA_FILE)
     files = {f.name: [f.stat().st_size, zlib.crc32(f.read_bytes())] for f in version.iterdir()}
-    (version / ckpt.COMPLETE_FILE).write_text(json.dumps({"format": ckpt.FORMAT_V1, "files": files}))
+    (version / fmt.COMPLETE_FILE).write_text(json.dumps({"format": fmt.FORMAT_V1, "files": files}))
     os.symlink(version.name, tmp_path / "c")
 
     fresh, fresh_opt = build(seed=5)

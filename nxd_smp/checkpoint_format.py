@@ -1,0 +1,272 @@
+"""What an nxd_smp checkpoint is: its files and keys, the records that describe the
+optimizer, the completion record that says it is whole, and the safe reading of its small
+files.
+
+A checkpoint is a directory (a version, named by a link; ``checkpoint_links``) holding
+
+* ``model/<state_dict key>``: the full model tensors (replicated: each written by one rank);
+* ``optim/<param>/<state key>/<start>``: elements ``[start, end)`` of the flattened
+  parameter's optimizer state (``exp_avg``, ``momentum_buffer``, ...), one entry per
+  contiguous piece a rank owned; ``optim/<param>/<state key>`` for 0-dim state (``step``);
+* ``master/<param>/<start>``: the same for fp32 master weights, when they are saved;
+* ``loss_scaler/<key>``: the fp16 loss scaler's state;
+
+as raw bytes (``checkpoint_storage``: a few files per rank and DCP's ``Metadata`` as the
+index), plus ``nxd_smp_meta.pt`` (shapes, dtypes, param groups, which pieces exist, the DP
+size written at), ``extra.pt`` (the caller's ``extra`` and the state dicts of the scheduler
+and other stateful objects) and, written last, ``COMPLETE.json`` (size and CRC-32 of every
+file, when it was saved). Because every piece is addressed by parameter name and element
+range, a checkpoint written at DP size N loads at any DP size M. Checkpoints of format 1
+(DCP's own file writer) still load.
+
+The small files load with ``torch.load(weights_only=True)``: plain containers, numbers,
+strings and tensors; a class of the caller's own (in ``extra`` or a stateful object's
+state) loads once allowed with ``torch.serialization.add_safe_globals``.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .checkpoint_storage import IO_THREADS, ChecksumError, StoredTensor, UnsafeFileError, read_tensors, safe_load
+from .checkpoint_storage import read_index as storage_index
+from .param_groups import index_groups
+from .zero1_optimizer import Zero1Optimizer
+
+__all__ = [
+    "CheckpointError",
+    "FORMAT",
+    "FORMAT_V1",
+    "META_FILE",
+    "EXTRA_FILE",
+    "COMPLETE_FILE",
+    "SCHEDULER",
+    "model_key",
+    "state_key",
+    "master_key",
+    "scaler_key",
+    "managed_param_names",
+    "param_group_names",
+    "group_records",
+    "group_hyperparameters",
+    "torch_optim_groups",
+    "check_args",
+    "stateful_objects",
+    "completion_record",
+    "verify_files",
+    "load_small_file",
+    "read_index",
+    "read_entries",
+    "error_text",
+]
+
+FORMAT = "nxd_smp.checkpoint/2"
+FORMAT_V1 = "nxd_smp.checkpoint/1"  # tensors in DCP's own FileSystemWriter files; still loaded
+META_FILE = "nxd_smp_meta.pt"
+EXTRA_FILE = "extra.pt"
+COMPLETE_FILE = "COMPLETE.json"
+SCHEDULER = "scheduler"  # the name the scheduler's state is saved under
+_CRC_BLOCK = 16 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is incomplete, damaged, refused (it asks to run code), or does not
+    fit the model/optimizer; the message names the file or the tensors and the fix."""
+
+
+# ---------------------------------------------------------------------------- keys
+def model_key(name: str) -> str:
+    return f"model/{name}"
+
+
+def state_key(param: str, key: str, start: int | None = None) -> str:
+    """A piece of ``param``'s optimizer state ``key`` from element ``start``; None: 0-dim."""
+    return f"optim/{param}/{key}" if start is None else f"optim/{param}/{key}/{start}"
+
+
+def master_key(param: str, start: int) -> str:
+    return f"master/{param}/{start}"
+
+
+def scaler_key(key: str) -> str:
+    return f"loss_scaler/{key}"
+
+
+# ---------------------------------------------------------------------------- records
+def managed_param_names(model: nn.Module, optimizer: Zero1Optimizer) -> list[str]:
+    """The model name of each parameter ``optimizer`` manages, in its layout order
+    (``optimizer.managed_params``).
+
+    Raises:
+        CheckpointError: a managed parameter is not a parameter of ``model``.
+    """
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    out = []
+    for i, p in enumerate(optimizer.managed_params):
+        if id(p) not in names:
+            raise CheckpointError(
+                f"the optimizer's parameter {i} (shape {tuple(p.shape)}) is not a parameter "
+                f"of the model; pass the model the optimizer was built for."
+            )
+        out.append(names[id(p)])
+    return out
+
+
+# How the inner optimizer computes, not what: chosen per device by whoever loads.
+_IMPLEMENTATION_KEYS = frozenset({"params", "fused", "foreach", "capturable", "differentiable"})
+
+
+def group_records(optimizer: Zero1Optimizer, names: list[str]) -> list[dict[str, Any]]:
+    """Per param group: its hyperparameters (lr, betas, ... but not kernel choices such as
+    ``fused``, which belong to the device that loads) and its parameters' names."""
+    index = {id(p): i for i, p in enumerate(optimizer.managed_params)}
+    records = []
+    for group in optimizer.param_groups:
+        records.append({"hyper": group_hyperparameters(group), "params": [names[index[id(p)]] for p in group["params"]]})
+    return records
+
+
+def group_hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's hyperparameters: everything but its parameters and the kernel choices
+    (``fused``, ``foreach``, ...), which belong to whoever loads."""
+    return {k: v for k, v in group.items() if k not in _IMPLEMENTATION_KEYS}
+
+
+def param_group_names(model: nn.Module, optimizer: Zero1Optimizer) -> list[list[str]]:
+    """The names of each param group's managed parameters, group by group, in the order the
+    optimizer was given them (the order torch.optim state dicts number them in)."""
+    return [record["params"] for record in group_records(optimizer, managed_param_names(model, optimizer))]
+
+
+def torch_optim_groups(groups: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Group records (``{"hyper", "params": names}``) as torch.optim state dicts write param
+    groups: the hyperparameters, consecutive integer ``params``, and the names beside them."""
+    ids = index_groups([len(g["params"]) for g in groups])
+    return [{**g["hyper"], "params": i, "param_names": list(g["params"])} for g, i in zip(groups, ids)]
+
+
+def check_args(model: Any, optimizer: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if optimizer is not None and not isinstance(optimizer, Zero1Optimizer):
+        raise TypeError(
+            f"optimizer must be a nxd_smp Zero1Optimizer (or None), got {type(optimizer).__name__}; "
+            f"save a plain torch optimizer with torch.save(optimizer.state_dict())."
+        )
+
+
+def stateful_objects(scheduler: Any, stateful: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``{name: object}`` for the scheduler and the caller's other stateful objects, each
+    checked to have ``state_dict()`` and ``load_state_dict()``."""
+    objects: dict[str, Any] = {}
+    if stateful is not None:
+        if not isinstance(stateful, Mapping):
+            raise TypeError(f"stateful must be a dict of name -> object, got {type(stateful).__name__}.")
+        for name, obj in stateful.items():
+            if not isinstance(name, str) or name == SCHEDULER:
+                raise ValueError(
+                    f"stateful names must be strings other than {SCHEDULER!r} (pass the scheduler as "
+                    f"scheduler=...), got {name!r}."
+                )
+            objects[name] = obj
+    if scheduler is not None:
+        objects[SCHEDULER] = scheduler
+    for name, obj in objects.items():
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(
+                f"{name}: {type(obj).__name__} has no state_dict()/load_state_dict(); pass objects that "
+                f"do (an LR scheduler, a data loader's sampler, ...), or put plain values in extra=."
+            )
+    return objects
+
+
+# ---------------------------------------------------------------------------- files
+def crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(_CRC_BLOCK):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def completion_record(target: Path) -> dict[str, Any]:
+    with open(target / COMPLETE_FILE) as f:
+        record = json.load(f)
+    if record.get("format") not in (FORMAT, FORMAT_V1):
+        raise CheckpointError(
+            f"{target} has format {record.get('format')!r}; this nxd_smp reads {FORMAT!r} and {FORMAT_V1!r}."
+        )
+    return record
+
+
+def verify_files(target: Path, record: Mapping[str, Any], checksums: bool) -> None:
+    """Every file the completion record lists is there with its size; with ``checksums``
+    also its CRC-32 (a second read of every byte: the loader checks the format-2 tensors it
+    reads as it reads them, so only format 1 and ``inspect --verify`` need this)."""
+    problems = []
+    for name, (size, crc) in sorted(record["files"].items()):
+        f = target / name
+        if not f.exists():
+            problems.append(f"{name} is missing")
+        elif f.stat().st_size != size:
+            problems.append(f"{name} is truncated or altered ({f.stat().st_size} bytes, expected {size})")
+        elif checksums and crc32(f) != crc:
+            problems.append(f"{name} is corrupted (CRC-32 mismatch)")
+    if problems:
+        raise CheckpointError(f"the checkpoint at {target} is damaged: " + "; ".join(problems) + ".")
+
+
+def load_small_file(path: Path) -> Any:
+    """A checkpoint's ``.pt`` file, loaded without running code from it.
+
+    Raises:
+        CheckpointError: the file asks for something ``torch.load(weights_only=True)`` refuses,
+            naming the file and what it asked for.
+    """
+    try:
+        return safe_load(path)
+    except UnsafeFileError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def error_text(error: BaseException) -> str:
+    return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+
+
+def read_index(target: Path) -> dict[str, StoredTensor]:
+    """The tensor index of the checkpoint at ``target`` (read without running code).
+
+    Raises:
+        CheckpointError: the index is refused or names something nxd_smp does not write.
+    """
+    try:
+        return storage_index(target)
+    except (UnsafeFileError, ValueError, OSError) as e:
+        raise CheckpointError(f"the checkpoint at {target} is damaged or refused: {e}") from e
+
+
+def read_entries(
+    staging: Mapping[str, torch.Tensor], target: Path, verify: bool, index: Mapping[str, StoredTensor] | None = None
+) -> None:
+    """Read every ``staging`` tensor from the checkpoint at ``target`` (this process only;
+    checked against its CRC-32 when ``verify``).
+
+    Raises:
+        CheckpointError: a missing, damaged or refused tensor, named.
+    """
+    index = read_index(target) if index is None else index
+    missing = sorted(set(staging) - set(index))
+    if missing:
+        raise CheckpointError(f"the checkpoint at {target} lacks the tensors {missing[:8]}"
+                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else "") + ".")
+    try:
+        read_tensors(target, index, staging, verify=verify, threads=IO_THREADS)
+    except (ChecksumError, UnsafeFileError, ValueError) as e:
+        raise CheckpointError(f"the checkpoint at {target} is damaged or refused: {e}") from e

@@ -1,0 +1,112 @@
+"""Version directories and the links that name them: the atomic swap, retention, and which
+complete checkpoint a path means.
+
+``path`` is a symbolic link to a sibling directory ``.<name>.v-<id>``. A save writes a new
+sibling, fsyncs it, then swaps the link with ``os.replace`` and removes the old sibling, so
+``path`` always resolves to a complete checkpoint (one with ``COMPLETE.json``). A save cut off
+before the swap leaves a sibling without it, which loading reports and the next save of that
+path removes. Retention keeps the newest K complete checkpoints of a directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from .checkpoint_format import COMPLETE_FILE, CheckpointError
+
+__all__ = ["version_prefix", "fsync_dir", "publish", "checkpoint_links", "retain", "resolve"]
+
+
+def version_prefix(path: Path) -> str:
+    """The prefix of ``path``'s version directories (siblings of the link)."""
+    return f".{path.name}.v-"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(path: Path, version: str) -> None:
+    """Point ``path`` at ``version`` atomically and remove the version it replaced."""
+    old = os.readlink(path) if path.is_symlink() else None
+    link = path.parent / f".{path.name}.link-{uuid.uuid4().hex[:12]}"
+    os.symlink(version, link)
+    os.replace(link, path)
+    fsync_dir(path.parent)
+    if old is not None and Path(old).name.startswith(version_prefix(path)) and old != version:
+        shutil.rmtree(path.parent / old, ignore_errors=True)
+    # versions left by saves that were cut off before their swap
+    for stale in path.parent.glob(f"{version_prefix(path)}*"):
+        if stale.name != version and not (stale / COMPLETE_FILE).exists():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def checkpoint_links(directory: Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints in ``directory`` (links to a version with a completion
+    record), with when they were saved, newest first."""
+    found = []
+    for entry in directory.iterdir():
+        if not entry.is_symlink() or entry.name.startswith("."):
+            continue
+        target = directory / os.readlink(entry)
+        if not target.name.startswith(version_prefix(entry)) or not (target / COMPLETE_FILE).is_file():
+            continue
+        try:
+            with open(target / COMPLETE_FILE) as f:
+                saved_at = int(json.load(f).get("saved_at_ns") or 0)
+        except (OSError, ValueError):
+            continue
+        found.append((saved_at or int((target / COMPLETE_FILE).stat().st_mtime_ns), entry))
+    return sorted(found, key=lambda item: (item[0], item[1].name), reverse=True)
+
+
+def retain(directory: Path, keep: int, newest: Path) -> None:
+    """Remove all but the newest ``keep`` complete checkpoints of ``directory`` (never
+    ``newest``, the one just written), then every version directory no link points to: those
+    of saves killed before their swap, or after an unlink here. Only this save is in flight."""
+    for _, link in checkpoint_links(directory)[keep:]:
+        if link != newest:
+            version = directory / os.readlink(link)
+            link.unlink()
+            shutil.rmtree(version, ignore_errors=True)
+    pointed = {os.readlink(entry) for entry in directory.iterdir() if entry.is_symlink()}
+    for entry in directory.iterdir():
+        if entry.name.startswith(".") and ".v-" in entry.name and entry.is_dir() and entry.name not in pointed:
+            shutil.rmtree(entry, ignore_errors=True)
+    fsync_dir(directory)
+
+
+def resolve(path: Path) -> Path:
+    """The complete version directory behind ``path`` (a checkpoint link, a version directory,
+    or a directory of checkpoints: its newest complete one), or an error that says why not."""
+    if not os.path.lexists(path):
+        partial = [p for p in path.parent.glob(f"{version_prefix(path)}*") if not (p / COMPLETE_FILE).exists()]
+        if partial:
+            raise CheckpointError(
+                f"no complete checkpoint at {path}: the save into {partial[0]} was cut off before "
+                f"it finished (incomplete: it has no {COMPLETE_FILE}). Resume from an earlier checkpoint."
+            )
+        raise FileNotFoundError(f"no checkpoint at {path}: the path does not exist.")
+    if path.is_dir() and not path.is_symlink() and not (path / COMPLETE_FILE).exists() \
+            and not path.name.startswith("."):
+        links = checkpoint_links(path)
+        if not links:
+            raise CheckpointError(f"{path} is a directory without a complete checkpoint in it.")
+        return links[0][1].resolve()
+    target = path.resolve()
+    if not target.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint directory.")
+    if not (target / COMPLETE_FILE).exists():
+        raise CheckpointError(
+            f"the checkpoint at {target} is incomplete (no {COMPLETE_FILE}): its save was cut off. "
+            f"Resume from an earlier checkpoint."
+        )
+    return target

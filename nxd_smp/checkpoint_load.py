@@ -1,0 +1,355 @@
+"""Loading: a checkpoint checked against the live model and optimizer, this rank's new
+shards planned from the saved pieces (at any DP size: ``resharding``), read into staging
+buffers, agreed on by every rank, and only then committed.
+
+A refused load changes nothing: everything is read and checked first, and a failure on any
+rank is a ``CheckpointError`` on every rank (the backend's coordinator carries the outcome).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .backend import Coordinator
+from .checkpoint_format import (
+    EXTRA_FILE,
+    FORMAT,
+    FORMAT_V1,
+    META_FILE,
+    CheckpointError,
+    check_args,
+    completion_record,
+    error_text,
+    group_hyperparameters,
+    group_records,
+    load_small_file,
+    managed_param_names,
+    master_key,
+    model_key,
+    read_entries,
+    scaler_key,
+    state_key,
+    verify_files,
+)
+from .checkpoint_links import resolve
+from .param_groups import index_groups
+from .progress import phases
+from .resharding import named_pieces, overlaps
+from .zero1_optimizer import Zero1Optimizer
+
+__all__ = ["load", "load_full_optimizer_state", "LoadPlan", "plan_load"]
+
+log = logging.getLogger("nxd_smp.checkpoint")
+
+
+def load(
+    path: Path,
+    model: nn.Module,
+    optimizer: Zero1Optimizer | None,
+    coordinator: Coordinator,
+    *,
+    objects: Mapping[str, Any],
+    verify_checksums: bool,
+    progress: bool | None,
+) -> Any:
+    """``load_checkpoint`` once its arguments are checked: rank 0 finds and checks the
+    checkpoint, every rank plans and reads its part, all agree, then commit. Returns the
+    saved ``extra``."""
+    rank = coordinator.rank
+    with phases(progress, rank, ["verify", "read", "commit"], f"load {path.name}", log) as advance:
+        found: Any = None
+        if rank == 0:
+            try:
+                target = resolve(path)
+                record = completion_record(target)
+                verify_files(target, record, checksums=verify_checksums and record["format"] == FORMAT_V1)
+                found = [str(target), record]
+            except FileNotFoundError as e:
+                found = {"missing": str(e)}
+            except CheckpointError as e:
+                found = {"refused": str(e)}
+        found = coordinator.broadcast(found)
+        if isinstance(found, dict):
+            raise FileNotFoundError(found["missing"]) if "missing" in found else CheckpointError(found["refused"])
+        target, record = Path(found[0]), found[1]
+        error = None
+        try:
+            meta = load_small_file(target / META_FILE)
+            saved = load_small_file(target / EXTRA_FILE)
+            if record["format"] == FORMAT_V1:
+                saved = {"extra": saved, "objects": {}}
+            missing = sorted(set(objects) - set(saved["objects"]))
+            if missing:
+                raise CheckpointError(
+                    f"the checkpoint holds no state for {missing}; it has {sorted(saved['objects']) or 'none'}. "
+                    f"Load without them, or from a checkpoint saved with them."
+                )
+            advance("verify")
+            plan = plan_load(meta, model, optimizer)
+            read_entries(plan.staging, target, verify_checksums)
+            plan.assemble()
+        except (CheckpointError, OSError) as e:
+            error = e
+        _agree(coordinator, error)
+        advance("read")
+        _commit(plan, meta, model, optimizer)
+        for name, obj in objects.items():
+            obj.load_state_dict(saved["objects"][name])
+        advance("commit")
+    return saved["extra"]
+
+
+def _agree(coordinator: Coordinator, error: BaseException | None) -> None:
+    """Every rank learns whether any rank failed; if one did, all raise (so either all ranks
+    commit or none)."""
+    failures = [f for f in coordinator.all_gather(None if error is None else error_text(error)) if f]
+    if error is not None:
+        raise error
+    if failures:
+        raise CheckpointError("another rank could not load the checkpoint: " + "; ".join(failures))
+
+
+@dataclass
+class LoadPlan:
+    """What one rank reads, and where it goes.
+
+    Attributes:
+        staging: checkpoint key -> the tensor it is read into: a view of a new shard buffer
+            (a saved piece inside one of this rank's pieces), or a tensor of its own.
+        shards: (``"optim"``, state key) or (``"master"``, None) -> this rank's new shard
+            buffer per bucket.
+        copies: (key, buffer, dst, src, numel): overlaps of saved pieces that straddle this
+            rank's shard boundaries, copied after the read.
+        scalars: per bucket, 0-dim state key -> checkpoint key (from the bucket's first
+            parameter: a shard of only padding still needs ``step``).
+    """
+
+    staging: dict[str, torch.Tensor]
+    shards: dict[tuple[str, str | None], list[torch.Tensor]] = field(default_factory=dict)
+    copies: list[tuple[str, torch.Tensor, int, int, int]] = field(default_factory=list)
+    scalars: list[dict[str, str]] = field(default_factory=list)
+
+    def assemble(self) -> None:
+        """Finish the shard buffers from the pieces that straddled shard boundaries."""
+        for key, buffer, dst, src, n in self.copies:
+            buffer[dst : dst + n].copy_(self.staging[key][src : src + n])
+
+
+def _check_model(meta: Mapping[str, Any], model: nn.Module) -> None:
+    if meta.get("format") not in (FORMAT, FORMAT_V1):
+        raise CheckpointError(f"unknown checkpoint format {meta.get('format')!r}; expected {FORMAT!r}.")
+    live = model.state_dict()
+    saved = meta["model"]
+    problems = []
+    missing = sorted(set(live) - set(saved))
+    unexpected = sorted(set(saved) - set(live))
+    if missing:
+        problems.append(f"missing from the checkpoint: {missing}")
+    if unexpected:
+        problems.append(f"in the checkpoint but not in the model: {unexpected}")
+    for key in sorted(set(live) & set(saved)):
+        shape, dtype = tuple(live[key].shape), str(live[key].dtype)
+        if tuple(saved[key]["shape"]) != shape:
+            problems.append(f"{key}: shape {tuple(saved[key]['shape'])} in the checkpoint, {shape} in the model")
+        elif saved[key]["dtype"] != dtype:
+            problems.append(f"{key}: dtype {saved[key]['dtype']} in the checkpoint, {dtype} in the model")
+    if problems:
+        raise CheckpointError("the checkpoint does not fit the model: " + "; ".join(problems) + ".")
+
+
+def _check_optimizer(saved_opt: Mapping[str, Any] | None, names: list[str], optimizer: Zero1Optimizer) -> None:
+    if saved_opt is None:
+        raise CheckpointError(
+            "the checkpoint holds no optimizer state; load it with optimizer=None and build "
+            "the optimizer afresh."
+        )
+    mine = group_records(optimizer, names)
+    if [g["params"] for g in mine] != [g["params"] for g in saved_opt["groups"]]:
+        live_names, saved_names = set(names), set(saved_opt["params"])
+        raise CheckpointError(
+            "the checkpoint's optimizer does not fit: "
+            f"parameters missing from it {sorted(live_names - saved_names)}, "
+            f"extra in it {sorted(saved_names - live_names)}"
+            + ("" if live_names != saved_names else "; the param groups are arranged differently")
+            + "."
+        )
+
+
+def plan_load(meta: Mapping[str, Any], model: nn.Module, optimizer: Zero1Optimizer | None) -> LoadPlan:
+    """Check the checkpoint (its metadata ``meta``) against the live objects and allocate
+    this rank's staging buffers.
+
+    Raises:
+        CheckpointError: names, shapes, dtypes or groups that do not fit, each named.
+    """
+    _check_model(meta, model)
+    plan = LoadPlan({
+        model_key(key): torch.empty(info["shape"], dtype=getattr(torch, info["dtype"].split(".")[-1]))
+        for key, info in meta["model"].items()
+    })
+    if optimizer is None:
+        return plan
+    saved_opt = meta["optimizer"]
+    names = managed_param_names(model, optimizer)
+    _check_optimizer(saved_opt, names, optimizer)
+
+    kinds = [("optim", key) for key in saved_opt["tensor_keys"]]
+    if saved_opt["master_weights"]:
+        kinds.append(("master", None))
+    layouts, masters = optimizer.bucket_layouts, optimizer.master_shards
+    for kind, key in kinds:
+        buffers = []
+        for layout, master in zip(layouts, masters):
+            buffer = torch.empty(layout.shard_numel, dtype=torch.float32 if kind == "master" else master.dtype)
+            covered = sum(piece.numel for piece in layout.pieces(optimizer.rank))
+            buffer[covered:].zero_()  # padding: the pieces fill a prefix of the shard
+            buffers.append(buffer)
+        plan.shards[(kind, key)] = buffers
+    if saved_opt.get("loss_scaler") and optimizer.loss_scaler is not None:
+        for key, value in optimizer.loss_scaler.state_dict().items():
+            plan.staging[scaler_key(key)] = torch.empty((), dtype=value.dtype)
+    for layout in layouts:
+        first = names[layout.param_indices[0]]
+        plan.scalars.append({key: state_key(first, key) for key in saved_opt["scalar_keys"]})
+        for key in saved_opt["scalar_keys"]:
+            plan.staging[state_key(first, key)] = torch.empty((), dtype=torch.float32)
+    for b, name, piece in named_pieces(layouts, optimizer.rank, names):
+        for part in overlaps(saved_opt["pieces"][name], piece):
+            for kind, key in kinds:
+                entry = state_key(name, key, part.saved_start) if kind == "optim" else master_key(name, part.saved_start)
+                buffer = plan.shards[(kind, key)][b]
+                if part.whole:
+                    plan.staging[entry] = buffer[part.dst : part.dst + part.numel]
+                else:
+                    if entry not in plan.staging:
+                        plan.staging[entry] = torch.empty(part.saved_end - part.saved_start, dtype=buffer.dtype)
+                    plan.copies.append((entry, buffer, part.dst, part.src, part.numel))
+    return plan
+
+
+def _commit(plan: LoadPlan, meta: Mapping[str, Any], model: nn.Module, optimizer: Zero1Optimizer | None) -> None:
+    model_state = {key: plan.staging[model_key(key)] for key in meta["model"]}
+    with torch.no_grad():
+        model.load_state_dict(model_state, strict=True)  # copies in place: views stay views
+    if optimizer is None:
+        return
+    if optimizer.loss_scaler is not None and meta["optimizer"].get("loss_scaler"):
+        keys = optimizer.loss_scaler.state_dict()
+        optimizer.loss_scaler.load_state_dict({key: plan.staging[scaler_key(key)] for key in keys})
+    commit_optimizer(
+        optimizer,
+        {key: bufs for (kind, key), bufs in plan.shards.items() if kind == "optim"},
+        [{key: plan.staging[entry] for key, entry in scalars.items()} for scalars in plan.scalars],
+        [record["hyper"] for record in meta["optimizer"]["groups"]],
+        plan.shards.get(("master", None)),
+    )
+
+
+def commit_optimizer(
+    optimizer: Zero1Optimizer,
+    tensors: Mapping[str, list[torch.Tensor]],
+    scalars: list[Mapping[str, torch.Tensor]],
+    hypers: list[Mapping[str, Any]],
+    masters: list[torch.Tensor] | None,
+) -> None:
+    """Install checked shard states (``tensors[key][bucket]``), per-bucket scalar state,
+    per-group hyperparameters and, if given, master shards; else rebuild the masters from
+    the current parameters with a warning."""
+    inner = optimizer.inner_optimizer
+    state = {}
+    for b in range(len(optimizer.master_shards)):
+        entry = {key: value.clone() for key, value in scalars[b].items()}
+        entry.update({key: bufs[b] for key, bufs in tensors.items()})
+        if entry:
+            state[b] = entry
+    ids = index_groups([len(group["params"]) for group in inner.param_groups])
+    groups = [{**group, **hyper, "params": i} for group, hyper, i in zip(inner.param_groups, hypers, ids)]
+    inner.load_state_dict({"state": state, "param_groups": groups})
+    for group, hyper in zip(optimizer.param_groups, hypers):
+        group.update(hyper)
+    optimizer.zero_grad()
+    if not optimizer.mixed_precision.use_master_weights:
+        return
+    if masters is not None:
+        optimizer.load_master_shards(masters)
+    else:
+        optimizer.rebuild_master_from_params()
+        warnings.warn(
+            "the checkpoint has no master weights: they were rebuilt from the loaded "
+            "parameters, so precision below the parameter dtype is lost. Save with "
+            "use_master_weights_in_ckpt=True to keep it.",
+            stacklevel=3,
+        )
+
+
+def load_full_optimizer_state(
+    model: nn.Module,
+    optimizer: Zero1Optimizer,
+    state: Mapping[str, Mapping[str, torch.Tensor]],
+    hyperparameters: list[Mapping[str, Any]],
+    master_weights: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Install unsharded, per-parameter optimizer state into ``optimizer`` at its own DP
+    size; every rank calls it with the same full tensors and keeps its own shard.
+
+    Args:
+        state: ``{parameter name: {key: tensor shaped like the parameter, or 0-dim}}`` (the
+            layout ``read_checkpoint`` returns; ``{}`` for a parameter without state yet).
+        hyperparameters: one dict per param group (lr, betas, ...), in group order; kernel
+            choices such as ``fused`` are ignored.
+        master_weights: ``{parameter name: tensor shaped like the parameter}``, or None to
+            rebuild the masters from the current parameters (with a warning that precision
+            below the parameter dtype is lost).
+
+    Raises:
+        CheckpointError: names, shapes or groups that do not fit, each named; nothing is
+            changed then.
+    """
+    check_args(model, optimizer)
+    names = managed_param_names(model, optimizer)
+    live = dict(zip(names, optimizer.managed_params))
+    problems = []
+    if len(hyperparameters) != len(optimizer.param_groups):
+        problems.append(f"{len(hyperparameters)} param groups given, the optimizer has {len(optimizer.param_groups)}")
+    missing = sorted(set(names) - set(state))
+    extra = sorted(set(state) - set(names))
+    if missing:
+        problems.append(f"no state for {missing}")
+    if extra:
+        problems.append(f"state for parameters the optimizer does not manage: {extra}")
+    tensor_keys = sorted({k for entry in state.values() for k, v in entry.items() if v.dim() > 0})
+    for name in sorted(set(names) & set(state)):
+        entry, shape = state[name], tuple(live[name].shape)
+        if entry and sorted(k for k, v in entry.items() if v.dim() > 0) != tensor_keys:
+            problems.append(f"{name}: state keys {sorted(entry)}, others have {tensor_keys}")
+        for key, value in entry.items():
+            if value.dim() > 0 and tuple(value.shape) != shape:
+                problems.append(f"{name}/{key}: shape {tuple(value.shape)}, the parameter is {shape}")
+        if master_weights is not None and tuple(master_weights[name].shape) != shape:
+            problems.append(f"master weight {name}: shape {tuple(master_weights[name].shape)}, the parameter is {shape}")
+    if problems:
+        raise CheckpointError("the optimizer state does not fit: " + "; ".join(problems) + ".")
+
+    layouts = optimizer.bucket_layouts
+
+    def shards_of(source: Mapping[str, torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+        """Each bucket's shard of this rank, cut from the whole tensors ``source[name]``."""
+        buffers = [torch.zeros(layout.shard_numel, dtype=dtype) for layout, dtype in zip(layouts, dtypes)]
+        for b, name, piece in named_pieces(layouts, optimizer.rank, names):
+            flat = source[name].reshape(-1)
+            buffers[b][piece.shard_start : piece.shard_start + piece.numel].copy_(flat[piece.param_start : piece.param_end])
+        return buffers
+
+    shard_dtypes = [master.dtype for master in optimizer.master_shards]
+    scalars = [{k: v for k, v in state[names[layout.param_indices[0]]].items() if v.dim() == 0} for layout in layouts]
+    tensors = {key: shards_of({n: state[n][key] for n in names}, shard_dtypes) for key in tensor_keys}
+    masters = None if master_weights is None else shards_of(master_weights, [torch.float32] * len(layouts))
+    commit_optimizer(optimizer, tensors, scalars, [group_hyperparameters(h) for h in hyperparameters], masters)

@@ -1,0 +1,130 @@
+"""The offline tools: what a checkpoint holds, every tensor of it whole, and one plain file.
+
+They read files and never communicate, whatever process group exists: one rank can call
+them while the others wait at a barrier (torch's ``dcp.load`` would join a collective over
+the default group). Nothing they read runs code.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint_format import (
+    EXTRA_FILE,
+    FORMAT,
+    FORMAT_V1,
+    META_FILE,
+    completion_record,
+    load_small_file,
+    master_key,
+    model_key,
+    read_entries,
+    read_index,
+    state_key,
+    torch_optim_groups,
+    verify_files,
+)
+from .checkpoint_links import resolve
+
+__all__ = ["inspect_checkpoint", "read_checkpoint", "consolidate"]
+
+
+def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
+    """What a checkpoint holds: per tensor its shape, dtype and bytes; master weights or
+    not; the DP size it was written at; the saved stateful objects; total bytes on disk.
+    ``verify``: also check the size and CRC-32 of every file (CheckpointError if damaged)."""
+    target = resolve(Path(path))
+    record = completion_record(target)
+    verify_files(target, record, checksums=verify)
+    meta = load_small_file(target / META_FILE)
+    index = read_index(target)
+    tensors = {key: {"shape": info.shape, "dtype": str(info.dtype), "bytes": info.nbytes}
+               for key, info in sorted(index.items())}
+    opt = meta["optimizer"]
+    saved = load_small_file(target / EXTRA_FILE)
+    return {
+        "path": str(target),
+        "format": record["format"],
+        "saved_at_ns": record.get("saved_at_ns"),
+        "stateful": sorted(saved["objects"]) if record["format"] == FORMAT else [],
+        "model": meta["model"],
+        "optimizer": None if opt is None else {
+            "dp_size_written_at": opt["world_size"],
+            "master_weights": opt["master_weights"],
+            "mixed_precision": opt["mixed_precision"],
+            "state_keys": opt["tensor_keys"] + opt["scalar_keys"],
+            "inner_class": opt["inner_class"],
+            "groups": [{"params": g["params"], **{k: v for k, v in g["hyper"].items()}} for g in opt["groups"]],
+        },
+        "tensors": tensors,
+        "bytes_on_disk": sum(f.stat().st_size for f in target.iterdir() if f.is_file()),
+    }
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Every tensor of a checkpoint, whole: {"model": state_dict, "optimizer": None or
+    {"groups": [{"hyper", "params": names}], "state": {name: {key: tensor shaped like the
+    parameter (or 0-dim)}}, "master_weights": {name: fp32 tensor} or None}, "extra",
+    "stateful": {name: state dict}}."""
+    target = resolve(Path(path))
+    record = completion_record(target)
+    verify_files(target, record, checksums=record["format"] == FORMAT_V1)
+    meta = load_small_file(target / META_FILE)
+    saved = load_small_file(target / EXTRA_FILE)
+    index = read_index(target)
+    staging = {key: torch.empty(info.shape, dtype=info.dtype) for key, info in index.items()}
+    read_entries(staging, target, verify=True, index=index)
+    result: dict[str, Any] = {
+        "model": {key: staging[model_key(key)] for key in meta["model"]},
+        "optimizer": None,
+        "extra": saved if record["format"] == FORMAT_V1 else saved["extra"],
+        "stateful": {} if record["format"] == FORMAT_V1 else saved["objects"],
+    }
+    opt = meta["optimizer"]
+    if opt is None:
+        return result
+
+    def whole(key_of, name: str, shape) -> torch.Tensor:
+        """A parameter's tensor from its saved pieces, in order (``key_of(start)``: their keys)."""
+        return torch.cat([staging[key_of(start)] for start, _ in opt["pieces"][name]]).view(shape)
+
+    state = {}
+    for name, info in opt["params"].items():
+        shape = tuple(info["shape"])
+        entry = {key: whole(lambda start, k=key: state_key(name, k, start), name, shape) for key in opt["tensor_keys"]}
+        entry.update({key: staging[state_key(name, key)] for key in opt["scalar_keys"]})
+        state[name] = entry
+    result["optimizer"] = {
+        "groups": opt["groups"],
+        "state": state,
+        "master_weights": {
+            name: whole(lambda start, n=name: master_key(n, start), name, tuple(info["shape"]))
+            for name, info in opt["params"].items()
+        } if opt["master_weights"] else None,
+    }
+    return result
+
+
+def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Write one plain ``torch.save`` file: ``{"model": state_dict, "optimizer":
+    torch.optim-style state dict (param ids in the saved group order; each group also lists
+    its ``param_names``), "master_weights": {name: fp32 tensor} or None, "extra": ...,
+    "stateful": {name: state dict} (the scheduler's under "scheduler")}``. Runs in one process."""
+    full = read_checkpoint(path)
+    result = {"model": full["model"], "optimizer": None, "master_weights": None, "extra": full["extra"],
+              "stateful": full["stateful"]}
+    opt = full["optimizer"]
+    if opt is not None:
+        groups = torch_optim_groups(opt["groups"])
+        names = [name for g in groups for name in g["param_names"]]
+        state = {i: opt["state"][name] for i, name in enumerate(names) if opt["state"][name]}
+        result["optimizer"] = {"state": state, "param_groups": groups}
+        result["master_weights"] = opt["master_weights"]
+    out = Path(out)
+    partial = out.with_name(f".{out.name}.partial")
+    torch.save(result, partial)  # a failure leaves whatever ``out`` was
+    os.replace(partial, out)
