@@ -585,7 +585,7 @@ def test_scheduler_and_stateful_objects_round_trip_and_missing_ones_are_refused(
 
 
 # ---------------------------------------------------------------- format 1 still loads
-def test_a_format_1_checkpoint_still_loads(tmp_path):
+def write_format_1(directory: Path, model, opt) -> Path:
     """What nxd_smp wrote before the raw storage: DCP's own FileSystemWriter files."""
     import json
     import zlib
@@ -595,21 +595,27 @@ def test_a_format_1_checkpoint_still_loads(tmp_path):
     from nxd_smp import checkpoint_format as fmt
     from nxd_smp.checkpoint_save import state_to_save
 
-    model, opt = build()
-    train(model, opt, 2, 0)
-    version = tmp_path / ".c.v-format1"
+    version = directory / ".c.v-format1"
     version.mkdir()
     state, meta, _ = state_to_save(model, opt, True, opt.backend)
     meta["format"] = fmt.FORMAT_V1
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(version), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "torch.distributed is disabled", TypedStorage
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(version), no_dist=True)
     torch.save(meta, version / fmt.META_FILE)
     torch.save({"step": 2}, version / fmt.EXTRA_FILE)
     files = {f.name: [f.stat().st_size, zlib.crc32(f.read_bytes())] for f in version.iterdir()}
     (version / fmt.COMPLETE_FILE).write_text(json.dumps({"format": fmt.FORMAT_V1, "files": files}))
-    os.symlink(version.name, tmp_path / "c")
+    os.symlink(version.name, directory / "c")
+    return directory / "c"
 
+
+def test_a_format_1_checkpoint_still_loads(tmp_path):
+    model, opt = build()
+    train(model, opt, 2, 0)
+    path = write_format_1(tmp_path, model, opt)
     fresh, fresh_opt = build(seed=5)
-    assert load_checkpoint(tmp_path / "c", model=fresh, optimizer=fresh_opt) == {"step": 2}
+    assert load_checkpoint(path, model=fresh, optimizer=fresh_opt) == {"step": 2}
     assert all(torch.equal(v, params_of(model)[n]) for n, v in params_of(fresh).items())
     assert all(torch.equal(a, b) for a, b in zip(fresh_opt.master_shards, opt.master_shards))
 
