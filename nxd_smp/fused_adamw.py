@@ -23,7 +23,7 @@ import torch
 
 from .placement import is_staggered, plain_alias, staggered_empty
 
-__all__ = ["CompiledAdamW", "applies_to", "compile_cpu_kernel"]
+__all__ = ["CompiledAdamW", "applies_to", "compile_cpu_kernel", "compiler_unavailable"]
 
 
 def _adamw_and_cast(
@@ -77,6 +77,15 @@ def _scalars(group: dict[str, Any], step: float, decoupled: bool) -> list[float]
         -lr / (1.0 - beta1**step),
         0.0,
     ]
+
+
+def compiler_unavailable() -> tuple[type[BaseException], ...]:
+    """The errors that mean "the kernel cannot be compiled here" (no working C++ compiler,
+    an inductor code-generation failure): torch.compile raises them, wrapped, as
+    ``BackendCompilerFailed``. Anything else a kernel raises is a real error and surfaces."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    return (BackendCompilerFailed,)
 
 
 def compile_cpu_kernel(fn: Any) -> Any:
@@ -164,7 +173,7 @@ class CompiledAdamW:
                     tensors = _plain_aliases(shard, grad, state["exp_avg"], state["exp_avg_sq"], out)
                     with torch.no_grad():
                         kernel(*tensors, scalars, decoupled)
-                except Exception as e:  # noqa: BLE001 - any compiler failure means "not here"
+                except compiler_unavailable() as e:
                     if index > 1:
                         raise  # it ran for earlier shards: a real error, not a missing compiler
                     warnings.warn(

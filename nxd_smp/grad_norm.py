@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .fused_adamw import compile_cpu_kernel
+from .fused_adamw import compile_cpu_kernel, compiler_unavailable
 from .placement import plain_alias
 
 __all__ = ["NORM_ROLES", "norm_role", "sum_of_squares", "global_norm", "clip_coefficient"]
@@ -82,7 +82,7 @@ def _compiled_sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor | None
             try:
                 with torch.no_grad():
                     total = total + _rows_kernel()(plain_alias(flat[:whole].view(-1, _ROW)))
-            except Exception as e:  # noqa: BLE001 - any compiler failure means "not here"
+            except compiler_unavailable() as e:
                 warnings.warn(
                     f"nxd_smp: compiling the gradient-norm kernel failed ({type(e).__name__}: {e}); "
                     f"using torch's norm instead.",

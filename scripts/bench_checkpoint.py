@@ -3,17 +3,21 @@
 and how long an asynchronous save holds up training, at two model sizes.
 
 A bf16 model with a trained Zero1Optimizer (AdamW, fp32 master weights saved), DP=1. The
-baseline writes the same tensors (model, Adam states, master weights) as one ``torch.save``
-file followed by an fsync (a checkpoint that may be lost to a crash is not a checkpoint;
-``save_checkpoint`` fsyncs too) and reads them back with ``torch.load``. Every measurement
-alternates with its baseline in one process; MB/s = bytes on disk / seconds (median of
-``--repeats``). Loading includes nxd_smp's checks (file sizes, CRC-32 of every tensor) and
-putting the state into the live model and optimizer. ``async_save=True`` is timed twice: until
-the call returns (what the training loop waits for: copying the state to host memory) and
-until ``finalize_checkpoint()`` returns.
+baseline is what a user of torch alone does: ``torch.save({"model": model.state_dict(),
+"optimizer": optimizer.state_dict()})`` into one file, followed by an fsync (a checkpoint that
+may be lost to a crash is not a checkpoint; ``save_checkpoint`` fsyncs too), and to load,
+``torch.load(weights_only=True)`` then ``model.load_state_dict`` and
+``optimizer.load_state_dict``, so both sides end with the state in the live model and
+optimizer. Loads are measured cold (every file's pages dropped from the page cache with
+``posix_fadvise(POSIX_FADV_DONTNEED)`` after an fsync: what a restart reads) and warm (read
+again at once). Every measurement alternates with its baseline in one process; MB/s = bytes
+on disk / seconds (median of ``--repeats``). nxd_smp's load includes its checks (file sizes,
+CRC-32 of every tensor). ``async_save=True`` is timed twice: until the call returns (what the
+training loop waits for: copying the state to host memory) and until
+``finalize_checkpoint()`` returns.
 
-    python scripts/bench_checkpoint.py                       # 50M and 100M parameters
-    python scripts/bench_checkpoint.py --params 2e6 4e6 --repeats 1   # a quick look
+    python scripts/bench_checkpoint.py --out docs/bench_checkpoint.json   # 50M and 100M parameters
+    python scripts/bench_checkpoint.py --params 2e6 4e6 --repeats 1        # a quick look
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -48,19 +53,34 @@ def build(params: float, width: int):
                                  compile_update=False)
     model(torch.randn(2, width, dtype=torch.bfloat16)).float().sum().backward()
     opt.step()
-    tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
-    for b, master in enumerate(opt.master_shards):
-        for key, value in opt.inner_optimizer.state[master].items():
-            tensors[f"optim/{b}/{key}"] = value
-        tensors[f"master/{b}"] = master
-    return model, opt, tensors
+    return model, opt
+
+
+def drop_from_page_cache(path: Path) -> None:
+    """Flush ``path`` (a file, or every file under a directory) to disk and drop its pages
+    from the page cache, so that the next read comes from the disk."""
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def measure(params: float, width: int, repeats: int, root: Path) -> dict:
-    model, opt, tensors = build(params, width)
+    model, opt = build(params, width)
     n = sum(q.numel() for q in model.parameters())
-    times: dict[str, list[float]] = {k: [] for k in ("save", "torch_save", "load", "torch_load", "async_return",
-                                                     "async_total")}
+    keys = ("save", "torch_save", "load_cold", "torch_load_cold", "load_warm", "torch_load_warm",
+            "async_return", "async_total")
+    times: dict[str, list[float]] = {k: [] for k in keys}
+
+    def torch_load() -> None:
+        state = torch.load(root / "plain.pt", weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+
     for _ in range(repeats):
         t = time.perf_counter()
         nxd_smp.save_checkpoint(root / "ckpt", model=model, optimizer=opt)
@@ -69,20 +89,24 @@ def measure(params: float, width: int, repeats: int, root: Path) -> dict:
 
         t = time.perf_counter()
         with open(root / "plain.pt", "wb") as f:
-            torch.save(tensors, f)
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
             f.flush()
             os.fsync(f.fileno())
         times["torch_save"].append(time.perf_counter() - t)
         base_bytes = (root / "plain.pt").stat().st_size
 
-        t = time.perf_counter()
-        nxd_smp.load_checkpoint(root / "ckpt", model=model, optimizer=opt)
-        times["load"].append(time.perf_counter() - t)
+        for temperature in ("cold", "warm"):
+            if temperature == "cold":
+                drop_from_page_cache((root / "ckpt").resolve())
+            t = time.perf_counter()
+            nxd_smp.load_checkpoint(root / "ckpt", model=model, optimizer=opt)
+            times[f"load_{temperature}"].append(time.perf_counter() - t)
 
-        t = time.perf_counter()
-        loaded = torch.load(root / "plain.pt", weights_only=True)
-        times["torch_load"].append(time.perf_counter() - t)
-        del loaded
+            if temperature == "cold":
+                drop_from_page_cache(root / "plain.pt")
+            t = time.perf_counter()
+            torch_load()
+            times[f"torch_load_{temperature}"].append(time.perf_counter() - t)
 
         t = time.perf_counter()
         nxd_smp.save_checkpoint(root / "ckpt", model=model, optimizer=opt, async_save=True)
@@ -95,13 +119,18 @@ def measure(params: float, width: int, repeats: int, root: Path) -> dict:
         "params": n,
         "bytes": {"nxd_smp": ours_bytes, "torch_save": base_bytes},
         "save_MBps": {"nxd_smp": ours_bytes / mb / median["save"], "torch_save": base_bytes / mb / median["torch_save"]},
-        "load_MBps": {"nxd_smp": ours_bytes / mb / median["load"], "torch_load": base_bytes / mb / median["torch_load"]},
+        "load_MBps": {
+            "cold": {"nxd_smp": ours_bytes / mb / median["load_cold"], "torch_load": base_bytes / mb / median["torch_load_cold"]},
+            "warm": {"nxd_smp": ours_bytes / mb / median["load_warm"], "torch_load": base_bytes / mb / median["torch_load_warm"]},
+        },
         "async_seconds": {"blocking": median["async_return"], "total": median["async_total"],
                           "sync_save": median["save"]},
         "seconds": times,
     }
     result["save_ratio"] = result["save_MBps"]["nxd_smp"] / result["save_MBps"]["torch_save"]
-    result["load_ratio"] = result["load_MBps"]["nxd_smp"] / result["load_MBps"]["torch_load"]
+    for temperature in ("cold", "warm"):
+        speeds = result["load_MBps"][temperature]
+        result[f"load_ratio_{temperature}"] = speeds["nxd_smp"] / speeds["torch_load"]
     result["async_blocking_fraction"] = median["async_return"] / median["save"]
     return result
 
@@ -127,22 +156,27 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    print("AdamW states + fp32 master weights, DP=1, medians of", args.repeats, "(MB/s = MiB on disk / s)")
-    print("| params | MiB | save MB/s (torch) | ratio | load MB/s (torch) | ratio | async: blocks / sync save |")
-    print("|---|---|---|---|---|---|---|")
+    print("AdamW states + fp32 master weights, DP=1, medians of", args.repeats, "(MB/s = MiB on disk / s); "
+          "torch: torch.save/torch.load + load_state_dict into the model and optimizer")
+    print("| params | MiB | save MB/s (torch) | ratio | cold load MB/s (torch) | ratio | warm load MB/s (torch) | ratio "
+          "| async: blocks / sync save |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        a = r["async_seconds"]
+        a, cold, warm = r["async_seconds"], r["load_MBps"]["cold"], r["load_MBps"]["warm"]
         print(f"| {r['params'] / 1e6:.1f}M | {r['bytes']['nxd_smp'] / 2**20:.0f} | "
               f"{r['save_MBps']['nxd_smp']:.0f} ({r['save_MBps']['torch_save']:.0f}) | {r['save_ratio']:.2f} | "
-              f"{r['load_MBps']['nxd_smp']:.0f} ({r['load_MBps']['torch_load']:.0f}) | {r['load_ratio']:.2f} | "
+              f"{cold['nxd_smp']:.0f} ({cold['torch_load']:.0f}) | {r['load_ratio_cold']:.2f} | "
+              f"{warm['nxd_smp']:.0f} ({warm['torch_load']:.0f}) | {r['load_ratio_warm']:.2f} | "
               f"{a['blocking']:.2f} s / {a['sync_save']:.2f} s = {r['async_blocking_fraction']:.2f} |")
     print(f"targets: save and load ratio >= {TARGETS['save_ratio']}, async blocking <= {TARGETS['async_blocking_fraction']}")
     summary = {
         "results": results,
         "targets": TARGETS,
+        "command": " ".join(sys.argv),
         # the fields the smoke test and readers look at, from the largest size
         "save_ratio": results[-1]["save_ratio"],
-        "load_ratio": results[-1]["load_ratio"],
+        "load_ratio_cold": results[-1]["load_ratio_cold"],
+        "load_ratio_warm": results[-1]["load_ratio_warm"],
         "save_MBps": results[-1]["save_MBps"],
         "load_MBps": results[-1]["load_MBps"],
         "async_blocking_fraction": results[-1]["async_blocking_fraction"],

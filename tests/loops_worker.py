@@ -133,7 +133,7 @@ def accelerate_loop(kind: str) -> dict:
             loss = model(input_ids=tokens, labels=tokens).loss
             accelerator.backward(loss)
             if accelerator.sync_gradients and not isinstance(optimizer.optimizer, nxd_smp.Zero1Optimizer):
-                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
             optimizer.step()
             optimizer.zero_grad()
             if accelerator.sync_gradients and isinstance(optimizer.optimizer, nxd_smp.Zero1Optimizer):

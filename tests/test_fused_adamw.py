@@ -97,12 +97,19 @@ def test_zero1_uses_it_by_default_on_cpu_and_not_when_told_otherwise():
         Zero1Optimizer(model.parameters(), torch.optim.SGD, lr=0.1, compile_update=True)
 
 
-def test_a_compiler_failure_falls_back_to_the_stock_step(monkeypatch):
+def compiler_missing() -> Exception:
+    """What torch.compile raises on a machine without a working C++ compiler."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    return BackendCompilerFailed(lambda *a: None, RuntimeError("InvalidCxxCompiler: no C++ compiler"), None)
+
+
+def test_a_missing_compiler_falls_back_to_the_stock_step(monkeypatch):
     expected = _train(*_opt_and_model(compile_update=False))
 
     def broken():
         def kernel(*args):
-            raise RuntimeError("no C++ compiler")
+            raise compiler_missing()
         return kernel
 
     monkeypatch.setattr(fused_adamw, "_kernel", broken)
@@ -110,6 +117,18 @@ def test_a_compiler_failure_falls_back_to_the_stock_step(monkeypatch):
     with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
         got = _train(opt, model)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_a_real_error_in_the_kernel_surfaces(monkeypatch):
+    def broken():
+        def kernel(*args):
+            raise RuntimeError("shapes do not match")
+        return kernel
+
+    monkeypatch.setattr(fused_adamw, "_kernel", broken)
+    opt, model = _opt_and_model(compile_update=None)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        _train(opt, model)
 
 
 def _opt_and_model(compile_update):

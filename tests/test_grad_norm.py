@@ -54,15 +54,17 @@ def test_empty_and_zero():
     assert float(sum_of_squares([torch.zeros(1000)], torch.device("cpu"), compiled=True)) == 0.0
 
 
-def test_a_failed_compile_warns_once_and_falls_back(monkeypatch):
+def test_a_missing_compiler_warns_once_and_falls_back(monkeypatch):
+    from tests.test_fused_adamw import compiler_missing
+
     def broken(fn):
-        raise RuntimeError("no C++ compiler")
+        raise compiler_missing()
 
     monkeypatch.setattr(grad_norm, "_compiled_rows", None)
     monkeypatch.setattr(grad_norm, "compile_cpu_kernel", broken)
     tensors = gradients([(1000,), (300,)], torch.float32)
     want = fp64_sum_of_squares(tensors)
-    with pytest.warns(UserWarning, match="gradient-norm kernel failed.*no C\\+\\+ compiler"):
+    with pytest.warns(UserWarning, match="(?s)gradient-norm kernel failed.*no C\\+\\+ compiler"):
         first = sum_of_squares(tensors, torch.device("cpu"), compiled=True)
     assert abs(float(first) - want) <= 1e-6 * want
     with warnings.catch_warnings():
@@ -81,3 +83,15 @@ def test_clip_coefficient(norm, clipping, max_norm, want):
         assert got is None
     else:
         assert float(got) == pytest.approx(want, rel=1e-7)
+
+
+def test_a_real_error_in_the_norm_kernel_surfaces(monkeypatch):
+    def broken(fn):
+        def kernel(*args):
+            raise RuntimeError("shapes do not match")
+        return kernel
+
+    monkeypatch.setattr(grad_norm, "_compiled_rows", None)
+    monkeypatch.setattr(grad_norm, "compile_cpu_kernel", broken)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        sum_of_squares(gradients([(1000,)], torch.float32), torch.device("cpu"), compiled=True)

@@ -85,13 +85,14 @@ def test_benchmarks_write_finite_json(tmp_path):
     run("bench_checkpoint.py", "--params", "2e5", "4e5", "--width", "256", "--repeats", "1",
         "--out", str(tmp_path / "ckpt.json"))
     ckpt = json.loads((tmp_path / "ckpt.json").read_text())
-    assert finite(ckpt["save_ratio"], ckpt["load_ratio"], ckpt["async_blocking_fraction"], *ckpt["save_MBps"].values())
+    assert finite(ckpt["save_ratio"], ckpt["load_ratio_cold"], ckpt["load_ratio_warm"], ckpt["async_blocking_fraction"],
+                  *ckpt["save_MBps"].values(), *ckpt["load_MBps"]["cold"].values())
     assert len(ckpt["results"]) == 2
-    run("bench_peers.py", "--width", "128", "--layers", "2", "--iters", "2", "--warmup", "1",
+    run("bench_peers.py", "--width", "64", "--layers", "1", "2", "--iters", "2", "--warmup", "2",
         "--out", str(tmp_path / "peers.json"))
     peers = json.loads((tmp_path / "peers.json").read_text())
     assert finite(*peers["ratios"].values())
-    assert peers["results"]["nxd_smp_xla"]["compilations_after_warmup"] >= 0
+    assert peers["results"]["nxd_smp_xla"]["compiles_after_warmup"] == 0
 
 
 def test_xla_benchmark_runs_both_optimizers_on_replicas(tmp_path):
@@ -102,4 +103,5 @@ def test_xla_benchmark_runs_both_optimizers_on_replicas(tmp_path):
         large = result["results"][kind]["large"]
         assert finite(large["iter_ms"], large["compile_s"], result["results"][kind]["bytes_per_param"])
         assert large["one_graph_for_all_ranks"] and large["compiles_after_warmup"] == 0
-    assert result["ratios"]["dp2"]["hlo_instructions"] < 1
+    # torch_xla's collectives are split per tensor at DP > 1 (forced by XLA:CPU): no HLO comparison
+    assert "hlo_instructions" not in result["ratios"]["dp2"] and "split per tensor" in result["baseline"]

@@ -45,9 +45,14 @@ def test_smp_trains_like_fp32_and_plain_bf16_does_not(runs, loop):
 
 
 @pytest.mark.parametrize("loop", ["hf_trainer", "accelerate"])
-def test_the_optimizer_measures_a_real_gradient_norm(runs, loop):
-    norms = runs(loop)["smp"]["optimizer_grad_norm"]
-    assert len(norms) == 60 and all(0.05 < n < 100 for n in norms)
+def test_the_optimizer_measures_the_gradient_norm_fp32_training_sees(runs, loop):
+    """Step by step, the pre-clip norm of the whole model, as the fp32 reference measures it
+    (torch's clip_grad_norm_); the runs drift apart slowly, so the first steps are compared."""
+    smp = runs(loop)["smp"]["optimizer_grad_norm"]
+    fp32 = runs(loop)["fp32"]["logged_grad_norm" if loop == "hf_trainer" else "optimizer_grad_norm"]
+    assert len(smp) == len(fp32) == 60
+    assert smp[:5] == pytest.approx(fp32[:5], rel=0.02)
+    assert smp[-5:] == pytest.approx(fp32[-5:], rel=0.25)
 
 
 def test_trainer_logs_the_optimizers_norm_with_the_callback(runs):
