@@ -89,7 +89,7 @@ def neuronx_distributed_config(
 
     Raises:
         ConfigError: an unknown argument (a typo NxD would reject too) or any rule of
-            DESIGN.md section 4, naming the field.
+            docs/design.md ("Options, validated once"), naming the field.
     """
     if unknown:
         raise ConfigError(

@@ -9,7 +9,7 @@ follows an untimed backward (a step consumes the accumulation of its own backwar
 two are timed alternately in one process, and the ratio of medians is reported with the
 spread of the per-pair ratios.
 
-Memory is a slope (DESIGN.md section 8): the peak RSS (VmHWM) of backward + step at two
+Memory is a slope (docs/design.md, "How performance is measured"): the peak RSS (VmHWM) of backward + step at two
 model sizes, each in its own process, difference over difference. It counts everything
 that grows with the model: 2 (bf16 parameters) + 4 (main_grad) + 4 (master) + 8 (Adam
 states) = 18 bytes per parameter, and any transient copy on top.
@@ -37,7 +37,7 @@ import torch.nn as nn
 import nxd_smp
 
 REQUIRED = {"ratio": 1.25, "bytes_per_param": 20.0}
-# DESIGN.md section 8 at DP=1: 6 + 12/N bytes per parameter, plus 2%.
+# The memory target at DP=1 (docs/design.md): 6 + 12/N bytes per parameter, plus 2%.
 TARGET = {"ratio": 1.10, "bytes_per_param": (6 + 12) * 1.02}
 
 
@@ -150,6 +150,7 @@ def main() -> None:
     pair_ratios = sorted(a / b for a, b in zip(ours, roofline))
     q1, _, q3 = statistics.quantiles(pair_ratios, n=4) if len(pair_ratios) > 1 else (ratio, ratio, ratio)
     result = {
+        "command": " ".join(sys.argv),
         "params": n,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

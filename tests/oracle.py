@@ -1,6 +1,6 @@
 """A plain, unsharded reference for the sharded optimizer, and the test model and data.
 
-The oracle is DESIGN.md section 9 written out as a loop in one process: per rank and
+The oracle is standard mixed precision (docs/design.md) written out as a loop in one process: per rank and
 micro-batch a bf16 forward/backward, gradients summed in the accumulation dtype, summed
 over ranks in the wire dtype, divided by the number of ranks, clipped by the global fp32
 norm, one stock ``torch.optim`` step on separate master copies, and the result cast back

@@ -31,6 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def build(seed=0, master_in_ckpt=True, master=True, optimizer=torch.optim.AdamW, **kwargs):
+    """The model and optimizer the checkpoint tests move around. The compiled CPU update is off
+    here (a fresh process pays seconds to load it, and it changes nothing a checkpoint holds:
+    test_placement loads into it)."""
+    if optimizer in (torch.optim.Adam, torch.optim.AdamW):
+        kwargs.setdefault("compile_update", False)
     model = make_model(seed)
     mp = MixedPrecisionConfig(use_master_weights=master, use_fp32_grad_acc=master,
                               use_master_weights_in_ckpt=master_in_ckpt and master)
@@ -630,3 +635,43 @@ def test_an_async_save_a_background_thread_cannot_coordinate_is_refused_before_w
     with pytest.raises(CheckpointError, match="async_save=False"):
         save_checkpoint(tmp_path / "c", model=model, optimizer=opt, async_save=True)
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- checkpoints of earlier releases
+FIXTURES = ROOT / "tests" / "fixtures"  # written by tests/fixtures/make_previous_release.py
+
+
+def build_like_the_fixtures(seed=5):
+    return build(seed=seed)
+
+
+@pytest.mark.parametrize("release", ["format1", "format2"])
+def test_a_checkpoint_of_an_earlier_release_loads_exactly(release):
+    expected = torch.load(FIXTURES / release / "expected.pt", weights_only=True)
+    model, opt = build_like_the_fixtures()
+    assert load_checkpoint(FIXTURES / release / "ckpt", model=model, optimizer=opt) == {"step": 2}
+    assert all(torch.equal(v, expected["params"][n]) for n, v in params_of(model).items())
+    assert all(torch.equal(a, b) for a, b in zip(opt.master_shards, expected["masters"]))
+    for m, saved in zip(opt.master_shards, expected["state"]):
+        assert all(torch.equal(opt.inner_optimizer.state[m][k].cpu(), v) for k, v in saved.items())
+
+
+def load_fixtures(rank: int, world: int) -> dict:
+    out = {}
+    for release in ("format1", "format2"):
+        model, opt = build_like_the_fixtures()
+        load_checkpoint(FIXTURES / release / "ckpt", model=model, optimizer=opt)
+        out[release] = params_of(model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fixtures_at_dp3():
+    return run_ranks(3, load_fixtures)
+
+
+@pytest.mark.parametrize("release", ["format1", "format2"])
+def test_a_checkpoint_of_an_earlier_release_reshards_to_dp3(fixtures_at_dp3, release):
+    expected = torch.load(FIXTURES / release / "expected.pt", weights_only=True)["params"]
+    for rank in fixtures_at_dp3:
+        assert all(torch.equal(v, expected[n]) for n, v in rank[release].items())

@@ -1,4 +1,4 @@
-"""The configuration rules of DESIGN.md section 4, on the pure dataclasses: defaults,
+"""The configuration rules of docs/design.md ("Options, validated once"), on the pure dataclasses: defaults,
 NxD's fill-in rule for partial dicts, refusals. Nothing here touches the environment."""
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ def readme_table() -> dict[str, set[str]]:
     when it is imported (the last column: room names, or "nothing")."""
     text = README.read_text()
     section = text[text.index("## Where things are"):]
-    section = section[: section.index("\n## ", 4)]
+    end = section.find("\n## ", 4)
+    section = section if end < 0 else section[:end]
     rooms = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

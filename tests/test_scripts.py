@@ -78,17 +78,23 @@ def test_compare_precision_writes_a_plot_and_a_table(tmp_path):
     assert "| smp_dp2 |" in (out / "results.md").read_text()
 
 
-def test_benchmarks_write_finite_json(tmp_path):
+def test_the_step_benchmark_writes_finite_json(tmp_path):
     run("bench_step.py", "--params", "2e5", "--width", "256", "--iters", "3", "--out", str(tmp_path / "step.json"))
     step = json.loads((tmp_path / "step.json").read_text())
     assert finite(step["ratio"], step["bytes_per_param_slope"], step["zero1_step_ms_median"])
+
+
+def test_the_checkpoint_benchmark_writes_finite_json(tmp_path):
     run("bench_checkpoint.py", "--params", "2e5", "4e5", "--width", "256", "--repeats", "1",
         "--out", str(tmp_path / "ckpt.json"))
     ckpt = json.loads((tmp_path / "ckpt.json").read_text())
     assert finite(ckpt["save_ratio"], ckpt["load_ratio_cold"], ckpt["load_ratio_warm"], ckpt["async_blocking_fraction"],
                   *ckpt["save_MBps"].values(), *ckpt["load_MBps"]["cold"].values())
-    assert len(ckpt["results"]) == 2
-    run("bench_peers.py", "--width", "64", "--layers", "1", "2", "--iters", "2", "--warmup", "2",
+    assert len(ckpt["results"]) == 2 and "bench_checkpoint.py" in ckpt["command"]
+
+
+def test_the_peers_benchmark_writes_finite_json(tmp_path):
+    run("bench_peers.py", "--width", "64", "--layers", "1", "2", "--iters", "1", "--warmup", "2",
         "--out", str(tmp_path / "peers.json"))
     peers = json.loads((tmp_path / "peers.json").read_text())
     assert finite(*peers["ratios"].values())

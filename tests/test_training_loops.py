@@ -1,8 +1,9 @@
 """The ecosystem's training loops, run as their users write them (tests/loops_worker.py):
 the Hugging Face Trainer with gradient accumulation, an accelerate loop and a plain loop
 that only ever calls ``model.zero_grad()``. In each, a bf16 model with nxd_smp's
-Zero1Optimizer must train like the fp32 reference (held-out loss within 0.5%, DESIGN.md
-section 8) while the same bf16 model without master weights is measurably worse."""
+Zero1Optimizer must train like the fp32 reference (held-out loss within 0.5%, the
+convergence target of docs/results.md) while the same bf16 model without master weights is
+measurably worse."""
 
 from __future__ import annotations
 

@@ -510,7 +510,7 @@ def _ddp_broadcast_worker(rank: int, world_size: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     model = make_model(seed=rank)  # ranks start different, as before DDP's broadcast
-    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, compile_update=False)
     ddp = DistributedDataParallel(model)  # broadcasts rank 0's weights in place
     del ddp
     gc.collect()
@@ -524,7 +524,7 @@ def test_ddps_broadcast_after_the_optimizer_is_built_is_taken_up():
     (b0, r0), (b1, r1) = run_ranks(2, _ddp_broadcast_worker)
     reference = make_model(seed=0)
     assert all(torch.equal(b1[n], p) for n, p in snapshot(reference).items())  # rank 0's weights
-    opt = Zero1Optimizer(reference.parameters(), torch.optim.AdamW, lr=1e-3)
+    opt = Zero1Optimizer(reference.parameters(), torch.optim.AdamW, lr=1e-3, compile_update=False)
     for rank in range(2):
         backward(reference, rank=rank)
     opt.step()  # one rank summing both ranks' gradients: AdamW is scale invariant

@@ -1,5 +1,5 @@
-"""Run a function on N XLA CPU replicas with real in-graph collectives (NXD_FACTS.md,
-"Multi-replica XLA on CPU").
+"""Run a function on N XLA CPU replicas with real in-graph collectives (docs/trainium.md,
+"Multi-replica XLA on the CPU").
 
 ``run_replicas(n, "module:function", *args)`` starts a child process with
 ``PJRT_DEVICE=CPU CPU_NUM_DEVICES=n XLA_THREAD_POOL_SIZE>=n PJRT_CPU_ASYNC_CLIENT=0``; the
