@@ -418,18 +418,18 @@ class Zero1Optimizer(torch.optim.Optimizer):
         elif closure is not None:
             inner_args["closure"] = closure
         self._backend.begin_step()
-        self._masters.adopt_changes()
-        grads = self._reduce_gradients()
-        norm = self._global_norm(grads)
+        self._masters.adopt_changes()  # weights written since the last step are the truth
+        grads = self._reduce_gradients()  # reduce
+        norm = self._global_norm(grads)  # norm
         found_inf = None
         if self._scaler is not None:
             norm = norm / self._scaler.scale
             found_inf = ~torch.isfinite(norm)  # the norm is reduced over every rank: all skip alike
-        coef = self._gradient_coefficient(norm)
+        coef = self._gradient_coefficient(norm)  # clip (with the mean's 1/N and the loss scale)
         self._inner_step.pull_hyperparameters(self.param_groups)
-        if not (not inner_args and self._compiled_step(grads, coef, found_inf)):
-            self._inner_step(grads, coef, found_inf, inner_args)
-            self._masters.publish()
+        if inner_args or not self._compiled_step(grads, coef, found_inf):
+            self._inner_step(grads, coef, found_inf, inner_args)  # inner step
+            self._masters.publish()  # publish
         self._inner_step.push_hyperparameters(self.param_groups)
         if self._scaler is not None:
             self._scaler.update(found_inf)

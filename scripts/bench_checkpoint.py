@@ -156,23 +156,26 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    print("AdamW states + fp32 master weights, DP=1, medians of", args.repeats, "(MB/s = MiB on disk / s); "
-          "torch: torch.save/torch.load + load_state_dict into the model and optimizer")
-    print("| params | MiB | save MB/s (torch) | ratio | cold load MB/s (torch) | ratio | warm load MB/s (torch) | ratio "
-          "| async: blocks / sync save |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    report = [f"AdamW states + fp32 master weights, DP=1, medians of {args.repeats} (MB/s = MiB on disk / s); "
+              f"torch: torch.save/torch.load + load_state_dict into the model and optimizer", "",
+              "| params | MiB | save MB/s (torch) | ratio | cold load MB/s (torch) | ratio | warm load MB/s (torch) "
+              "| ratio | async: blocks / sync save |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         a, cold, warm = r["async_seconds"], r["load_MBps"]["cold"], r["load_MBps"]["warm"]
-        print(f"| {r['params'] / 1e6:.1f}M | {r['bytes']['nxd_smp'] / 2**20:.0f} | "
-              f"{r['save_MBps']['nxd_smp']:.0f} ({r['save_MBps']['torch_save']:.0f}) | {r['save_ratio']:.2f} | "
-              f"{cold['nxd_smp']:.0f} ({cold['torch_load']:.0f}) | {r['load_ratio_cold']:.2f} | "
-              f"{warm['nxd_smp']:.0f} ({warm['torch_load']:.0f}) | {r['load_ratio_warm']:.2f} | "
-              f"{a['blocking']:.2f} s / {a['sync_save']:.2f} s = {r['async_blocking_fraction']:.2f} |")
-    print(f"targets: save and load ratio >= {TARGETS['save_ratio']}, async blocking <= {TARGETS['async_blocking_fraction']}")
+        report.append(
+            f"| {r['params'] / 1e6:.1f}M | {r['bytes']['nxd_smp'] / 2**20:.0f} | "
+            f"{r['save_MBps']['nxd_smp']:.0f} ({r['save_MBps']['torch_save']:.0f}) | {r['save_ratio']:.2f} | "
+            f"{cold['nxd_smp']:.0f} ({cold['torch_load']:.0f}) | {r['load_ratio_cold']:.2f} | "
+            f"{warm['nxd_smp']:.0f} ({warm['torch_load']:.0f}) | {r['load_ratio_warm']:.2f} | "
+            f"{a['blocking']:.2f} s / {a['sync_save']:.2f} s = {r['async_blocking_fraction']:.2f} |")
+    report += ["", f"targets: save and load ratio >= {TARGETS['save_ratio']}, async blocking <= "
+                   f"{TARGETS['async_blocking_fraction']}"]
+    print("\n".join(report))
     summary = {
         "results": results,
         "targets": TARGETS,
         "command": " ".join(sys.argv),
+        "report": report,
         # the fields the smoke test and readers look at, from the largest size
         "save_ratio": results[-1]["save_ratio"],
         "load_ratio_cold": results[-1]["load_ratio_cold"],

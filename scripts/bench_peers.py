@@ -169,20 +169,20 @@ def main() -> None:
                            ("nxd_smp (XLA CPU DP=1)", "nxd_smp_xla"))
     ]
     n = r["nxd_smp_gloo"]["params"]
-    print(f"MLP {a.layers[1]} x {a.width} ({n / 1e6:.1f}M parameters; memory: slope against {a.layers[0]} layers), "
-          f"AdamW, medians of {a.iters} iterations after {a.warmup} warm-up")
-    print(f"| {'optimizer':<48} | step ms | iteration ms | bytes/param | XLA compilations |")
-    print(f"|{'-' * 50}|---------|--------------|-------------|------------------|")
-    for row in rows:
-        print(f"| {row[0]:<48} | {row[1]:>7} | {row[2]:>12} | {row[3]:>11} | {row[4]:>16} |")
-    print(f"nxd_smp / torch_xla ZeRO: iteration {ratios['vs_torch_xla_iter']:.2f}, memory "
-          f"{ratios['vs_torch_xla_memory']:.2f} (targets <= {TARGETS['vs_torch_xla']})")
-    print(f"nxd_smp / torch ZeRO+DDP: step {ratios['vs_torch_zero_ddp_step']:.2f}, iteration "
-          f"{ratios['vs_torch_zero_ddp_iter']:.2f}, memory {ratios['vs_torch_zero_ddp_memory']:.2f} "
-          f"(targets <= {TARGETS['vs_torch_zero_ddp']})")
+    report = [f"MLP {a.layers[1]} x {a.width} ({n / 1e6:.1f}M parameters; memory: slope against {a.layers[0]} "
+              f"layers), AdamW, medians of {a.iters} iterations after {a.warmup} warm-up", "",
+              "| optimizer | step ms | iteration ms | bytes/param | XLA compilations |", "|---|---|---|---|---|"]
+    report += ["| " + " | ".join(row) + " |" for row in rows]
+    report += ["",
+               f"nxd_smp / torch_xla ZeRO: iteration {ratios['vs_torch_xla_iter']:.2f}, memory "
+               f"{ratios['vs_torch_xla_memory']:.2f} (targets <= {TARGETS['vs_torch_xla']})",
+               f"nxd_smp / torch ZeRO+DDP: step {ratios['vs_torch_zero_ddp_step']:.2f}, iteration "
+               f"{ratios['vs_torch_zero_ddp_iter']:.2f}, memory {ratios['vs_torch_zero_ddp_memory']:.2f} "
+               f"(targets <= {TARGETS['vs_torch_zero_ddp']})"]
+    print("\n".join(report))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"results": results, "ratios": ratios, "targets": TARGETS, "params": n,
-                                 "command": " ".join(sys.argv)}, indent=2) + "\n")
+                                 "command": " ".join(sys.argv), "report": report}, indent=2) + "\n")
     print(f"wrote {a.out}")
 
 

@@ -178,11 +178,9 @@ def main() -> None:
         (f"peak RSS slope {small['params'] / 1e6:.0f}M -> {large['params'] / 1e6:.0f}M, bytes/param "
          f"(target <= {TARGET['bytes_per_param']:.2f})", f"{per_param:.2f}"),
     ]
-    width = max(len(r[0]) for r in rows)
-    print(f"{'metric':<{width}}  value")
-    print(f"{'-' * width}  -----")
-    for name, value in rows:
-        print(f"{name:<{width}}  {value}")
+    report = ["| metric | value |", "|---|---|"] + [f"| {name} | {value} |" for name, value in rows]
+    result["report"] = report
+    print("\n".join(report))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

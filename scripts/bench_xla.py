@@ -273,26 +273,26 @@ def main() -> None:
                          str(r["large"]["step_hlo_instructions"]) if kind == "nxd_smp" or world == 1 else "n/a (split)",
                          "yes" if r["large"]["one_graph_for_all_ranks"] else "NO"))
     n = results[f"nxd_smp_dp{a.dp[0]}"]["large"]["params"]
-    print(f"\nbf16 MLP {a.layers[1]} x {a.width} wide, {n / 1e6:.1f}M parameters (memory: slope against "
-          f"{a.layers[0]} layers), AdamW, "
-          f"median of {a.iters} iterations after {a.warmup} warm-up; XLA CPU replicas in one process")
     header = ("optimizer", "iteration ms", "bytes/param/rank", "compilations (after warm-up)",
               "compile s", "step HLO instructions", "one step graph for all ranks")
-    print("| " + " | ".join(header) + " |")
-    print("|" + "|".join("-" * (len(h) + 2) for h in header) + "|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    report = [f"bf16 MLP {a.layers[1]} x {a.width} wide, {n / 1e6:.1f}M parameters (memory: slope against "
+              f"{a.layers[0]} layers), AdamW, median of {a.iters} iterations after {a.warmup} warm-up; "
+              f"XLA CPU replicas in one process", "",
+              "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    report += ["| " + " | ".join(row) + " |" for row in rows]
+    report.append("")
     for world in a.dp:
         r = ratios[f"dp{world}"]
         split = "" if world == 1 else " [torch_xla's collectives split per tensor, as XLA:CPU replicas force]"
         hlo = f", step HLO instructions {r['hlo_instructions']:.2f} (<= 1)" if "hlo_instructions" in r else ""
-        print(f"DP={world}: nxd_smp / torch_xla: iteration {r['iteration']:.2f}, memory {r['memory']:.2f} "
-              f"(targets <= {TARGETS['iteration_ratio']}){hlo}{split}")
+        report.append(f"DP={world}: nxd_smp / torch_xla: iteration {r['iteration']:.2f}, memory {r['memory']:.2f} "
+                      f"(targets <= {TARGETS['iteration_ratio']}){hlo}{split}")
+    print("\n" + "\n".join(report))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"results": results, "ratios": ratios, "targets": TARGETS,
                                  "baseline": "torch_xla as NxD ships it at DP 1; at DP > 1 its collectives split "
                                              "per tensor with channel ids (forced by XLA:CPU replicas)",
-                                 "command": " ".join(sys.argv),
+                                 "command": " ".join(sys.argv), "report": report,
                                  "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}},
                                 indent=2) + "\n")
     print(f"wrote {a.out}")

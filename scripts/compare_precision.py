@@ -167,7 +167,8 @@ def main() -> None:
               f"pure bf16 - SMP: {checks['bf16_minus_smp']:+.4f}"]
     (a.out / "results.md").write_text("\n".join(lines) + "\n")
     (a.out / "results.json").write_text(json.dumps({"runs": rows, "checks": checks, "passed": passed,
-                                                     "targets": TARGETS, "command": " ".join(sys.argv)},
+                                                     "targets": TARGETS, "command": " ".join(sys.argv),
+                                                     "report": lines},
                                                     indent=2) + "\n")
     print("\n".join(lines))
     print(f"wrote {a.out / 'loss_curves.png'}, {a.out / 'results.md'}, {a.out / 'results.json'}")

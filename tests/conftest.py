@@ -8,6 +8,10 @@ import pytest
 # transformers imports torch_xla when it is installed, unless told not to; the XLA tests
 # run torch_xla in child processes of their own, and this process stays free of it.
 os.environ.setdefault("USE_TORCH_XLA", "0")
+# inductor checks in every process that this machine's compiler builds each vector ISA, by
+# starting a Python interpreter per ISA (~3 s a process, and the suite starts dozens that
+# compile nxd_smp's CPU kernels); the machine that runs the tests is the one that compiles.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 
 def pytest_collection_modifyitems(config, items):

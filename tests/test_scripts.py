@@ -111,3 +111,7 @@ def test_xla_benchmark_runs_both_optimizers_on_replicas(tmp_path):
         assert large["one_graph_for_all_ranks"] and large["compiles_after_warmup"] == 0
     # torch_xla's collectives are split per tensor at DP > 1 (forced by XLA:CPU): no HLO comparison
     assert "hlo_instructions" not in result["ratios"]["dp2"] and "split per tensor" in result["baseline"]
+
+
+def test_every_figure_the_readme_and_the_results_page_quote_comes_from_a_benchmarks_file():
+    run("results_table.py", "--check", "README.md", "--check-results", "docs/results.md")

@@ -1,0 +1,108 @@
+#!/usr/bin/env python
+"""The README's "Measured" table, made from the JSON files the benchmarks wrote in ``docs/``.
+
+Every figure the README quotes comes from one of those files: this prints the table from them,
+and ``--check README.md`` says whether the README's table is that table; ``--check-results
+docs/results.md`` whether that page shows each benchmark's report as its script printed it (the
+``report`` of each JSON file). ``tests/test_scripts.py`` runs both checks, so a figure cannot be
+typed in by hand or outlive a rerun.
+
+    python scripts/results_table.py                   # print the table
+    python scripts/results_table.py --check README.md --check-results docs/results.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+HEADER = ["| what | measured | target | file |", "|---|---|---|---|"]
+#: The files whose ``report`` docs/results.md shows, as the scripts printed it.
+REPORTS = ["precision/results.json", "bench_step.json", "bench_peers.json", "bench_xla.json", "bench_checkpoint.json"]
+
+
+def _load(name: str) -> dict:
+    return json.loads((DOCS / name).read_text())
+
+
+def rows() -> list[str]:
+    precision = _load("precision/results.json")
+    by_run = {r["run"]: r for r in precision["runs"]}
+    step = _load("bench_step.json")
+    xla = _load("bench_xla.json")
+    ckpt = _load("bench_checkpoint.json")
+    largest = ckpt["results"][-1]
+    q1, q3 = step["ratio_per_pair_quartiles"]
+    pt, st, xt, ct = precision["targets"], step["target"], xla["targets"], ckpt["targets"]
+    out = [
+        ("SMP's validation loss against fp32 (GPT on real text; pure bf16 in brackets)",
+         f"{100 * by_run['smp']['val_vs_fp32']:+.2f}% ({100 * by_run['bf16']['val_vs_fp32']:+.2f}%)",
+         f"<= {100 * pt['smp_vs_fp32_rel']:.1f}%", "precision/results.json"),
+        ("CPU step against the fused-AdamW roofline, a backward before each step (quartiles)",
+         f"{step['ratio']:.2f} ({q1:.2f}-{q3:.2f})", f"<= {st['ratio']:.2f}", "bench_step.json"),
+        ("bytes per parameter on CPU at DP=1 (slope)", f"{step['bytes_per_param_slope']:.1f}",
+         f"<= {st['bytes_per_param']:.1f}", "bench_step.json"),
+    ]
+    for world in (1, 2, 4):
+        ratios = xla["ratios"].get(f"dp{world}")
+        if ratios is None:
+            continue
+        forced = "" if world == 1 else "; torch_xla's collectives split per tensor (forced by XLA:CPU)"
+        out.append((f"XLA iteration / memory per parameter against torch_xla's ZeRO-1, DP={world}{forced}",
+                    f"{ratios['iteration']:.2f} / {ratios['memory']:.2f}",
+                    f"<= {xt['iteration_ratio']} / {xt['memory_ratio']}", "bench_xla.json"))
+    out += [
+        (f"checkpoint save / cold load / warm load against torch ({largest['params'] / 1e6:.0f}M parameters)",
+         f"{largest['save_ratio']:.2f} / {largest['load_ratio_cold']:.2f} / {largest['load_ratio_warm']:.2f}",
+         f">= {ct['save_ratio']}", "bench_checkpoint.json"),
+        ("asynchronous save: time training waits / a synchronous save",
+         f"{largest['async_blocking_fraction']:.2f}", f"<= {ct['async_blocking_fraction']}", "bench_checkpoint.json"),
+    ]
+    return HEADER + [f"| {what} | {measured} | {target} | `docs/{file}` |" for what, measured, target, file in out]
+
+
+def readme_table(readme: Path) -> list[str]:
+    text = readme.read_text()
+    section = text[text.index("## Measured"):]
+    section = section[: section.find("\n## ", 4)]
+    return [line for line in section.splitlines() if line.startswith("|")]
+
+
+def missing_reports(results: Path) -> list[str]:
+    """The JSON files whose report ``results`` does not show verbatim (as one block of lines)."""
+    text = results.read_text()
+    return [name for name in REPORTS if "\n".join(_load(name)["report"]) not in text]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", type=Path, help="a README whose Measured table must be this one")
+    p.add_argument("--check-results", type=Path, help="a page that must show every benchmark's report")
+    a = p.parse_args()
+    table = rows()
+    if a.check is None and a.check_results is None:
+        print("\n".join(table))
+        return
+    failed = False
+    if a.check is not None:
+        if readme_table(a.check) != table:
+            print(f"{a.check}'s Measured table is not the one the JSON files make:\n" + "\n".join(table))
+            failed = True
+        else:
+            print(f"{a.check}'s Measured table matches docs/*.json")
+    if a.check_results is not None:
+        missing = missing_reports(a.check_results)
+        if missing:
+            print(f"{a.check_results} does not show the reports of {missing} as written")
+            failed = True
+        else:
+            print(f"{a.check_results} shows every benchmark's report as written")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
