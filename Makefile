@@ -19,9 +19,9 @@ $(STAMP): pyproject.toml constraints.txt
 train: $(STAMP)
 	PJRT_DEVICE=CPU $(PY) scripts/train_gpt.py $(ARGS)
 
-# Two workers (2 cores); tests that share an expensive fixture stay on one (tests/conftest.py).
+# Two workers (2 cores); a module's tests stay on one worker, the longest modules first (tests/conftest.py).
 test: $(STAMP)
-	$(PY) -m pytest -q tests -n 2 --dist loadgroup $(ARGS)
+	$(PY) -m pytest -q tests -n 2 --dist loadscope $(ARGS)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_step.py $(ARGS)

@@ -136,49 +136,53 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("bench_results/bench_peers.json"))
+    p.add_argument("--only", choices=["gloo", "xla"], help="run one half: (a) gloo or (b) XLA")
     a = p.parse_args()
     if min(a.width, a.iters) < 1 or a.warmup < 2 or not 0 < a.layers[0] < a.layers[1]:
         p.error("--width and --iters must be positive, --warmup >= 2, --layers two increasing depths")
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # glibc returns large frees
 
     results = {}
-    for name, runner, kind in (("torch_zero_ddp", run_gloo, "torch_zero_ddp"), ("nxd_smp_gloo", run_gloo, "nxd_smp"),
-                               ("torch_xla_zero", run_xla, "torch_xla"), ("nxd_smp_xla", run_xla, "nxd_smp")):
+    runs = [("torch_zero_ddp", run_gloo, "torch_zero_ddp"), ("nxd_smp_gloo", run_gloo, "nxd_smp"),
+            ("torch_xla_zero", run_xla, "torch_xla"), ("nxd_smp_xla", run_xla, "nxd_smp")]
+    for name, runner, kind in runs:
+        if a.only is not None and (runner is run_gloo) != (a.only == "gloo"):
+            continue
         sizes = [runner(kind, {"width": a.width, "layers": layers, "iters": a.iters, "warmup": a.warmup})
                  for layers in a.layers]
         results[name] = {**sizes[1], "small": sizes[0], "bytes_per_param": slope(*sizes)}
         print(f"  {name}: {results[name]['iter_ms']:.1f} ms/iteration, {results[name]['bytes_per_param']:.1f} "
               f"bytes/param", flush=True)
     r = results
-    ratios = {
-        "vs_torch_xla_iter": r["nxd_smp_xla"]["iter_ms"] / r["torch_xla_zero"]["iter_ms"],
-        "vs_torch_xla_memory": r["nxd_smp_xla"]["bytes_per_param"] / r["torch_xla_zero"]["bytes_per_param"],
-        "vs_torch_zero_ddp_step": r["nxd_smp_gloo"]["step_ms"] / r["torch_zero_ddp"]["step_ms"],
-        "vs_torch_zero_ddp_iter": r["nxd_smp_gloo"]["iter_ms"] / r["torch_zero_ddp"]["iter_ms"],
-        "vs_torch_zero_ddp_memory": r["nxd_smp_gloo"]["bytes_per_param"] / r["torch_zero_ddp"]["bytes_per_param"],
-    }
-    rows = [
-        ("torch ZeRO + DDP, fp32 model (gloo DP=2)", f"{r['torch_zero_ddp']['step_ms']:.1f}",
-         f"{r['torch_zero_ddp']['iter_ms']:.1f}", f"{r['torch_zero_ddp']['bytes_per_param']:.1f}", "-"),
-        ("nxd_smp, bf16 + SMP (gloo DP=2)", f"{r['nxd_smp_gloo']['step_ms']:.1f}",
-         f"{r['nxd_smp_gloo']['iter_ms']:.1f}", f"{r['nxd_smp_gloo']['bytes_per_param']:.1f}", "-"),
-    ] + [
-        (label, "-", f"{r[key]['iter_ms']:.1f}", f"{r[key]['bytes_per_param']:.1f}",
-         f"{r[key]['compiles']} ({r[key]['compiles_after_warmup']} after warm-up)")
-        for label, key in (("torch_xla ZeRO as NxD ships it (XLA CPU DP=1)", "torch_xla_zero"),
-                           ("nxd_smp (XLA CPU DP=1)", "nxd_smp_xla"))
-    ]
-    n = r["nxd_smp_gloo"]["params"]
+    ratios, rows, summary = {}, [], []
+    if "torch_zero_ddp" in r:
+        ratios.update({
+            "vs_torch_zero_ddp_step": r["nxd_smp_gloo"]["step_ms"] / r["torch_zero_ddp"]["step_ms"],
+            "vs_torch_zero_ddp_iter": r["nxd_smp_gloo"]["iter_ms"] / r["torch_zero_ddp"]["iter_ms"],
+            "vs_torch_zero_ddp_memory": r["nxd_smp_gloo"]["bytes_per_param"] / r["torch_zero_ddp"]["bytes_per_param"],
+        })
+        rows += [(label, f"{r[key]['step_ms']:.1f}", f"{r[key]['iter_ms']:.1f}", f"{r[key]['bytes_per_param']:.1f}", "-")
+                 for label, key in (("torch ZeRO + DDP, fp32 model (gloo DP=2)", "torch_zero_ddp"),
+                                    ("nxd_smp, bf16 + SMP (gloo DP=2)", "nxd_smp_gloo"))]
+        summary.append(f"nxd_smp / torch ZeRO+DDP: step {ratios['vs_torch_zero_ddp_step']:.2f}, iteration "
+                       f"{ratios['vs_torch_zero_ddp_iter']:.2f}, memory {ratios['vs_torch_zero_ddp_memory']:.2f} "
+                       f"(targets <= {TARGETS['vs_torch_zero_ddp']})")
+    if "torch_xla_zero" in r:
+        ratios.update({
+            "vs_torch_xla_iter": r["nxd_smp_xla"]["iter_ms"] / r["torch_xla_zero"]["iter_ms"],
+            "vs_torch_xla_memory": r["nxd_smp_xla"]["bytes_per_param"] / r["torch_xla_zero"]["bytes_per_param"],
+        })
+        rows += [(label, "-", f"{r[key]['iter_ms']:.1f}", f"{r[key]['bytes_per_param']:.1f}",
+                  f"{r[key]['compiles']} ({r[key]['compiles_after_warmup']} after warm-up)")
+                 for label, key in (("torch_xla ZeRO as NxD ships it (XLA CPU DP=1)", "torch_xla_zero"),
+                                    ("nxd_smp (XLA CPU DP=1)", "nxd_smp_xla"))]
+        summary.append(f"nxd_smp / torch_xla ZeRO: iteration {ratios['vs_torch_xla_iter']:.2f}, memory "
+                       f"{ratios['vs_torch_xla_memory']:.2f} (targets <= {TARGETS['vs_torch_xla']})")
+    n = next(iter(r.values()))["params"]
     report = [f"MLP {a.layers[1]} x {a.width} ({n / 1e6:.1f}M parameters; memory: slope against {a.layers[0]} "
               f"layers), AdamW, medians of {a.iters} iterations after {a.warmup} warm-up", "",
               "| optimizer | step ms | iteration ms | bytes/param | XLA compilations |", "|---|---|---|---|---|"]
-    report += ["| " + " | ".join(row) + " |" for row in rows]
-    report += ["",
-               f"nxd_smp / torch_xla ZeRO: iteration {ratios['vs_torch_xla_iter']:.2f}, memory "
-               f"{ratios['vs_torch_xla_memory']:.2f} (targets <= {TARGETS['vs_torch_xla']})",
-               f"nxd_smp / torch ZeRO+DDP: step {ratios['vs_torch_zero_ddp_step']:.2f}, iteration "
-               f"{ratios['vs_torch_zero_ddp_iter']:.2f}, memory {ratios['vs_torch_zero_ddp_memory']:.2f} "
-               f"(targets <= {TARGETS['vs_torch_zero_ddp']})"]
+    report += ["| " + " | ".join(row) + " |" for row in rows] + [""] + summary
     print("\n".join(report))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"results": results, "ratios": ratios, "targets": TARGETS, "params": n,

@@ -3,7 +3,6 @@ the suite shares out over workers."""
 
 import os
 
-import pytest
 
 # transformers imports torch_xla when it is installed, unless told not to; the XLA tests
 # run torch_xla in child processes of their own, and this process stays free of it.
@@ -14,20 +13,13 @@ os.environ.setdefault("USE_TORCH_XLA", "0")
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 
+# ``make test`` runs two pytest-xdist workers with ``--dist loadscope``: a module's tests run on
+# one worker (its module-scoped fixtures, a replica child or a set of gloo ranks, are built
+# once), and the modules are handed out longest first so that no long one starts last.
+LONGEST_FIRST = ["test_xla_replicas", "test_benchmarks", "test_checkpoint", "test_zero1_oracle",
+                 "test_training_loops", "test_scripts", "test_docs_snippets", "test_launch"]
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``make test`` runs two workers), the tests that share an expensive
-    module-scoped fixture (a replica child, a set of gloo ranks, a training run) run on one
-    worker, so that it is built once; every other test goes wherever a worker is free."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None:
-            continue
-        shared = []
-        for name in info.names_closure:
-            defs = info.name2fixturedefs.get(name)
-            if not defs or defs[-1].scope == "function" or not defs[-1].baseid:  # ("": pytest's own)
-                continue
-            params = getattr(getattr(item, "callspec", None), "params", {})
-            shared.append(f"{name}[{params[name]}]" if name in params else name)
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{'+'.join(sorted(shared))}"))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2], len(rank)))

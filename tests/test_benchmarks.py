@@ -1,0 +1,46 @@
+"""Smoke tests of the benchmarks with tiny settings: each runs and writes finite JSON with the
+command that made it and the report it printed. Their figures come from the scripts at full
+size (docs/results.md), not from here."""
+
+from __future__ import annotations
+
+import json
+
+from tests.test_scripts import finite, run
+
+
+def test_the_step_benchmark_writes_finite_json(tmp_path):
+    run("bench_step.py", "--params", "2e5", "--width", "256", "--iters", "3", "--out", str(tmp_path / "step.json"))
+    step = json.loads((tmp_path / "step.json").read_text())
+    assert finite(step["ratio"], step["bytes_per_param_slope"], step["zero1_step_ms_median"])
+
+
+def test_the_checkpoint_benchmark_writes_finite_json(tmp_path):
+    run("bench_checkpoint.py", "--params", "2e5", "4e5", "--width", "256", "--repeats", "1",
+        "--out", str(tmp_path / "ckpt.json"))
+    ckpt = json.loads((tmp_path / "ckpt.json").read_text())
+    assert finite(ckpt["save_ratio"], ckpt["load_ratio_cold"], ckpt["load_ratio_warm"], ckpt["async_blocking_fraction"],
+                  *ckpt["save_MBps"].values(), *ckpt["load_MBps"]["cold"].values())
+    assert len(ckpt["results"]) == 2 and "bench_checkpoint.py" in ckpt["command"]
+
+
+def test_the_peers_benchmark_writes_finite_json(tmp_path):
+    # the XLA half is bench_xla's own code (the next test): the gloo half here
+    run("bench_peers.py", "--only", "gloo", "--width", "64", "--layers", "1", "2", "--iters", "1", "--warmup", "2",
+        "--out", str(tmp_path / "peers.json"))
+    peers = json.loads((tmp_path / "peers.json").read_text())
+    assert finite(*peers["ratios"].values()) and set(peers["ratios"]) == {
+        "vs_torch_zero_ddp_step", "vs_torch_zero_ddp_iter", "vs_torch_zero_ddp_memory"}
+    assert peers["results"]["torch_zero_ddp"]["bytes_per_param"] > 0 and peers["report"]
+
+
+def test_xla_benchmark_runs_both_optimizers_on_replicas(tmp_path):
+    run("bench_xla.py", "--width", "32", "--layers", "2", "4", "--dp", "2", "--iters", "1", "--warmup", "2",
+        "--out", str(tmp_path / "xla.json"), timeout=900)
+    result = json.loads((tmp_path / "xla.json").read_text())
+    for kind in ("nxd_smp_dp2", "torch_xla_dp2"):
+        large = result["results"][kind]["large"]
+        assert finite(large["iter_ms"], large["compile_s"], result["results"][kind]["bytes_per_param"])
+        assert large["one_graph_for_all_ranks"] and large["compiles_after_warmup"] == 0
+    # torch_xla's collectives are split per tensor at DP > 1 (forced by XLA:CPU): no HLO comparison
+    assert "hlo_instructions" not in result["ratios"]["dp2"] and "split per tensor" in result["baseline"]
