@@ -3,8 +3,8 @@
 
 Every figure the README quotes comes from one of those files: this prints the table from them,
 and ``--check README.md`` says whether the README's table is that table; ``--check-results
-docs/results.md`` whether that page shows each benchmark's report as its script printed it (the
-``report`` of each JSON file). ``tests/test_scripts.py`` runs both checks, so a figure cannot be
+docs/results.md`` whether that page shows each benchmark's command and its report as the script
+printed it (the ``command`` and ``report`` of each JSON file). ``tests/test_scripts.py`` runs both checks, so a figure cannot be
 typed in by hand or outlive a rerun.
 
     python scripts/results_table.py                   # print the table
@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-HEADER = ["| what | measured | target | file |", "|---|---|---|---|"]
+HEADER = ["| what | measured | target | made by (the file holds the command and the report) |", "|---|---|---|---|"]
 #: The files whose ``report`` docs/results.md shows, as the scripts printed it.
 REPORTS = ["precision/results.json", "bench_step.json", "bench_peers.json", "bench_xla.json", "bench_checkpoint.json"]
 
@@ -62,7 +62,8 @@ def rows() -> list[str]:
             (f"asynchronous save: time training waits / a synchronous save ({size['params'] / 1e6:.0f}M)",
              f"{size['async_blocking_fraction']:.2f}", f"<= {ct['async_blocking_fraction']}", "bench_checkpoint.json"),
         ]
-    return HEADER + [f"| {what} | {measured} | {target} | `docs/{file}` |" for what, measured, target, file in out]
+    return HEADER + [f"| {what} | {measured} | {target} | `python {_load(file)['command']}` |"
+                     for what, measured, target, file in out]
 
 
 def readme_table(readme: Path) -> list[str]:
@@ -73,9 +74,10 @@ def readme_table(readme: Path) -> list[str]:
 
 
 def missing_reports(results: Path) -> list[str]:
-    """The JSON files whose report ``results`` does not show verbatim (as one block of lines)."""
+    """The JSON files whose report (as one block of lines) or command ``results`` does not show."""
     text = results.read_text()
-    return [name for name in REPORTS if "\n".join(_load(name)["report"]) not in text]
+    return [name for name in REPORTS
+            if "\n".join(_load(name)["report"]) not in text or f"`python {_load(name)['command']}`" not in text]
 
 
 def main() -> None:
