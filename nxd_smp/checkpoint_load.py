@@ -143,18 +143,18 @@ class LoadPlan:
             buffer[dst : dst + n].copy_(self.staging[key][src : src + n])
 
 
+def _differences(wanted, given, missing: str, extra: str) -> list[str]:
+    """The names ``wanted`` has and ``given`` lacks, and the other way round, as problems."""
+    lacking, surplus = sorted(set(wanted) - set(given)), sorted(set(given) - set(wanted))
+    return ([f"{missing}: {lacking}"] if lacking else []) + ([f"{extra}: {surplus}"] if surplus else [])
+
+
 def _check_model(meta: Mapping[str, Any], model: nn.Module) -> None:
     if meta.get("format") not in (FORMAT, FORMAT_V1):
         raise CheckpointError(f"unknown checkpoint format {meta.get('format')!r}; expected {FORMAT!r}.")
     live = model.state_dict()
     saved = meta["model"]
-    problems = []
-    missing = sorted(set(live) - set(saved))
-    unexpected = sorted(set(saved) - set(live))
-    if missing:
-        problems.append(f"missing from the checkpoint: {missing}")
-    if unexpected:
-        problems.append(f"in the checkpoint but not in the model: {unexpected}")
+    problems = _differences(live, saved, "missing from the checkpoint", "in the checkpoint but not in the model")
     for key in sorted(set(live) & set(saved)):
         shape, dtype = tuple(live[key].shape), str(live[key].dtype)
         if tuple(saved[key]["shape"]) != shape:
@@ -316,15 +316,9 @@ def load_full_optimizer_state(
     check_args(model, optimizer)
     names = managed_param_names(model, optimizer)
     live = dict(zip(names, optimizer.managed_params))
-    problems = []
+    problems = _differences(names, state, "no state for", "state for parameters the optimizer does not manage")
     if len(hyperparameters) != len(optimizer.param_groups):
         problems.append(f"{len(hyperparameters)} param groups given, the optimizer has {len(optimizer.param_groups)}")
-    missing = sorted(set(names) - set(state))
-    extra = sorted(set(state) - set(names))
-    if missing:
-        problems.append(f"no state for {missing}")
-    if extra:
-        problems.append(f"state for parameters the optimizer does not manage: {extra}")
     tensor_keys = sorted({k for entry in state.values() for k, v in entry.items() if v.dim() > 0})
     for name in sorted(set(names) & set(state)):
         entry, shape = state[name], tuple(live[name].shape)
