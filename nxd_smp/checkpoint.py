@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from .backend import Backend, select_backend
+from .backend import Backend, select_backend, this_replica
 from .checkpoint_format import CheckpointError, check_args, managed_param_names, param_group_names, stateful_objects
 from .checkpoint_load import load, load_full_optimizer_state
 from .checkpoint_save import save
@@ -50,13 +51,24 @@ __all__ = [
 ]
 
 
+# A model saved or loaded without its optimizer: the default backend of its device, made once
+# per device, rank of this process (XLA CPU replicas are its threads) and default process
+# group (its coordinator may make a gloo group at first use).
+_model_backends: dict[tuple[str, object, int], Backend] = {}
+
+
 def _backend(model: nn.Module, optimizer: Zero1Optimizer | None) -> Backend:
     """The optimizer's backend, or (a model alone) the default one for the model's device:
     where rank, world and coordination come from."""
     if optimizer is not None:
         return optimizer.backend
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
-    return select_backend(first.device if first is not None else torch.device("cpu"))
+    device = first.device if first is not None else torch.device("cpu")
+    world = id(dist.group.WORLD) if dist.is_available() and dist.is_initialized() else 0
+    key = (str(device), this_replica(), world)
+    if key not in _model_backends:
+        _model_backends[key] = select_backend(device)
+    return _model_backends[key]
 
 
 def save_checkpoint(

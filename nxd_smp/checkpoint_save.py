@@ -33,7 +33,6 @@ from .checkpoint_format import (
     FORMAT,
     META_FILE,
     CheckpointError,
-    crc32,
     error_text,
     group_records,
     managed_param_names,
@@ -43,7 +42,7 @@ from .checkpoint_format import (
     state_key,
 )
 from .checkpoint_links import fsync_dir, publish, retain, version_prefix
-from .checkpoint_storage import IO_THREADS, write_metadata, write_tensors
+from .checkpoint_storage import IO_THREADS, METADATA_FILE, write_metadata, write_tensors
 from .checkpoint_writer import stage, start_save
 from .progress import phases
 from .resharding import named_pieces, saved_pieces
@@ -156,8 +155,8 @@ def write_and_publish(
             for part in gathered:  # replicated scalars (a bucket's step) come from several ranks
                 for key, entry in part["entries"].items():
                     entries.setdefault(key, entry)
-            write_metadata(target, entries)
             files = {name: v for part in gathered for name, v in part["files"].items()}
+            files[METADATA_FILE] = write_metadata(target, entries)
             complete_and_publish(path, target, version, files, small_files, num_kept)
         except Exception as e:  # noqa: BLE001 - every rank raises it below
             outcome = error_text(e)
@@ -177,8 +176,6 @@ def complete_and_publish(
             f.flush()
             os.fsync(f.fileno())
         files[name] = [len(data), zlib.crc32(data)]
-    metadata = target / ".metadata"
-    files[".metadata"] = [metadata.stat().st_size, crc32(metadata)]
     with open(target / COMPLETE_FILE, "w") as f:
         json.dump({"format": FORMAT, "files": files, "saved_at_ns": time.time_ns()}, f)
         f.flush()

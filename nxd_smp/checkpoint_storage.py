@@ -217,10 +217,10 @@ def write_tensors(
     return entries, files
 
 
-def write_metadata(directory: str | os.PathLike, entries: Mapping[str, Sequence], *, sync: bool = True) -> None:
+def write_metadata(directory: str | os.PathLike, entries: Mapping[str, Sequence], *, sync: bool = True) -> list[int]:
     """The index of every rank's ``entries`` (as ``write_tensors`` returns them) as DCP's
     ``Metadata`` in ``directory/.metadata``: one whole-tensor chunk per key, its
-    ``RawItem`` as storage data."""
+    ``RawItem`` as storage data. Returns the file's ``[size, crc32]``."""
     state, storage = {}, {}
     for key, (file, offset, length, crc, dtype_name, shape) in sorted(entries.items()):
         dtype = getattr(torch, dtype_name)
@@ -228,11 +228,13 @@ def write_metadata(directory: str | os.PathLike, entries: Mapping[str, Sequence]
         zeros = torch.Size([0] * len(shape))
         state[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), size, [ChunkStorageMetadata(zeros, size)])
         storage[MetadataIndex(key, zeros, 0)] = RawItem(file, offset, length, crc, dtype, tuple(shape))
+    data = pickle.dumps(Metadata(state_dict_metadata=state, storage_data=storage))
     with open(Path(directory) / METADATA_FILE, "wb") as f:
-        pickle.dump(Metadata(state_dict_metadata=state, storage_data=storage), f)
+        f.write(data)
         f.flush()
         if sync:
             os.fsync(f.fileno())
+    return [len(data), zlib.crc32(data)]
 
 
 # ---------------------------------------------------------------------------- reading

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from .checkpoint import CheckpointError, load_full_optimizer_state, param_group_names, read_checkpoint
-from .checkpoint_storage import UnsafeFileError, safe_load
+from .checkpoint_format import load_small_file
 from .param_groups import index_groups
 from .zero1_optimizer import Zero1Optimizer
 
@@ -85,13 +85,6 @@ def export_xla(path: str | os.PathLike, out_dir: str | os.PathLike, dp_size: int
     return written
 
 
-def _load(path: str | os.PathLike) -> dict:
-    try:
-        return safe_load(path)
-    except UnsafeFileError as e:
-        raise CheckpointError(str(e)) from None
-
-
 def import_xla(files: Sequence[str | os.PathLike], *, model: nn.Module, optimizer: Zero1Optimizer) -> None:
     """Load torch_xla / NxD ZeRO-1 optimizer files (one per DP rank, in rank order) into
     ``optimizer`` at its own DP size; every rank calls it with all the files. The files'
@@ -106,7 +99,7 @@ def import_xla(files: Sequence[str | os.PathLike], *, model: nn.Module, optimize
         raise TypeError(f"optimizer must be a nxd_smp Zero1Optimizer, got {type(optimizer).__name__}.")
     if not files:
         raise ValueError("import_xla needs the per-rank files (one per DP rank, in rank order).")
-    records = [_load(f) for f in files]
+    records = [load_small_file(Path(f)) for f in files]
     first = records[0]
     order = [name for names in param_group_names(model, optimizer) for name in names]
     shapes = first["shape_info"]
