@@ -256,7 +256,8 @@ def state_to_save(
     scaler = optimizer.loss_scaler
     if scaler is not None:
         scaler_state = scaler.state_dict()
-        values, _ = backend.to_host(list(scaler_state.values()))
+        values, copied_scaler = backend.to_host(list(scaler_state.values()))
+        copied_shards = copied_shards and copied_scaler
         state.update({scaler_key(key): value for key, value in zip(scaler_state, values)})
 
     params = {

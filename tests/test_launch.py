@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.oracle import assert_params_close, run_oracle
-from tests.xla_launch_worker import SCENARIO, SGD, STEPS, WARMUP
+from tests.xla_launch_worker import SAVED_AT, SCENARIO, SGD, STEPS, WARMUP
 
 pytest.importorskip("torch_xla", reason="torch_xla is part of the pinned test environment")
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +67,11 @@ def test_a_checkpoint_saved_from_the_xla_device_resumes_on_xla_and_on_cpu(launch
     # CPU eager continues with the fused AdamW kernel, XLA with the stock one: rare last-bit flips
     assert_params_close(launched[f"resumed_on_{where}"], expected, max_ulp=1, max_flip_fraction=0.03)
     assert STEPS > 3 and not all(torch.equal(a, launched["at_save"][n]) for n, a in expected.items())
+
+
+def test_an_asynchronous_save_from_xla_keeps_the_state_of_its_step(launched):
+    # AdamW keeps ``step`` on the host for XLA parameters; the writer ran after two more steps
+    assert launched["async_saved_steps"] == [float(SAVED_AT)]
 
 
 def readme_launch() -> list[str]:

@@ -64,6 +64,23 @@ def params_of(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu() for n, p in model.named_parameters()}
 
 
+def held_writer():
+    """Hold the background part of the next asynchronous save until the event is set."""
+    import threading
+
+    from nxd_smp import checkpoint_save
+
+    go, write = threading.Event(), checkpoint_save.write_and_publish
+
+    def held(*args, **kwargs):
+        go.wait()
+        checkpoint_save.write_and_publish = write
+        return write(*args, **kwargs)
+
+    checkpoint_save.write_and_publish = held
+    return go
+
+
 def main(out_dir: str) -> None:
     import torch_xla
     import torch_xla.debug.metrics as met
@@ -95,6 +112,14 @@ def main(out_dir: str) -> None:
             if name == "neuron" and step + 1 == SAVED_AT:
                 nxd_smp.save_checkpoint(out / "from_xla", model=model, optimizer=opt)
                 results["at_save"] = params_of(model)
+            if name == "zero1_default_group" and step + 1 == SAVED_AT:
+                writing = held_writer()
+                nxd_smp.save_checkpoint(out / "async_from_xla", model=model, optimizer=opt, async_save=True)
+        if name == "zero1_default_group":
+            writing.set()  # the background writer starts only once the steps after the save ran
+            nxd_smp.finalize_checkpoint()
+            saved = nxd_smp.checkpoint.read_checkpoint(out / "async_from_xla")["optimizer"]["state"]
+            results["async_saved_steps"] = sorted({float(s["step"]) for s in saved.values() if "step" in s})
         results["cases"][name] = {"params": params_of(model), "norms": norms, "compiles": compiles,
                                   "backend": type(opt.backend).__name__, "world_size": opt.world_size}
 

@@ -176,7 +176,8 @@ class EagerBackend(Backend):
     def to_host(self, tensors):
         if self.device.type == "cpu":
             return [t.detach() for t in tensors], False
-        return [t.detach().cpu() for t in tensors], True
+        # ``copy=True``: a host tensor among them (AdamW's ``step`` unless fused) is copied too
+        return [t.detach().to("cpu", copy=True) for t in tensors], True
 
     @property
     def coordinator(self) -> Coordinator:

@@ -241,9 +241,15 @@ class XlaBackend(Backend):
 
     # ---------------------------------------------------------------- host side
     def to_host(self, tensors):
-        if not tensors:
-            return [], True
-        return list(self._xlac._xla_get_cpu_tensors([t.detach() for t in tensors])), True
+        # Host tensors come back from the transfer as themselves (AdamW keeps its ``step``
+        # on the CPU for an XLA parameter): they are cloned, or an asynchronous save would
+        # write the counter the steps after it go on incrementing.
+        on_device = [i for i, t in enumerate(tensors) if t.device.type != "cpu"]
+        moved = self._xlac._xla_get_cpu_tensors([tensors[i].detach() for i in on_device]) if on_device else []
+        host = [t.detach().clone() if t.device.type == "cpu" else None for t in tensors]
+        for i, t in zip(on_device, moved):
+            host[i] = t
+        return host, True
 
     @property
     def coordinator(self) -> Coordinator:
