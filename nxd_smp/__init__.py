@@ -2,7 +2,7 @@
 neuronx-distributed's ``NeuronZero1Optimizer`` and ``mixed_precision_config``."""
 
 from . import fused_adamw, precision_ops
-from .checkpoint import CheckpointError, finalize_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, finalize_checkpoint, has_checkpoint, load_checkpoint, save_checkpoint
 from .loss_scaler import DynamicLossScaler
 from .mixed_precision_config import ConfigError, MixedPrecisionConfig, OptimizerConfig, Zero1Config
 from .trainer import ClippedOptimizer, initialize_parallel_optimizer, neuronx_distributed_config
@@ -16,6 +16,7 @@ __all__ = [
     "ConfigError",
     "DynamicLossScaler",
     "finalize_checkpoint",
+    "has_checkpoint",
     "MixedPrecisionConfig",
     "NeuronZero1Optimizer",
     "OptimizerConfig",

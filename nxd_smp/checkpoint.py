@@ -31,10 +31,12 @@ import torch.nn as nn
 
 from .backend import Backend, select_backend, this_replica
 from .checkpoint_format import CheckpointError, check_args, managed_param_names, param_group_names, stateful_objects
+from .checkpoint_links import checkpoint_links
 from .checkpoint_load import load, load_full_optimizer_state
 from .checkpoint_save import save
 from .checkpoint_tools import consolidate, inspect_checkpoint, read_checkpoint
 from .checkpoint_writer import finalize_checkpoint, finish_save_in_flight
+from .nxd_checkpoint import is_nxd_checkpoint, load_nxd, nxd_tags
 from .zero1_optimizer import Zero1Optimizer
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "finalize_checkpoint",
+    "has_checkpoint",
     "inspect_checkpoint",
     "consolidate",
     "read_checkpoint",
@@ -71,57 +74,107 @@ def _backend(model: nn.Module, optimizer: Zero1Optimizer | None) -> Backend:
     return _model_backends[key]
 
 
+def _tagged(path: str | os.PathLike, tag: Any) -> Path:
+    """``path / tag`` (NxD's call shape: a folder per tag under ``path``), or ``path``."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}.")
+    if tag is None:
+        return Path(path)
+    if isinstance(tag, bool) or not isinstance(tag, (str, int)):
+        raise TypeError(f"tag must be a str (or an int step), got {type(tag).__name__}.")
+    tag = str(tag)
+    if not tag or tag.startswith(".") or os.sep in tag or (os.altsep and os.altsep in tag):
+        raise ValueError(f"tag must be a plain folder name (no path separator, not starting with '.'), got {tag!r}.")
+    return Path(path) / tag
+
+
+def _check_nxd_only_args(num_workers: Any, **flags: Any) -> None:
+    """NxD's arguments that have no effect here, still checked as NxD documents them."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or not 1 <= num_workers <= 32:
+        raise ValueError(f"num_workers must be an int in 1..32 (NxD's range), got {num_workers!r}.")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}.")
+
+
 def save_checkpoint(
     path: str | os.PathLike,
-    *,
-    model: nn.Module,
+    tag: str | int | None = None,
+    model: nn.Module | None = None,
     optimizer: Zero1Optimizer | None = None,
     scheduler: Any = None,
+    user_content: Any = None,
+    num_workers: int = 8,
+    use_xser: bool = False,
+    num_kept_ckpts: int | None = None,
+    async_save: bool = False,
+    zero1_optimizer: bool = False,
+    *,
     stateful: Mapping[str, Any] | None = None,
     extra: Any = None,
     save_master_weights: bool | None = None,
-    async_save: bool = False,
-    num_kept_ckpts: int | None = None,
     progress: bool | None = None,
 ) -> Path:
     """Write ``model`` (and ``optimizer``'s sharded state) to ``path``; every rank calls it.
+
+    Two call shapes write the same format: nxd_smp's ``save_checkpoint(path, model=...,
+    optimizer=...)`` and NxD's ``save_checkpoint(checkpoint_dir, tag, model, optimizer,
+    scheduler, user_content, ...)``, which saves into the folder ``checkpoint_dir/tag``.
 
     Args:
         path: the checkpoint's name: a symbolic link that is swapped atomically to the
             new version once it is complete. Missing parent directories are created; an
             existing empty directory at ``path`` is replaced, anything else is refused.
+            With ``tag``: the directory that holds one checkpoint per tag.
+        tag: NxD's tag (``"step_100"``, or an int): the checkpoint is ``path/tag``.
         model: the model; its ``state_dict()`` is written once (it is replicated).
         optimizer: a ``Zero1Optimizer``; each rank writes only the pieces it owns.
         scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``), saved
             with the optimizer and restored by ``load_checkpoint(..., scheduler=...)``.
-        stateful: more such objects by name (a sampler, a data loader, ...).
-        extra: anything picklable (step counter, RNG state, ...), returned by ``load_checkpoint``.
-        save_master_weights: write the fp32 master weights (default: the optimizer's
-            ``use_master_weights_in_ckpt``).
+        user_content: anything ``torch.load(weights_only=True)`` reads back (step counter,
+            RNG state, ...), returned by ``load_checkpoint`` (NxD's name for ``extra``).
+        num_workers, use_xser: NxD's I/O settings, accepted and checked but without effect:
+            every rank writes its own tensors as raw bytes with a few threads, NxD's xser
+            layout is never written (NxD's xser checkpoints are read, see ``load_checkpoint``).
+        num_kept_ckpts: keep only the newest this many complete checkpoints in ``path``'s
+            directory (with ``tag``: this many tags in ``path``); the new one and the newest
+            complete one are never removed. None or -1 (NxD's "all"): keep every one.
         async_save: return once the state is copied to host memory; writing, fsync and the
             swap of ``path`` happen in the background. At most one save is in flight: the
             next save (or ``finalize_checkpoint()``) waits for it and raises its error.
-        num_kept_ckpts: keep only the newest this many complete checkpoints in ``path``'s
-            directory (NxD's name); the new one and the newest complete one are never removed.
+        zero1_optimizer: NxD's hint for an optimizer passed as a dict; accepted, without
+            effect (the optimizer here is always a ``Zero1Optimizer``).
+        stateful: more objects with ``state_dict``/``load_state_dict`` by name (a sampler,
+            a data loader, ...).
+        extra: the same as ``user_content`` (pass one of them).
+        save_master_weights: write the fp32 master weights (default: the optimizer's
+            ``use_master_weights_in_ckpt``).
         progress: show a progress bar on rank 0 (default: when this module's logger is
             at INFO or below).
 
     Returns:
-        The path of the version directory behind ``path`` (for an asynchronous save, the one
-        it will be once the background part is done).
+        The path of the version directory behind the checkpoint (for an asynchronous save,
+        the one it will be once the background part is done).
 
     Raises:
         CheckpointError: bad arguments, or the error of a previous asynchronous save that
             nothing raised yet (that save is then over, and this one is not started).
     """
+    path = _tagged(path, tag)
+    if model is None:
+        raise TypeError("save_checkpoint needs model=...: nxd_smp names the optimizer's state by the model's "
+                        "parameters.")
     check_args(model, optimizer)
     objects = stateful_objects(scheduler, stateful)
-    if not isinstance(async_save, bool):
-        raise TypeError(f"async_save must be True or False, got {async_save!r}.")
+    _check_nxd_only_args(num_workers, use_xser=use_xser, async_save=async_save, zero1_optimizer=zero1_optimizer)
+    if user_content is not None and extra is not None:
+        raise ValueError("pass user_content= or extra= (the same thing under NxD's and nxd_smp's names), not both.")
+    extra = user_content if user_content is not None else extra
+    if num_kept_ckpts == -1:
+        num_kept_ckpts = None
     if num_kept_ckpts is not None and (isinstance(num_kept_ckpts, bool) or not isinstance(num_kept_ckpts, int)
                                        or num_kept_ckpts < 1):
-        raise ValueError(f"num_kept_ckpts must be a positive int or None, got {num_kept_ckpts!r}.")
-    path = Path(path)
+        raise ValueError(f"num_kept_ckpts must be a positive int, -1 or None, got {num_kept_ckpts!r}.")
     masters_on = optimizer is not None and optimizer.mixed_precision.use_master_weights
     if save_master_weights is None:
         save_master_weights = optimizer is not None and optimizer.mixed_precision.use_master_weights_in_ckpt
@@ -133,48 +186,88 @@ def save_checkpoint(
     finish_save_in_flight(raise_error=True)  # at most one in flight; its failure surfaces here
     if path.exists() and not path.is_symlink() and not (path.is_dir() and not any(path.iterdir())):
         raise CheckpointError(
-            f"{path} exists and is not an nxd_smp checkpoint link; pass a new path or remove it."
+            f"{path} exists and is not an nxd_smp checkpoint link; pass a new path (or tag) or remove it."
         )
     return save(path, model, optimizer, _backend(model, optimizer), objects=objects, extra=extra,
                 save_master_weights=bool(save_master_weights), async_save=async_save,
                 num_kept_ckpts=num_kept_ckpts, progress=progress)
 
 
-
 def load_checkpoint(
     path: str | os.PathLike,
-    *,
-    model: nn.Module,
+    tag: str | int | None = None,
+    model: nn.Module | None = None,
     optimizer: Zero1Optimizer | None = None,
     scheduler: Any = None,
+    num_workers: int = 8,
+    strict: bool = True,
+    *,
     stateful: Mapping[str, Any] | None = None,
     verify_checksums: bool = True,
     progress: bool | None = None,
 ) -> Any:
-    """Load a checkpoint written by ``save_checkpoint`` at any DP size; every rank calls it.
+    """Load a checkpoint at any DP size; every rank calls it. Returns the saved user content
+    (``extra``), None if there was none.
 
-    ``path`` is a checkpoint, or a directory of them (the newest complete one is loaded).
-    The model gets the saved weights; the optimizer its states, hyperparameters and, when
-    the checkpoint has them, master weights (the parameters then equal ``master.to(param
-    dtype)``). Without saved master weights the masters are rebuilt from the loaded
-    parameters, with a warning that precision was lost. ``scheduler`` and the ``stateful``
-    objects get their saved state. Pending ``main_grad`` is cleared. Everything is read and
-    checked (sizes of all files, CRC-32 of every tensor read) before anything changes. An
-    asynchronous save of this process still in flight is waited for first.
+    ``path`` is a checkpoint, or a directory of them (the newest complete one is loaded);
+    with ``tag`` (NxD's call shape) the checkpoint ``path/tag``. Besides nxd_smp's
+    checkpoints this reads NxD's own tag folders (``neuronx_distributed.trainer.
+    save_checkpoint``, plain or ``use_xser``, written by NxD's ``NeuronZero1Optimizer`` at any
+    DP size; ``nxd_smp.nxd_checkpoint`` says what they hold). The model gets the saved
+    weights; the optimizer its states, hyperparameters and, when the checkpoint has them,
+    master weights (the parameters then equal ``master.to(param dtype)``). Without saved
+    master weights the masters are rebuilt from the loaded parameters, with a warning that
+    precision was lost. ``scheduler`` and the ``stateful`` objects get their saved state.
+    Pending ``main_grad`` is cleared. Everything is read and checked (sizes of all files,
+    CRC-32 of every tensor read) before anything changes. An asynchronous save of this
+    process still in flight is waited for first.
 
-    Returns:
-        The ``extra`` object that was saved.
+    Args:
+        strict: as ``nn.Module.load_state_dict``: with False, model entries that only the
+            checkpoint or only the model has are left alone (the optimizer must still fit).
+        num_workers: NxD's I/O setting, accepted and checked but without effect.
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
-        CheckpointError: incomplete, truncated or corrupted files, or names, shapes, dtypes
-            or saved objects that do not fit, each named.
+        CheckpointError: incomplete, truncated, corrupted or unsafe files, or names, shapes,
+            dtypes or saved objects that do not fit, each named.
     """
+    path = _tagged(path, tag)
+    if model is None:
+        raise TypeError("load_checkpoint needs model=...: the optimizer's state is named by the model's parameters.")
     check_args(model, optimizer)
     objects = stateful_objects(scheduler, stateful)
+    _check_nxd_only_args(num_workers, strict=strict)
     finish_save_in_flight(raise_error=False)
-    return load(Path(path), model, optimizer, _backend(model, optimizer).coordinator, objects=objects,
-                verify_checksums=verify_checksums, progress=progress)
+    nxd_tag = _nxd_tag(path)
+    if nxd_tag is not None:
+        if stateful:
+            raise CheckpointError(f"{nxd_tag} is an NxD checkpoint, which holds no stateful objects; pass none.")
+        return load_nxd(nxd_tag, model=model, optimizer=optimizer, scheduler=scheduler, strict=strict)
+    return load(path, model, optimizer, _backend(model, optimizer).coordinator, objects=objects,
+                verify_checksums=verify_checksums, progress=progress, strict=strict)
+
+
+def _nxd_tag(path: Path) -> Path | None:
+    """The NxD tag folder ``path`` means (itself, or a directory's newest complete tag when it
+    holds no nxd_smp checkpoint), or None: an nxd_smp checkpoint."""
+    if path.is_symlink():
+        return None
+    if is_nxd_checkpoint(path):
+        return path
+    if path.is_dir() and not checkpoint_links(path):
+        tags = nxd_tags(path)
+        return tags[-1] if tags else None
+    return None
+
+
+def has_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether the directory ``path`` holds a complete checkpoint (NxD's ``has_checkpoint``):
+    an nxd_smp checkpoint, or an NxD tag folder with its ``done`` file."""
+    directory = Path(_tagged(path, None))
+    if not directory.is_dir():
+        return False
+    return bool(checkpoint_links(directory)) or bool(nxd_tags(directory))
 
 
 if __name__ == "__main__":  # ``python -m nxd_smp.checkpoint ...``: the CLI under its old name

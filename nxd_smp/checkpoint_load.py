@@ -45,7 +45,10 @@ from .progress import phases
 from .resharding import named_pieces, overlaps
 from .zero1_optimizer import Zero1Optimizer
 
-__all__ = ["load", "load_full_optimizer_state", "LoadPlan", "plan_load"]
+__all__ = [
+    "load", "load_full_optimizer_state", "check_full_optimizer_state", "install_full_optimizer_state", "LoadPlan",
+    "plan_load",
+]
 
 log = logging.getLogger("nxd_smp.checkpoint")
 
@@ -59,6 +62,7 @@ def load(
     objects: Mapping[str, Any],
     verify_checksums: bool,
     progress: bool | None,
+    strict: bool = True,
 ) -> Any:
     """``load_checkpoint`` once its arguments are checked: rank 0 finds and checks the
     checkpoint, every rank plans and reads its part, all agree, then commit. Returns the
@@ -93,14 +97,14 @@ def load(
                     f"Load without them, or from a checkpoint saved with them."
                 )
             advance("verify")
-            plan = plan_load(meta, model, optimizer)
+            plan = plan_load(meta, model, optimizer, strict=strict)
             read_entries(plan.staging, target, verify_checksums)
             plan.assemble()
         except (CheckpointError, OSError) as e:
             error = e
         _agree(coordinator, error)
         advance("read")
-        _commit(plan, meta, model, optimizer)
+        _commit(plan, meta, model, optimizer, strict=strict)
         for name, obj in objects.items():
             obj.load_state_dict(saved["objects"][name])
         advance("commit")
@@ -149,12 +153,14 @@ def _differences(wanted, given, missing: str, extra: str) -> list[str]:
     return ([f"{missing}: {lacking}"] if lacking else []) + ([f"{extra}: {surplus}"] if surplus else [])
 
 
-def _check_model(meta: Mapping[str, Any], model: nn.Module) -> None:
+def _check_model(meta: Mapping[str, Any], model: nn.Module, strict: bool) -> None:
     if meta.get("format") not in (FORMAT, FORMAT_V1):
         raise CheckpointError(f"unknown checkpoint format {meta.get('format')!r}; expected {FORMAT!r}.")
     live = model.state_dict()
     saved = meta["model"]
-    problems = _differences(live, saved, "missing from the checkpoint", "in the checkpoint but not in the model")
+    problems = []
+    if strict:
+        problems = _differences(live, saved, "missing from the checkpoint", "in the checkpoint but not in the model")
     for key in sorted(set(live) & set(saved)):
         shape, dtype = tuple(live[key].shape), str(live[key].dtype)
         if tuple(saved[key]["shape"]) != shape:
@@ -183,17 +189,21 @@ def _check_optimizer(saved_opt: Mapping[str, Any] | None, names: list[str], opti
         )
 
 
-def plan_load(meta: Mapping[str, Any], model: nn.Module, optimizer: Zero1Optimizer | None) -> LoadPlan:
+def plan_load(
+    meta: Mapping[str, Any], model: nn.Module, optimizer: Zero1Optimizer | None, strict: bool = True
+) -> LoadPlan:
     """Check the checkpoint (its metadata ``meta``) against the live objects and allocate
-    this rank's staging buffers.
+    this rank's staging buffers. ``strict=False``: model entries on one side only are left
+    alone (the optimizer must fit all the same).
 
     Raises:
         CheckpointError: names, shapes, dtypes or groups that do not fit, each named.
     """
-    _check_model(meta, model)
+    _check_model(meta, model, strict)
+    live = model.state_dict()
     plan = LoadPlan({
         model_key(key): torch.empty(info["shape"], dtype=getattr(torch, info["dtype"].split(".")[-1]))
-        for key, info in meta["model"].items()
+        for key, info in meta["model"].items() if key in live
     })
     if optimizer is None:
         return plan
@@ -235,10 +245,12 @@ def plan_load(meta: Mapping[str, Any], model: nn.Module, optimizer: Zero1Optimiz
     return plan
 
 
-def _commit(plan: LoadPlan, meta: Mapping[str, Any], model: nn.Module, optimizer: Zero1Optimizer | None) -> None:
-    model_state = {key: plan.staging[model_key(key)] for key in meta["model"]}
+def _commit(
+    plan: LoadPlan, meta: Mapping[str, Any], model: nn.Module, optimizer: Zero1Optimizer | None, strict: bool
+) -> None:
+    model_state = {key: plan.staging[model_key(key)] for key in meta["model"] if model_key(key) in plan.staging}
     with torch.no_grad():
-        model.load_state_dict(model_state, strict=True)  # copies in place: views stay views
+        model.load_state_dict(model_state, strict=strict)  # copies in place: views stay views
     if optimizer is None:
         return
     if optimizer.loss_scaler is not None and meta["optimizer"].get("loss_scaler"):
@@ -313,6 +325,19 @@ def load_full_optimizer_state(
         CheckpointError: names, shapes or groups that do not fit, each named; nothing is
             changed then.
     """
+    check_full_optimizer_state(model, optimizer, state, hyperparameters, master_weights)
+    install_full_optimizer_state(model, optimizer, state, hyperparameters, master_weights)
+
+
+def check_full_optimizer_state(
+    model: nn.Module,
+    optimizer: Zero1Optimizer,
+    state: Mapping[str, Mapping[str, torch.Tensor]],
+    hyperparameters: list[Mapping[str, Any]],
+    master_weights: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Raise a ``CheckpointError`` naming every way the arguments of
+    ``load_full_optimizer_state`` do not fit; change nothing."""
     check_args(model, optimizer)
     names = managed_param_names(model, optimizer)
     live = dict(zip(names, optimizer.managed_params))
@@ -332,6 +357,18 @@ def load_full_optimizer_state(
     if problems:
         raise CheckpointError("the optimizer state does not fit: " + "; ".join(problems) + ".")
 
+
+def install_full_optimizer_state(
+    model: nn.Module,
+    optimizer: Zero1Optimizer,
+    state: Mapping[str, Mapping[str, torch.Tensor]],
+    hyperparameters: list[Mapping[str, Any]],
+    master_weights: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """The second half of ``load_full_optimizer_state``: arguments already checked by
+    ``check_full_optimizer_state``, cut this rank's shards and commit them."""
+    names = managed_param_names(model, optimizer)
+    tensor_keys = sorted({k for entry in state.values() for k, v in entry.items() if v.dim() > 0})
     layouts = optimizer.bucket_layouts
 
     def shards_of(source: Mapping[str, torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:

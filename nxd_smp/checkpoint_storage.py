@@ -46,6 +46,8 @@ __all__ = [
     "StoredTensor",
     "UnsafeFileError",
     "read_index",
+    "read_metadata",
+    "read_record",
     "read_tensors",
     "safe_load",
     "write_metadata",
@@ -85,7 +87,8 @@ def _dcp_metadata_globals() -> set[tuple[str, str]]:
     allowed = {
         ("torch.distributed.checkpoint.metadata", name)
         for name in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-                     "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+                     "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+                     "BytesStorageMetadata")  # a non-tensor entry (native DCP saves; an empty dataclass)
     }
     allowed |= {
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # format 1
@@ -259,6 +262,20 @@ class StoredTensor:
         return n * self.dtype.itemsize
 
 
+def read_metadata(directory: str | os.PathLike) -> Metadata:
+    """The DCP ``Metadata`` in ``directory/.metadata``, unpickled by ``SafeUnpickler``.
+
+    Raises:
+        UnsafeFileError: the file asks for a class a DCP index does not hold, or is no index.
+    """
+    path = Path(directory) / METADATA_FILE
+    with open(path, "rb") as f:
+        metadata = SafeUnpickler(f, source=str(path)).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeFileError(f"{path} holds a {type(metadata).__name__}, not a checkpoint index.")
+    return metadata
+
+
 def read_index(directory: str | os.PathLike) -> dict[str, StoredTensor]:
     """Every tensor of the checkpoint in ``directory``, from its ``.metadata`` (read with
     ``SafeUnpickler``).
@@ -268,10 +285,7 @@ def read_index(directory: str | os.PathLike) -> dict[str, StoredTensor]:
         ValueError: an entry that is not one whole tensor (nxd_smp writes no other).
     """
     path = Path(directory) / METADATA_FILE
-    with open(path, "rb") as f:
-        metadata = SafeUnpickler(f, source=str(path)).load()
-    if not isinstance(metadata, Metadata):
-        raise UnsafeFileError(f"{path} holds a {type(metadata).__name__}, not a checkpoint index.")
+    metadata = read_metadata(directory)
     where: dict[str, Any] = {}
     for index, info in (metadata.storage_data or {}).items():
         if isinstance(index, MetadataIndex):
@@ -353,16 +367,37 @@ def _read_raw(f, key: str, stored: StoredTensor, tensor: torch.Tensor, verify: b
         raise ChecksumError(f"{key} in {stored.file} is corrupted (CRC-32 mismatch).")
 
 
-def _read_record(f, key: str, stored: StoredTensor) -> torch.Tensor:
-    f.seek(stored.offset)
-    data = f.read(stored.length)
-    if len(data) != stored.length:
-        raise ChecksumError(f"{key}: {stored.file} ends before its bytes (truncated).")
+def read_record(directory: str | os.PathLike, file: str, offset: int, length: int, key: str) -> Any:
+    """The ``torch.save`` record of ``key`` (a tensor, or a non-tensor entry of a DCP
+    ``FileSystemWriter`` checkpoint: numbers, strings, containers) at ``offset`` of
+    ``directory/file``, loaded with ``torch.load(weights_only=True)`` on the CPU.
+
+    Raises:
+        UnsafeFileError: the record asks for something ``weights_only`` refuses.
+        ChecksumError: the file ends before the record.
+    """
+    with open(Path(directory) / file, "rb", buffering=0) as f:
+        return _load_record(f, key, file, offset, length)
+
+
+def _load_record(f, key: str, file: str, offset: int, length: int) -> Any:
+    f.seek(offset)
+    data = bytearray(length)
+    view, done = memoryview(data), 0
+    while done < length:  # one raw read returns at most ~2 GiB
+        n = f.readinto(view[done : done + _CHUNK])
+        if not n:
+            raise ChecksumError(f"{key}: {file} ends before its bytes (truncated).")
+        done += n
     try:
-        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise UnsafeFileError(f"{key} in {stored.file} was refused by torch.load(weights_only=True): "
+        raise UnsafeFileError(f"{key} in {file} was refused by torch.load(weights_only=True): "
                               f"{_first_line(e)}") from None
+
+
+def _read_record(f, key: str, stored: StoredTensor) -> torch.Tensor:
+    tensor = _load_record(f, key, stored.file, stored.offset, stored.length)
     if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != stored.shape:
         raise ChecksumError(f"{key} in {stored.file} is not the {stored.shape} tensor its index says.")
     return tensor

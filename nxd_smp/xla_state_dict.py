@@ -17,18 +17,20 @@ Both go through ``nxd_smp.checkpoint``'s public functions (``read_checkpoint``,
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from .checkpoint import CheckpointError, load_full_optimizer_state, param_group_names, read_checkpoint
-from .checkpoint_format import load_small_file
+from .checkpoint_format import CheckpointError, load_small_file, param_group_names
+from .checkpoint_load import load_full_optimizer_state
+from .checkpoint_tools import read_checkpoint
 from .param_groups import index_groups
 from .zero1_optimizer import Zero1Optimizer
 
-__all__ = ["export_xla", "import_xla"]
+__all__ = ["export_xla", "import_xla", "full_state"]
 
 
 def _xla_chunk(tensor: torch.Tensor, dp_size: int, rank: int) -> torch.Tensor:
@@ -100,17 +102,33 @@ def import_xla(files: Sequence[str | os.PathLike], *, model: nn.Module, optimize
     if not files:
         raise ValueError("import_xla needs the per-rank files (one per DP rank, in rank order).")
     records = [load_small_file(Path(f)) for f in files]
-    first = records[0]
     order = [name for names in param_group_names(model, optimizer) for name in names]
+    if [len(g["params"]) for g in records[0]["param_groups"]] != [len(g["params"]) for g in optimizer.param_groups]:
+        raise CheckpointError("the torch_xla optimizer files' param groups differ from the optimizer's.")
+    load_full_optimizer_state(model, optimizer, *full_state(records, order, [Path(f) for f in files]))
+
+
+def full_state(
+    records: Sequence[Mapping[str, Any]], order: Sequence[str], files: Sequence[Path]
+) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, Any]], dict[str, torch.Tensor] | None]:
+    """Whole per-parameter state from the DP ranks' records (rank order) of torch_xla's
+    ZeRO-1 layout: ``(state by name, param_groups, master weights by name or None)``, the
+    parameters named by ``order`` (the optimizer's group order; the records number them).
+
+    Raises:
+        CheckpointError: records that do not belong together or do not fit ``order``.
+    """
+    first = records[0]
     shapes = first["shape_info"]
     if len(shapes) != len(order):
         raise CheckpointError(
             f"the torch_xla optimizer files hold {len(shapes)} parameters, the optimizer {len(order)}."
         )
-    if [len(g["params"]) for g in first["param_groups"]] != [len(g["params"]) for g in optimizer.param_groups]:
-        raise CheckpointError("the torch_xla optimizer files' param groups differ from the optimizer's.")
+    for f, r in zip(files, records):
+        if not isinstance(r, Mapping) or "base_state" not in r or r.get("shape_info") != shapes:
+            raise CheckpointError(f"{f} does not belong with {files[0]} (another layout or other parameters).")
 
-    def whole(per_rank: Callable[[dict], dict[int, torch.Tensor]], i: int) -> torch.Tensor:
+    def whole(per_rank: Callable[[Mapping], Mapping[int, torch.Tensor]], i: int) -> torch.Tensor:
         """Parameter ``i`` from the ranks' padded dim-0 chunks."""
         return torch.cat([per_rank(r)[i] for r in records])[: shapes[i][0]].view(tuple(shapes[i]))
 
@@ -123,4 +141,4 @@ def import_xla(files: Sequence[str | os.PathLike], *, model: nn.Module, optimize
         }
         if masters is not None:
             masters[name] = whole(lambda r: r["sharded_master_weights"], i)
-    load_full_optimizer_state(model, optimizer, state, first["param_groups"], masters)
+    return state, first["param_groups"], masters

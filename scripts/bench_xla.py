@@ -77,74 +77,13 @@ def make_model(width: int, layers: int) -> torch.nn.Module:
     return torch.nn.Sequential(*blocks).to(torch.bfloat16)
 
 
-def split_torch_xla_collectives_per_tensor() -> None:
-    """The one change XLA:CPU replicas force on torch_xla's optimizer at DP > 1: its coalesced
-    collectives as single-tensor torch_xla ops with a channel id, in order (the module docstring
-    says why). Only that module's ``xm`` is replaced, by a stand-in that delegates the rest."""
-    import types
-
-    import torch_xla.core.xla_model as xm
-    import torch_xla.distributed.zero_redundancy_optimizer as zero
-
-    from nxd_smp.backend.xla import _next_channel_id, _xla_cpu
-
-    def in_order(op, tensor):
-        """``op(tensor, channel_id)`` after the previous collective, with a channel id of its own."""
-        last = getattr(_xla_cpu, "last", None)
-        if last is not None:
-            xm.optimization_barrier_([tensor, last])
-        out = op(tensor, _next_channel_id())
-        _xla_cpu.last = out.reshape(-1)[:1]
-        return out
-
-    def reduce_scatter(reduce_type, input, scale, scatter_dim, shard_count, groups=None, output=None,
-                       pin_layout=True, **_):
-        assert output is None
-        tensors = input if isinstance(input, list) else [input]
-        out = [in_order(lambda x, c: xm.reduce_scatter(reduce_type, x, scale, scatter_dim, shard_count, groups=groups,
-                                                       pin_layout=False, channel_id=c), t) for t in tensors]
-        return out if isinstance(input, list) else out[0]
-
-    def reduce_scatter_bucketized(reduce_type, input_list, scale, scatter_dim, shard_count, groups=None,
-                                  output=None, pin_layout=False, bucket_cap_mb=0, **_):
-        return reduce_scatter(reduce_type, list(input_list), scale, scatter_dim, shard_count, groups)
-
-    def all_gather(value, dim=0, groups=None, output=None, pin_layout=True, **_):
-        assert output is None
-        tensors = value if isinstance(value, list) else [value]
-        out = [in_order(lambda x, c: xm.all_gather(x, dim, groups=groups, pin_layout=False, channel_id=c), t)
-               for t in tensors]
-        return out if isinstance(value, list) else out[0]
-
-    def all_gather_bucketized(input_list, dim=0, groups=None, output=None, pin_layout=False, bucket_cap_mb=0, **_):
-        return all_gather(list(input_list), dim, groups)
-
-    def all_reduce(reduce_type, inputs, scale=1.0, groups=None, pin_layout=True):
-        assert reduce_type == xm.REDUCE_SUM
-        tensors = inputs if isinstance(inputs, list) else [inputs]
-        out = []
-        for t in tensors:
-            gathered = in_order(lambda x, c: xm.all_gather(x, 0, groups=groups, pin_layout=False, channel_id=c),
-                                t.reshape(1, -1))
-            out.append(gathered.sum(dim=0).view(t.shape) * scale)
-        if isinstance(inputs, list):
-            for t, r in zip(inputs, out):
-                t.copy_(r)
-            return inputs
-        return out[0]
-
-    stand_in = types.SimpleNamespace(**{k: getattr(xm, k) for k in dir(xm) if not k.startswith("__")})
-    stand_in.reduce_scatter, stand_in.reduce_scatter_bucketized = reduce_scatter, reduce_scatter_bucketized
-    stand_in.all_gather, stand_in.all_gather_bucketized, stand_in.all_reduce = (
-        all_gather, all_gather_bucketized, all_reduce)
-    zero.xm = stand_in
-
-
 def build(kind: str, model: torch.nn.Module, world: int):
     if kind == "torch_xla":
         from torch_xla.distributed.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
         if world > 1:
+            from tests.xla_replicas import split_torch_xla_collectives_per_tensor
+
             split_torch_xla_collectives_per_tensor()  # forced by XLA:CPU replicas; untouched at DP 1
         cap = 130  # NxD's bucket caps
         return ZeroRedundancyOptimizer(

@@ -19,11 +19,15 @@ from tests.xla_dp_worker import (
     WARMUP,
     Case,
     _tp_grads,
-    cpu_ranks_load,
+    cpu_ranks_resume_all,
     cpu_ranks_save,
     load_and_continue,
     save_and_continue,
 )
+from tests.nxd_layout import LAYOUTS, USER_CONTENT
+from tests.nxd_layout import SAVED_AT as NXD_SAVED_AT
+from tests.nxd_layout import oracle as nxd_oracle
+from tests.nxd_layout import resume
 from tests.xla_replicas import run_replicas
 
 pytest.importorskip("torch_xla", reason="torch_xla is part of the pinned test environment")
@@ -79,8 +83,17 @@ def replicas(request, cpu_checkpoints, tmp_path_factory):
     if n == 4:
         cases += [PAIRS, _with_scaler(FP16_OVERFLOW), LEGACY_SR]
     paths, _ = cpu_checkpoints
-    job = {"save": str(tmp_path_factory.mktemp(f"xla_dp{n}") / "ckpt"), "load": [paths[1], paths[3]]}
+    root = tmp_path_factory.mktemp(f"xla_dp{n}")
+    job = {"save": str(root / "ckpt"), "load": [paths[1], paths[3]], "nxd": str(root / "nxd")}
     return n, run_replicas(n, "tests.xla_dp_worker:train", cases, job, timeout=900), job
+
+
+@pytest.fixture(scope="module")
+def resumed_at_dp3(replicas):
+    """Three CPU ranks (gloo, one spawn) resume what the replicas wrote: their nxd_smp
+    checkpoint, and NxD's folders in both layouts."""
+    n, _, job = replicas
+    return run_ranks(3, cpu_ranks_resume_all, [job["save"]], [f"{job['nxd']}/{layout}" for layout in LAYOUTS])[0]
 
 
 @pytest.mark.parametrize("case", ORACLE_CASES, ids=lambda c: c.name)
@@ -185,14 +198,24 @@ def test_replicas_saving_in_the_background_train_on_like_the_oracle(replicas):
 
 
 @pytest.mark.parametrize("cpu_dp", [1, 3])
-def test_a_checkpoint_from_the_replicas_resumes_on_cpu(replicas, cpu_dp):
+def test_a_checkpoint_from_the_replicas_resumes_on_cpu(replicas, cpu_dp, request):
     n, _, job = replicas
     if cpu_dp == 1:
         resumed = load_and_continue(0, job["save"])
     else:
-        resumed = run_ranks(3, cpu_ranks_load, [job["save"]])[0][job["save"]]
-    # the replicas' stock AdamW and the CPU's compiled one differ in rare last bits
+        resumed = request.getfixturevalue("resumed_at_dp3")[job["save"]]
     assert_params_close(resumed, resumed_oracle(n, cpu_dp), max_ulp=2, max_flip_fraction=0.05)
+
+
+@pytest.mark.parametrize("cpu_dp", [1, 3])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_nxd_checkpoints_written_by_torch_xla_resume_at_another_dp_size(replicas, layout, cpu_dp, request):
+    # NxD's folders (torch_xla's ZeRO-1 at DP n, NxD's file names) load at DP 1 or 3 and go on
+    n, _, job = replicas
+    root = f"{job['nxd']}/{layout}"
+    resumed = resume(0, root) if cpu_dp == 1 else request.getfixturevalue("resumed_at_dp3")[root]
+    assert resumed["user_content"] == USER_CONTENT and resumed["scheduler_epoch"] == NXD_SAVED_AT
+    assert_params_close(resumed["params"], nxd_oracle(n, cpu_dp))
 
 
 @pytest.mark.parametrize("cpu_dp", [1, 3])

@@ -15,6 +15,8 @@ import torch
 from nxd_smp import CheckpointError, save_checkpoint
 from nxd_smp.xla_state_dict import export_xla, import_xla
 from nxd_smp import MixedPrecisionConfig, Zero1Optimizer
+from tests.nxd_layout import LAYOUTS, SAVED_AT, USER_CONTENT, resume
+from tests.nxd_layout import oracle as nxd_oracle
 from tests.oracle import assert_params_close
 from tests.xla_export_worker import backward, fixed_grads, make_model
 
@@ -77,14 +79,15 @@ def test_import_refuses_files_that_do_not_fit(tmp_path):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    out = tmp_path_factory.mktemp("xla_export") / "results.pt"
+    root = tmp_path_factory.mktemp("xla_export")
+    out = root / "results.pt"
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.xla_export_worker", str(out)],
+        [sys.executable, "-m", "tests.xla_export_worker", str(out), str(root / "nxd")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return torch.load(out, weights_only=False)
+    return {**torch.load(out, weights_only=False), "nxd": root / "nxd"}
 
 
 def test_export_loads_into_torch_xla_zero1_and_takes_the_same_next_step(exported):
@@ -100,3 +103,12 @@ def test_torch_xla_state_imports_back(exported):
             torch.testing.assert_close(imported[key], ours[key], rtol=1e-4, atol=1e-7)
     for ours, imported in zip(exported["ours_masters"], exported["imported_masters"]):
         torch.testing.assert_close(imported, ours, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_nxd_checkpoint_written_by_torch_xla_at_dp1_resumes(exported, layout):
+    # NxD's folder (torch_xla's ZeRO-1 with NxD's settings on the XLA device) loads and goes on
+    # like the unsharded run; the DP 2 and 4 folders are in test_xla_replicas.py
+    resumed = resume(0, exported["nxd"] / layout)
+    assert resumed["user_content"] == USER_CONTENT and resumed["scheduler_epoch"] == SAVED_AT
+    assert_params_close(resumed["params"], nxd_oracle(1, 1))

@@ -148,6 +148,14 @@ def cpu_ranks_load(rank: int, world: int, paths: list[str]) -> dict[str, dict[st
     return {path: load_and_continue(rank, path) for path in paths}
 
 
+def cpu_ranks_resume_all(rank: int, world: int, paths: list[str], nxd_roots: list[str]) -> dict[str, Any]:
+    """CPU ranks continue from each nxd_smp checkpoint in ``paths`` and each NxD folder in
+    ``nxd_roots`` (tests/nxd_layout.py)."""
+    from tests.nxd_layout import resume
+
+    return {**cpu_ranks_load(rank, world, paths), **{root: resume(rank, root) for root in nxd_roots}}
+
+
 def cpu_ranks_save(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
     return save_and_continue(rank, path)
 
@@ -162,6 +170,11 @@ def checkpoints(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     device = torch_xla.device()
     out = {"uninterrupted": save_and_continue(rank, job["save"], device, sync, async_save=True)}
     out["resumed"] = {path: load_and_continue(rank, path, device, sync) for path in job["load"]}
+    if "nxd" in job:  # NxD's checkpoint folders, written by torch_xla's own ZeRO-1 at this DP size
+        from tests.nxd_layout import write_fixtures
+        from tests.xla_replicas import barrier
+
+        write_fixtures(rank, world, job["nxd"], sync, barrier)
     return out
 
 

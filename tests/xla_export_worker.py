@@ -30,7 +30,7 @@ def backward(model: nn.Module, grads) -> None:
     sum((p * d.to(p.device)).sum() for p, d in zip(params, grads)).backward()
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, nxd_root: str | None = None) -> None:
     import torch_xla
     from torch_xla.distributed.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
@@ -86,7 +86,11 @@ def main(out_path: str) -> None:
         "ours_masters": [m.clone() for m in opt.master_shards],
         "imported_masters": [m.clone() for m in imported.master_shards],
     }, out_path)
+    if nxd_root is not None:  # NxD's checkpoint folders, written by torch_xla's own ZeRO-1 at DP 1
+        from tests.nxd_layout import write_fixtures
+
+        write_fixtures(0, 1, nxd_root)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
