@@ -1,4 +1,4 @@
-"""The command line: ``python -m nxd_smp inspect|consolidate|export-xla ...``.
+"""The command line: ``python -m nxd_smp inspect|consolidate|export-xla|export-torch|export-safetensors ...``.
 
 ``python -m nxd_smp.checkpoint ...`` runs the same commands (an alias kept for scripts).
 """
@@ -10,13 +10,15 @@ import json
 import sys
 
 from .checkpoint import CheckpointError, consolidate, inspect_checkpoint
+from .native_torch import export_safetensors, export_torch
 from .xla_state_dict import export_xla
 
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m nxd_smp") -> int:
-    """The command line: ``inspect``, ``consolidate`` and ``export-xla``; returns the exit code."""
+    """The command line: ``inspect``, ``consolidate``, ``export-xla``, ``export-torch`` and
+    ``export-safetensors``; returns the exit code."""
     parser = argparse.ArgumentParser(prog=prog, description="Inspect or convert nxd_smp checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="print what a checkpoint holds")
@@ -30,6 +32,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m nxd_smp") -> int:
     p.add_argument("path")
     p.add_argument("out_dir")
     p.add_argument("--dp-size", type=int, required=True, help="data-parallel size to shard for")
+    p = sub.add_parser("export-torch", help="write a torch.distributed.checkpoint directory in "
+                       "get_state_dict(model, optimizer)'s layout, for native PyTorch")
+    p.add_argument("path")
+    p.add_argument("out_dir")
+    p = sub.add_parser("export-safetensors", help="write the model weights as one safetensors file")
+    p.add_argument("path")
+    p.add_argument("out_file")
+    p.add_argument("--masters", action="store_true", help="the fp32 master weights instead of the saved parameters")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
@@ -55,10 +65,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m nxd_smp") -> int:
         elif args.command == "consolidate":
             consolidate(args.path, args.out)
             print(f"wrote {args.out}")
+        elif args.command == "export-torch":
+            print(f"wrote {export_torch(args.path, args.out_dir)}")
+        elif args.command == "export-safetensors":
+            print(f"wrote {export_safetensors(args.path, args.out_file, masters=args.masters)}")
         else:
             for f in export_xla(args.path, args.out_dir, args.dp_size):
                 print(f"wrote {f}")
-    except (CheckpointError, FileNotFoundError) as e:
+    except (CheckpointError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -1,5 +1,5 @@
-"""The command line: ``python -m nxd_smp inspect|consolidate|export-xla``, and the old
-``python -m nxd_smp.checkpoint`` name for it."""
+"""The command line: ``python -m nxd_smp inspect|consolidate|export-xla|export-torch|
+export-safetensors``, and the old ``python -m nxd_smp.checkpoint`` name for it."""
 
 from __future__ import annotations
 
@@ -61,3 +61,25 @@ def test_bad_arguments_exit_with_a_message(tmp_path, capsys):
     assert info.value.code == 2 and "--dp-size" in capsys.readouterr().err
     assert main(["consolidate", str(tmp_path / "none"), str(tmp_path / "o.pt")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_ways_out_to_native_torch_and_safetensors(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from nxd_smp.checkpoint import read_checkpoint
+
+    model, opt = build()
+    train(model, opt, 1, 0)
+    save_checkpoint(tmp_path / "c", model=model, optimizer=opt, save_master_weights=True)
+    assert main(["export-torch", str(tmp_path / "c"), str(tmp_path / "dcp")]) == 0
+    assert (tmp_path / "dcp" / ".metadata").is_file() and "wrote" in capsys.readouterr().out
+    assert main(["export-torch", str(tmp_path / "c"), str(tmp_path / "dcp")]) == 2  # never over an export
+    assert "exists" in capsys.readouterr().err
+    saved = read_checkpoint(tmp_path / "c")
+    assert main(["export-safetensors", str(tmp_path / "c"), str(tmp_path / "w.safetensors")]) == 0
+    weights = load_file(tmp_path / "w.safetensors")
+    assert weights.keys() == saved["model"].keys()
+    assert all(torch.equal(weights[k], v) for k, v in saved["model"].items())
+    assert main(["export-safetensors", str(tmp_path / "c"), str(tmp_path / "m.safetensors"), "--masters"]) == 0
+    masters = load_file(tmp_path / "m.safetensors")
+    assert all(torch.equal(masters[k], v) for k, v in saved["optimizer"]["master_weights"].items())

@@ -44,6 +44,59 @@ ACCELERATE_DATA = ("[list(d[i:i + 32].split(8)) for d in [(torch.manual_seed(0),
                    "torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)), torch.randn(128, 32))[2]] "
                    "for i in range(0, 128, 32)]")
 
+# The README's section "Coming from NxD, moving to native PyTorch": what each snippet starts
+# from (NxD's folder is written here as NxD lays it out, its ZeRO-1 files in torch_xla's layout
+# for DP 2 by export_xla), and what it must have done.
+NXD_SECTION = "Coming from NxD, moving to native PyTorch"
+NXD_CALLS = "NxD's checkpoint calls"
+_NXD_FOLDER = '''
+import torch, nxd_smp
+from pathlib import Path
+from nxd_smp.xla_state_dict import export_xla
+torch.manual_seed(1)
+theirs = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)).to(torch.bfloat16)
+run = nxd_smp.Zero1Optimizer(theirs.parameters(), torch.optim.AdamW, lr=1e-3, max_norm=1.0,
+                             mixed_precision=nxd_smp.MixedPrecisionConfig(use_master_weights_in_ckpt=True))
+for _ in range(3):
+    theirs(torch.randn(8, 32).bfloat16()).float().pow(2).mean().backward()
+    run.step()
+    run.zero_grad()
+nxd_smp.save_checkpoint("theirs", model=theirs, optimizer=run)
+tag = Path("nxd_output/step_3")
+export_xla("theirs", tag / "optim", dp_size=2)
+(tag / "model").mkdir()
+torch.save(theirs.state_dict(), tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt")
+torch.save({"step": 3}, tag / "user_content.pt")
+(tag / "checkpoint").write_text("1")
+(tag / "done").write_text("1")
+del theirs, run
+'''
+_SAME_AS_SAVED = '''
+from nxd_smp.checkpoint import read_checkpoint
+saved = read_checkpoint({path!r})
+names = [n for n, _ in {model}.named_parameters()]
+{check}
+print("checked")
+'''
+
+
+def same_as_saved(path: str, check: str, model: str = "model") -> str:
+    return _SAME_AS_SAVED.format(path=path, model=model, check=check)
+
+
+def readme_snippet(heading: str) -> str:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index(f"## {NXD_SECTION}"):]
+    part = section[section.index(f"### {heading}"):]
+    return re.search(r"```python\n(.*?)```", part, re.S).group(1)
+
+
+SETUPS = {
+    "An NxD checkpoint folder": _NXD_FOLDER,
+    "Out to native PyTorch": "exec(compile(readme_snippet, 'the NxD calls snippet', 'exec'))\n",
+}
+
+
 CHECKS = {
     "Quick start": trained_like_the_reference("data", MEAN_OVER_4)
     + 'import os\nassert os.path.islink("ckpt/step_5") and os.path.isfile("ckpt/step_5/COMPLETE.json")\n',
@@ -58,6 +111,31 @@ print("checked")
     # XLA computes bf16 model code with other roundings than eager: a looser comparison
     "An NxD script on Trainium (or the XLA CPU device)": trained_like_the_reference(
         "data", MEAN_OVER_4, ulp=64, flips=1.0, rel=2e-2),
+    "NxD's checkpoint calls": '''
+assert user_content == {"step": 3}, user_content
+assert sorted(t for t in os.listdir("ckpt") if not t.startswith(".")) == ["step_2", "step_3"]
+''' + same_as_saved("ckpt/step_3", "assert all(torch.equal(p, saved['optimizer']['master_weights'][n].bfloat16()) "
+                                     "for n, p in model.named_parameters())"),
+    "An NxD checkpoint folder": "assert user_content == {'step': 3}\n" + same_as_saved("theirs", '''
+for n, p in model.named_parameters():
+    assert torch.equal(p, saved["model"][n]), n
+nxd_smp.save_checkpoint("ours", model=model, optimizer=opt, save_master_weights=True)
+ours = read_checkpoint("ours")["optimizer"]
+for n in names:
+    assert torch.equal(ours["master_weights"][n], saved["optimizer"]["master_weights"][n]), n
+    for key, value in saved["optimizer"]["state"][n].items():
+        assert torch.equal(ours["state"][n][key], value), (n, key)
+'''),
+    "Out to native PyTorch": same_as_saved("ckpt/step_3", '''
+from safetensors.torch import load_file
+weights = load_file("model.safetensors")
+native = opt.state_dict()["state"]
+for i, n in enumerate(names):
+    assert torch.equal(dict(model.named_parameters())[n].detach(), saved["optimizer"]["master_weights"][n]), n
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(native[i][key], saved["optimizer"]["state"][n][key]), (n, key)
+    assert torch.equal(weights[n], saved["model"][n]), n
+'''),
     "InternEvo's NaiveAMPModel": '''
 import torch.nn.functional as F
 x = torch.randn(4, 8)
@@ -77,6 +155,11 @@ def snippets() -> list[tuple[str, str]]:
     quick = readme[readme.index("## Quick start"):]
     quick = quick[: quick.index("\n## ", 4)]
     found = [("Quick start", re.search(r"```python\n(.*?)```", quick, re.S).group(1))]
+    nxd = readme[readme.index(f"## {NXD_SECTION}"):]
+    nxd = nxd[: nxd.index("\n## ", 4)]
+    for heading, body in re.findall(r"^### (.+?)\n(.*?)(?=^### |\Z)", nxd, re.S | re.M):
+        for code in re.findall(r"```python\n(.*?)```", body, re.S):
+            found.append((heading.strip().replace("`", ""), code))
     loops = (ROOT / "docs" / "training_loops.md").read_text()
     for heading, body in re.findall(r"^## (.+?)\n(.*?)(?=^## |\Z)", loops, re.S | re.M):
         for code in re.findall(r"```python\n(.*?)```", body, re.S):
@@ -86,13 +169,18 @@ def snippets() -> list[tuple[str, str]]:
 
 def test_every_loop_has_a_snippet_and_a_check():
     headings = [h for h, _ in snippets()]
-    assert len(headings) == len(set(headings)) == 6 and set(headings) == set(CHECKS), headings
+    assert len(headings) == len(set(headings)) == 9 and set(headings) == set(CHECKS), headings
+    assert set(SETUPS) <= set(headings)
 
 
 @pytest.mark.parametrize("heading, code", snippets(), ids=[h for h, _ in snippets()])
 def test_the_snippet_computes_what_it_says(tmp_path, heading, code):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "USE_TORCH_XLA": "0"}
-    program = code + "\n# ---- the test's check\nimport torch\n" + CHECKS[heading]
+    setup = SETUPS.get(heading, "")
+    if setup:
+        setup = f"readme_snippet = {readme_snippet(NXD_CALLS)!r}\n" + setup
+        setup = "import os, sys\nsys.stdout = open(os.devnull, 'w')\n" + setup + "sys.stdout = sys.__stdout__\n"
+    program = setup + "# ---- the snippet\n" + code + "\n# ---- the test's check\nimport torch\n" + CHECKS[heading]
     out = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
