@@ -52,12 +52,12 @@ from torch.distributed.checkpoint.metadata import (
 from .checkpoint import (
     CheckpointError,
     inspect_checkpoint,
-    load_full_optimizer_state,
     managed_param_names,
     param_group_names,
     read_checkpoint,
 )
 from .checkpoint_format import group_hyperparameters
+from .checkpoint_load import check_full_optimizer_state, install_full_optimizer_state
 from .checkpoint_storage import ChecksumError, UnsafeFileError, read_metadata, read_record
 from .zero1_optimizer import Zero1Optimizer
 
@@ -457,7 +457,8 @@ def import_torch(path: str | os.PathLike, *, model: nn.Module, optimizer: Zero1O
     state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in names}
     for (fqn, key), (flat, entry) in state_entries.items():
         state[fqn][key] = _read_entry(directory, flat, entry)
+    masters = {name: native_model[name] for name in names} if optimizer.mixed_precision.use_master_weights else None
+    check_full_optimizer_state(model, optimizer, state, hypers, masters)  # before the model changes
     with torch.no_grad():
         model.load_state_dict({key: native_model[key].to(value.dtype) for key, value in live.items()}, strict=True)
-    masters = {name: native_model[name] for name in names} if optimizer.mixed_precision.use_master_weights else None
-    load_full_optimizer_state(model, optimizer, state, hypers, masters)
+    install_full_optimizer_state(model, optimizer, state, hypers, masters)

@@ -57,8 +57,12 @@ class _TensorReference:
 
 def is_nxd_checkpoint(path: Path) -> bool:
     """Whether ``path`` is a tag folder written by NxD's ``save_checkpoint`` (complete or not)."""
-    return path.is_dir() and ((path / MARKER_FILE).is_file() or (path / "model").is_dir()
-                              or (path / "optim").is_dir())
+    if not path.is_dir():
+        return False
+    return (path / MARKER_FILE).is_file() or any(
+        (path / sub).is_dir() and any(f.name.startswith("dp_rank_") for f in (path / sub).iterdir())
+        for sub in ("model", "optim")
+    )
 
 
 def nxd_tags(directory: Path) -> list[Path]:

@@ -21,8 +21,9 @@ def layout(world: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
     return {"tp": tp_groups, "pp": pp_groups, "dp": dp_groups}
 
 
-def install(world: int, tp: int = 1, pp: int = 1, initialized: bool = True) -> types.ModuleType:
-    """Put the stand-in (and its parent packages) into ``sys.modules``; returns it."""
+def install(world: int, tp: int = 1, pp: int = 1, initialized: bool = True, rank: int = 0) -> types.ModuleType:
+    """Put the stand-in (and its parent packages) into ``sys.modules`` as global rank ``rank``
+    sees it; returns it."""
     groups = layout(world, tp, pp)
     ps = types.ModuleType(MODULE)
     ps.model_parallel_is_initialized = lambda: initialized
@@ -34,6 +35,8 @@ def install(world: int, tp: int = 1, pp: int = 1, initialized: bool = True) -> t
     ps.get_data_parallel_size = lambda: world // (tp * pp)
     ps.get_context_model_parallel_size = lambda: 1
     ps.get_zero1_sharding_groups = lambda: [list(g) for g in groups["dp"]]
+    ps.get_tensor_model_parallel_rank = lambda: next(g.index(rank) for g in groups["tp"] if rank in g)
+    ps.get_pipeline_model_parallel_rank = lambda: next(g.index(rank) for g in groups["pp"] if rank in g)
     for name in ("neuronx_distributed", "neuronx_distributed.parallel_layers"):
         sys.modules.setdefault(name, types.ModuleType(name))
     sys.modules["neuronx_distributed.parallel_layers"].parallel_state = ps

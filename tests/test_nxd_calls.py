@@ -16,6 +16,7 @@ import torch
 import nxd_smp
 from nxd_smp import CheckpointError, Zero1Optimizer, finalize_checkpoint, has_checkpoint, load_checkpoint, save_checkpoint
 from nxd_smp.checkpoint import inspect_checkpoint, read_checkpoint
+from tests import nxd_stand_in
 from tests.nxd_layout import HYPER, backward, grads, param_groups, scheduler_of
 from tests.test_checkpoint_safety import Exploit
 from tests.xla_export_worker import make_model
@@ -117,14 +118,15 @@ def test_strict_false_leaves_what_only_one_side_has(tmp_path):
 
 
 # ---------------------------------------------------------------- NxD's own folders
-def nxd_folder(root: Path, model, optimizer_state, *, user_content=None, done: bool = True) -> Path:
-    """An NxD tag folder as ``neuronx_distributed.trainer.save_checkpoint`` lays it out."""
+def nxd_folder(root: Path, model, optimizer_state, *, user_content=None, done: bool = True, tp: int = 0) -> Path:
+    """An NxD tag folder as ``neuronx_distributed.trainer.save_checkpoint`` lays it out (the
+    files of tensor-parallel rank ``tp``)."""
     tag = root / "step_3"
-    (tag / "model").mkdir(parents=True)
-    (tag / "optim").mkdir()
+    (tag / "model").mkdir(parents=True, exist_ok=True)
+    (tag / "optim").mkdir(exist_ok=True)
     (tag / "checkpoint").write_text("1")
-    torch.save(model.state_dict(), tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt")
-    torch.save(optimizer_state, tag / "optim" / "dp_rank_00_tp_rank_00_pp_rank_00.pt")
+    torch.save(model.state_dict(), tag / "model" / f"dp_rank_00_tp_rank_{tp:02d}_pp_rank_00.pt")
+    torch.save(optimizer_state, tag / "optim" / f"dp_rank_00_tp_rank_{tp:02d}_pp_rank_00.pt")
     if user_content is not None:
         torch.save(user_content, tag / "user_content.pt")
     if done:
@@ -194,3 +196,19 @@ def test_nxd_files_never_run_code(tmp_path):
     with pytest.raises(CheckpointError, match="dp_rank_00_tp_rank_00_pp_rank_00.pt"):
         load_checkpoint(tmp_path / "xser", model=model, optimizer=opt)
     assert not marker.exists() and not os.path.lexists(marker)
+
+
+def test_each_tensor_parallel_rank_reads_its_own_nxd_files(tmp_path):
+    first, first_opt = plain_torch_run(steps=2)
+    second, second_opt = plain_torch_run(steps=3)
+    nxd_folder(tmp_path, first, first_opt.state_dict(), tp=0)
+    nxd_folder(tmp_path, second, second_opt.state_dict(), tp=1)
+    model, opt, _ = build(seed=5)
+    nxd_stand_in.install(world=2, tp=2, rank=1)  # this process: TP rank 1 of NxD's parallel state
+    try:
+        with pytest.warns(UserWarning, match="master"):
+            load_checkpoint(tmp_path, model=model, optimizer=opt)
+    finally:
+        nxd_stand_in.uninstall()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), second.parameters()))
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), first.parameters()))
