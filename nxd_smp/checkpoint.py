@@ -109,6 +109,8 @@ def save_checkpoint(
     num_kept_ckpts: int | None = None,
     async_save: bool = False,
     zero1_optimizer: bool = False,
+    use_zero1_dcp: bool = False,
+    avoid_saving_lower_precision_weights: bool = False,
     *,
     stateful: Mapping[str, Any] | None = None,
     extra: Any = None,
@@ -144,6 +146,9 @@ def save_checkpoint(
             next save (or ``finalize_checkpoint()``) waits for it and raises its error.
         zero1_optimizer: NxD's hint for an optimizer passed as a dict; accepted, without
             effect (the optimizer here is always a ``Zero1Optimizer``).
+        use_zero1_dcp, avoid_saving_lower_precision_weights: NxD 2.28's options, accepted
+            without effect: the optimizer's shards are always written as raw tensors under a
+            DCP index, and the model's weights are always written too.
         stateful: more objects with ``state_dict``/``load_state_dict`` by name (a sampler,
             a data loader, ...).
         extra: the same as ``user_content`` (pass one of them).
@@ -166,7 +171,9 @@ def save_checkpoint(
                         "parameters.")
     check_args(model, optimizer)
     objects = stateful_objects(scheduler, stateful)
-    _check_nxd_only_args(num_workers, use_xser=use_xser, async_save=async_save, zero1_optimizer=zero1_optimizer)
+    _check_nxd_only_args(num_workers, use_xser=use_xser, async_save=async_save, zero1_optimizer=zero1_optimizer,
+                         use_zero1_dcp=use_zero1_dcp,
+                         avoid_saving_lower_precision_weights=avoid_saving_lower_precision_weights)
     if user_content is not None and extra is not None:
         raise ValueError("pass user_content= or extra= (the same thing under NxD's and nxd_smp's names), not both.")
     extra = user_content if user_content is not None else extra
@@ -201,6 +208,7 @@ def load_checkpoint(
     scheduler: Any = None,
     num_workers: int = 8,
     strict: bool = True,
+    use_zero1_dcp: bool = False,
     *,
     stateful: Mapping[str, Any] | None = None,
     verify_checksums: bool = True,
@@ -225,7 +233,8 @@ def load_checkpoint(
     Args:
         strict: as ``nn.Module.load_state_dict``: with False, model entries that only the
             checkpoint or only the model has are left alone (the optimizer must still fit).
-        num_workers: NxD's I/O setting, accepted and checked but without effect.
+        num_workers, use_zero1_dcp: NxD's settings, accepted and checked but without effect
+            (an NxD folder whose optimizer NxD saved with ``use_zero1_dcp=True`` is refused).
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
@@ -237,7 +246,7 @@ def load_checkpoint(
         raise TypeError("load_checkpoint needs model=...: the optimizer's state is named by the model's parameters.")
     check_args(model, optimizer)
     objects = stateful_objects(scheduler, stateful)
-    _check_nxd_only_args(num_workers, strict=strict)
+    _check_nxd_only_args(num_workers, strict=strict, use_zero1_dcp=use_zero1_dcp)
     finish_save_in_flight(raise_error=False)
     nxd_tag = _nxd_tag(path)
     if nxd_tag is not None:

@@ -117,6 +117,11 @@ def _optimizer_files(tag: Path, tp: int, pp: int) -> list[Path]:
     folder = tag / "optim"
     if not folder.is_dir():
         return []
+    if (folder / ".metadata").is_file():
+        raise CheckpointError(
+            f"{folder} is NxD's use_zero1_dcp layout (a torch.distributed.checkpoint directory of NxD's "
+            f"own), which nxd_smp does not read; save that run again with use_zero1_dcp=False."
+        )
     if any("ep_rank" in f.name for f in folder.iterdir()):
         raise CheckpointError(f"{folder} holds expert-parallel files (ep_rank); nxd_smp does not read those.")
     ranks = {}

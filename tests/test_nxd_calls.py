@@ -53,7 +53,8 @@ def test_nxd_call_shapes_save_retain_and_resume_the_newest_tag(tmp_path):
         train(model, opt, scheduler, range(step - 1, step))
         # NxD's positional form: dir, tag, model, optimizer, scheduler, user_content
         save_checkpoint(tmp_path, f"step_{step}", model, opt, scheduler, {"step": step},
-                        num_workers=8, use_xser=False, num_kept_ckpts=2, async_save=step % 2 == 0)
+                        num_workers=8, use_xser=False, num_kept_ckpts=2, async_save=step % 2 == 0,
+                        zero1_optimizer=True, use_zero1_dcp=False, avoid_saving_lower_precision_weights=False)
         reached[step] = params(model)
     finalize_checkpoint()
     assert has_checkpoint(tmp_path) and not has_checkpoint(tmp_path / "nothing_here")
@@ -178,6 +179,10 @@ def test_nxd_folders_that_do_not_fit_are_refused_and_change_nothing(tmp_path):
     nxd_folder(tmp_path / "c", other, their_opt.state_dict())
     with pytest.raises(CheckpointError, match="does not fit the model"):
         load_checkpoint(tmp_path / "c", model=model, optimizer=opt)
+    tag = nxd_folder(tmp_path / "d", theirs, their_opt.state_dict())
+    (tag / "optim" / ".metadata").write_bytes(b"")  # NxD's use_zero1_dcp=True optimizer folder
+    with pytest.raises(CheckpointError, match="use_zero1_dcp"):
+        load_checkpoint(tmp_path / "d", model=model, optimizer=opt)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
