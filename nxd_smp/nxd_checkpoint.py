@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,9 @@ USER_CONTENT_FILE = "user_content.pt"
 SCHEDULER_FILE = "scheduler.pt"
 XSER_REFERENCE = "torch_xla.utils.serialization.TensorReference"
 _RANK_FILE = re.compile(r"dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt")
+
+
+_XSER_ADMISSION = threading.Lock()
 
 
 class _TensorReference:
@@ -91,7 +95,10 @@ def _read(path: Path) -> Any:
     tensors = Path(f"{path}.tensors")
     if not tensors.is_dir():
         return load_small_file(path)
-    with torch.serialization.safe_globals([(_TensorReference, XSER_REFERENCE)]):
+    # torch's allow-list is process-wide and its context manager restores it on exit, so
+    # threads loading at once (XLA replicas) take turns: one thread's exit must not end
+    # another's admission.
+    with _XSER_ADMISSION, torch.serialization.safe_globals([(_TensorReference, XSER_REFERENCE)]):
         data = load_small_file(path)
 
     def restore(value: Any) -> Any:

@@ -13,6 +13,7 @@ its place, and ``<name>.pt.info.pt`` the dtypes and shapes, as NxD's ``_xser_sav
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -155,12 +156,14 @@ def write_fixtures(rank: int, world: int, root: str, sync=None, barrier=lambda: 
 
 
 # ---------------------------------------------------------------- nxd_smp takes over
-def resume(rank: int, root: Path | str, device="cpu", sync=lambda: None) -> dict[str, Any]:
-    """A fresh model and ``Zero1Optimizer`` (at the DP size of this process group) load the
-    newest tag under ``root`` and train the steps after the save on data rank ``rank``."""
+def resume(rank: int, root: Path | str, device="cpu", sync=lambda: None, lock=None) -> dict[str, Any]:
+    """A fresh model and ``Zero1Optimizer`` (at the DP size of this process group, or of the
+    XLA replicas) load the newest tag under ``root`` and train the steps after the save on
+    data rank ``rank``. ``lock``: held while torch's global generator is used (replica threads)."""
     import nxd_smp
 
-    model = make_model()
+    with lock or contextlib.nullcontext():
+        model = make_model()
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(-1)  # other weights: everything must come from the files

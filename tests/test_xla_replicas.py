@@ -207,6 +207,17 @@ def test_a_checkpoint_from_the_replicas_resumes_on_cpu(replicas, cpu_dp, request
     assert_params_close(resumed, resumed_oracle(n, cpu_dp), max_ulp=2, max_flip_fraction=0.05)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_nxd_checkpoints_written_by_torch_xla_resume_on_the_replicas(replicas, layout):
+    # what a Trainium run does with its NxD checkpoint: load it on the XLA device and go on
+    n, ranks, _ = replicas
+    expected = nxd_oracle(n, n)
+    for rank in ranks:
+        resumed = rank["checkpoints"]["nxd_resumed"][layout]
+        assert resumed["user_content"] == USER_CONTENT and resumed["scheduler_epoch"] == NXD_SAVED_AT
+        assert_params_close(resumed["params"], expected)
+
+
 @pytest.mark.parametrize("cpu_dp", [1, 3])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_nxd_checkpoints_written_by_torch_xla_resume_at_another_dp_size(replicas, layout, cpu_dp, request):

@@ -170,11 +170,14 @@ def checkpoints(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     device = torch_xla.device()
     out = {"uninterrupted": save_and_continue(rank, job["save"], device, sync, async_save=True)}
     out["resumed"] = {path: load_and_continue(rank, path, device, sync) for path in job["load"]}
-    if "nxd" in job:  # NxD's checkpoint folders, written by torch_xla's own ZeRO-1 at this DP size
-        from tests.nxd_layout import write_fixtures
-        from tests.xla_replicas import barrier
+    if "nxd" in job:  # NxD's checkpoint folders, written by torch_xla's own ZeRO-1 at this DP size,
+        # then read back here on the XLA device, as a Trainium run resumes them
+        from tests.nxd_layout import LAYOUTS, resume, write_fixtures
+        from tests.xla_replicas import barrier, serial
 
         write_fixtures(rank, world, job["nxd"], sync, barrier)
+        out["nxd_resumed"] = {layout: resume(rank, f"{job['nxd']}/{layout}", device, sync, serial)
+                              for layout in LAYOUTS}
     return out
 
 
