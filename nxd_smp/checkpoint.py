@@ -31,12 +31,12 @@ import torch.nn as nn
 
 from .backend import Backend, select_backend, this_replica
 from .checkpoint_format import CheckpointError, check_args, managed_param_names, param_group_names, stateful_objects
-from .checkpoint_links import checkpoint_links
+from .checkpoint_links import checkpoint_links, resolve
 from .checkpoint_load import load, load_full_optimizer_state
 from .checkpoint_save import save
 from .checkpoint_tools import consolidate, inspect_checkpoint, read_checkpoint
 from .checkpoint_writer import finalize_checkpoint, finish_save_in_flight
-from .nxd_checkpoint import is_nxd_checkpoint, load_nxd, nxd_tags
+from .nxd_checkpoint import DONE_FILE, is_nxd_checkpoint, load_nxd, nxd_tags
 from .zero1_optimizer import Zero1Optimizer
 
 __all__ = [
@@ -89,16 +89,16 @@ def _tagged(path: str | os.PathLike, tag: Any) -> Path:
 
 
 def _check_nxd_only_args(num_workers: Any, **flags: Any) -> None:
-    """NxD's arguments that have no effect here, still checked as NxD documents them."""
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or not 1 <= num_workers <= 32:
-        raise ValueError(f"num_workers must be an int in 1..32 (NxD's range), got {num_workers!r}.")
+    """NxD's arguments that have no effect here, still checked to be what NxD takes."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be a positive int, got {num_workers!r}.")
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}.")
 
 
 def save_checkpoint(
-    path: str | os.PathLike,
+    path: str | os.PathLike | None = None,
     tag: str | int | None = None,
     model: nn.Module | None = None,
     optimizer: Zero1Optimizer | None = None,
@@ -116,6 +116,7 @@ def save_checkpoint(
     extra: Any = None,
     save_master_weights: bool | None = None,
     progress: bool | None = None,
+    checkpoint_dir_str: str | os.PathLike | None = None,
 ) -> Path:
     """Write ``model`` (and ``optimizer``'s sharded state) to ``path``; every rank calls it.
 
@@ -156,6 +157,7 @@ def save_checkpoint(
             ``use_master_weights_in_ckpt``).
         progress: show a progress bar on rank 0 (default: when this module's logger is
             at INFO or below).
+        checkpoint_dir_str: ``path`` under NxD's keyword name (pass one of them).
 
     Returns:
         The path of the version directory behind the checkpoint (for an asynchronous save,
@@ -165,7 +167,9 @@ def save_checkpoint(
         CheckpointError: bad arguments, or the error of a previous asynchronous save that
             nothing raised yet (that save is then over, and this one is not started).
     """
-    path = _tagged(path, tag)
+    if (path is None) == (checkpoint_dir_str is None):
+        raise TypeError("pass the checkpoint's path once: as path (the first argument) or as NxD's checkpoint_dir_str=.")
+    path = _tagged(path if checkpoint_dir_str is None else checkpoint_dir_str, tag)
     if model is None:
         raise TypeError("save_checkpoint needs model=...: nxd_smp names the optimizer's state by the model's "
                         "parameters.")
@@ -248,12 +252,15 @@ def load_checkpoint(
     objects = stateful_objects(scheduler, stateful)
     _check_nxd_only_args(num_workers, strict=strict, use_zero1_dcp=use_zero1_dcp)
     finish_save_in_flight(raise_error=False)
-    nxd_tag = _nxd_tag(path)
+    coordinator = _backend(model, optimizer).coordinator
+    nxd_tag = _nxd_tag(path) if coordinator.rank == 0 else None
+    nxd_tag = coordinator.broadcast(None if nxd_tag is None else str(nxd_tag))  # rank 0's choice for all
     if nxd_tag is not None:
         if stateful:
             raise CheckpointError(f"{nxd_tag} is an NxD checkpoint, which holds no stateful objects; pass none.")
-        return load_nxd(nxd_tag, model=model, optimizer=optimizer, scheduler=scheduler, strict=strict)
-    return load(path, model, optimizer, _backend(model, optimizer).coordinator, objects=objects,
+        return load_nxd(Path(nxd_tag), model=model, optimizer=optimizer, scheduler=scheduler, strict=strict,
+                        coordinator=coordinator)
+    return load(path, model, optimizer, coordinator, objects=objects,
                 verify_checksums=verify_checksums, progress=progress, strict=strict)
 
 
@@ -271,12 +278,17 @@ def _nxd_tag(path: Path) -> Path | None:
 
 
 def has_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether the directory ``path`` holds a complete checkpoint (NxD's ``has_checkpoint``):
-    an nxd_smp checkpoint, or an NxD tag folder with its ``done`` file."""
-    directory = Path(_tagged(path, None))
-    if not directory.is_dir():
-        return False
-    return bool(checkpoint_links(directory)) or bool(nxd_tags(directory))
+    """Whether ``load_checkpoint(path, ...)`` finds a complete checkpoint there (NxD's
+    ``has_checkpoint``): ``path`` is one (an nxd_smp checkpoint, or an NxD tag folder with
+    its ``done`` file), or a directory holding one."""
+    path = _tagged(path, None)
+    if is_nxd_checkpoint(path):
+        return (path / DONE_FILE).is_file()
+    try:
+        resolve(path)
+    except (FileNotFoundError, CheckpointError):
+        return path.is_dir() and not path.is_symlink() and bool(nxd_tags(path))
+    return True
 
 
 if __name__ == "__main__":  # ``python -m nxd_smp.checkpoint ...``: the CLI under its old name

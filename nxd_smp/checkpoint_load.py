@@ -47,7 +47,7 @@ from .zero1_optimizer import Zero1Optimizer
 
 __all__ = [
     "load", "load_full_optimizer_state", "check_full_optimizer_state", "install_full_optimizer_state", "LoadPlan",
-    "plan_load",
+    "plan_load", "agree", "name_differences",
 ]
 
 log = logging.getLogger("nxd_smp.checkpoint")
@@ -102,7 +102,7 @@ def load(
             plan.assemble()
         except (CheckpointError, OSError) as e:
             error = e
-        _agree(coordinator, error)
+        agree(coordinator, error)
         advance("read")
         _commit(plan, meta, model, optimizer, strict=strict)
         for name, obj in objects.items():
@@ -111,7 +111,7 @@ def load(
     return saved["extra"]
 
 
-def _agree(coordinator: Coordinator, error: BaseException | None) -> None:
+def agree(coordinator: Coordinator, error: BaseException | None) -> None:
     """Every rank learns whether any rank failed; if one did, all raise (so either all ranks
     commit or none)."""
     failures = [f for f in coordinator.all_gather(None if error is None else error_text(error)) if f]
@@ -147,7 +147,7 @@ class LoadPlan:
             buffer[dst : dst + n].copy_(self.staging[key][src : src + n])
 
 
-def _differences(wanted, given, missing: str, extra: str) -> list[str]:
+def name_differences(wanted, given, missing: str, extra: str) -> list[str]:
     """The names ``wanted`` has and ``given`` lacks, and the other way round, as problems."""
     lacking, surplus = sorted(set(wanted) - set(given)), sorted(set(given) - set(wanted))
     return ([f"{missing}: {lacking}"] if lacking else []) + ([f"{extra}: {surplus}"] if surplus else [])
@@ -160,7 +160,7 @@ def _check_model(meta: Mapping[str, Any], model: nn.Module, strict: bool) -> Non
     saved = meta["model"]
     problems = []
     if strict:
-        problems = _differences(live, saved, "missing from the checkpoint", "in the checkpoint but not in the model")
+        problems = name_differences(live, saved, "missing from the checkpoint", "in the checkpoint but not in the model")
     for key in sorted(set(live) & set(saved)):
         shape, dtype = tuple(live[key].shape), str(live[key].dtype)
         if tuple(saved[key]["shape"]) != shape:
@@ -314,7 +314,8 @@ def load_full_optimizer_state(
 
     Args:
         state: ``{parameter name: {key: tensor shaped like the parameter, or 0-dim}}`` (the
-            layout ``read_checkpoint`` returns; ``{}`` for a parameter without state yet).
+            layout ``read_checkpoint`` returns; ``{}`` for a parameter without state yet, which
+            then starts from zero moments with its bucket's step count).
         hyperparameters: one dict per param group (lr, betas, ...), in group order; kernel
             choices such as ``fused`` are ignored.
         master_weights: ``{parameter name: tensor shaped like the parameter}``, or None to
@@ -341,7 +342,7 @@ def check_full_optimizer_state(
     check_args(model, optimizer)
     names = managed_param_names(model, optimizer)
     live = dict(zip(names, optimizer.managed_params))
-    problems = _differences(names, state, "no state for", "state for parameters the optimizer does not manage")
+    problems = name_differences(names, state, "no state for", "state for parameters the optimizer does not manage")
     if len(hyperparameters) != len(optimizer.param_groups):
         problems.append(f"{len(hyperparameters)} param groups given, the optimizer has {len(optimizer.param_groups)}")
     tensor_keys = sorted({k for entry in state.values() for k, v in entry.items() if v.dim() > 0})
@@ -380,7 +381,18 @@ def install_full_optimizer_state(
         return buffers
 
     shard_dtypes = [master.dtype for master in optimizer.master_shards]
-    scalars = [{k: v for k, v in state[names[layout.param_indices[0]]].items() if v.dim() == 0} for layout in layouts]
-    tensors = {key: shards_of({n: state[n][key] for n in names}, shard_dtypes) for key in tensor_keys}
+    # A parameter without state (it got no gradient in the saved run: torch creates state
+    # lazily) starts from zero moments, in a bucket whose step count the others give.
+    live = dict(zip(names, optimizer.managed_params))
+    with_state = [n for n in names if state[n]]
+    scalars = []
+    for layout in layouts:
+        source = next((names[i] for i in layout.param_indices if state[names[i]]), with_state[0] if with_state else None)
+        scalars.append({} if source is None else {k: v for k, v in state[source].items() if v.dim() == 0})
+
+    def entry(name: str, key: str) -> torch.Tensor:
+        return state[name][key] if key in state[name] else torch.zeros(live[name].shape, dtype=torch.float32)
+
+    tensors = {key: shards_of({n: entry(n, key) for n in names}, shard_dtypes) for key in tensor_keys}
     masters = None if master_weights is None else shards_of(master_weights, [torch.float32] * len(layouts))
     commit_optimizer(optimizer, tensors, scalars, [group_hyperparameters(h) for h in hyperparameters], masters)

@@ -68,7 +68,8 @@ def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = False) -> dict
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Every tensor of a checkpoint, whole: {"model": state_dict, "optimizer": None or
     {"groups": [{"hyper", "params": names}], "state": {name: {key: tensor shaped like the
-    parameter (or 0-dim)}}, "master_weights": {name: fp32 tensor} or None}, "extra",
+    parameter (or 0-dim)}}, "master_weights": {name: fp32 tensor} or None, "inner_class": the
+    torch.optim class's name}, "extra",
     "stateful": {name: state dict}}."""
     target = resolve(Path(path))
     record = completion_record(target)
@@ -99,6 +100,7 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         entry.update({key: staging[state_key(name, key)] for key in opt["scalar_keys"]})
         state[name] = entry
     result["optimizer"] = {
+        "inner_class": opt["inner_class"],
         "groups": opt["groups"],
         "state": state,
         "master_weights": {

@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m nxd_smp") -> int:
     p.add_argument("path")
     p.add_argument("out_file")
     p.add_argument("--masters", action="store_true", help="the fp32 master weights instead of the saved parameters")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_FILE")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m nxd_smp") -> int:
         elif args.command == "export-torch":
             print(f"wrote {export_torch(args.path, args.out_dir)}")
         elif args.command == "export-safetensors":
-            print(f"wrote {export_safetensors(args.path, args.out_file, masters=args.masters)}")
+            print(f"wrote {export_safetensors(args.path, args.out_file, masters=args.masters, overwrite=args.overwrite)}")
         else:
             for f in export_xla(args.path, args.out_dir, args.dp_size):
                 print(f"wrote {f}")

@@ -51,13 +51,12 @@ from torch.distributed.checkpoint.metadata import (
 
 from .checkpoint import (
     CheckpointError,
-    inspect_checkpoint,
     managed_param_names,
     param_group_names,
     read_checkpoint,
 )
 from .checkpoint_format import group_hyperparameters
-from .checkpoint_load import check_full_optimizer_state, install_full_optimizer_state
+from .checkpoint_load import agree, check_full_optimizer_state, install_full_optimizer_state
 from .checkpoint_storage import ChecksumError, UnsafeFileError, read_metadata, read_record
 from .zero1_optimizer import Zero1Optimizer
 
@@ -125,7 +124,7 @@ def export_torch(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
         )
     state: dict[str, Any] = {MODEL: model_sd}
     if opt is not None:
-        state[OPTIM] = _torch_optim_state_dict(opt, inspect_checkpoint(path)["optimizer"]["inner_class"])
+        state[OPTIM] = _torch_optim_state_dict(opt, opt["inner_class"])
     _save_dcp(state, out)
     return out
 
@@ -199,12 +198,15 @@ def _save_dcp(state: dict[str, Any], out: Path) -> None:
         raise
 
 
-def export_safetensors(path: str | os.PathLike, out_file: str | os.PathLike, *, masters: bool = False) -> Path:
+def export_safetensors(
+    path: str | os.PathLike, out_file: str | os.PathLike, *, masters: bool = False, overwrite: bool = False
+) -> Path:
     """Write the checkpoint's model weights to one safetensors file ``out_file``: the
     saved parameters (bf16 under SMP) and buffers as they are; with ``masters=True`` the
     fp32 master weights in place of the managed parameters (other entries as saved).
-    Written to a temporary sibling and renamed (an existing file is replaced only once the
-    new one is complete), with ``{"format": "pt"}`` as its metadata.
+    Written to a temporary sibling and renamed, with ``{"format": "pt"}`` as its metadata. An
+    existing ``out_file`` is refused unless ``overwrite=True`` (then it is replaced only once
+    the new one is complete).
 
     Returns:
         ``out_file`` as a ``Path``.
@@ -214,8 +216,8 @@ def export_safetensors(path: str | os.PathLike, out_file: str | os.PathLike, *, 
         CheckpointError: ``masters=True`` and the checkpoint holds no master weights;
             ``out_file`` is a directory.
     """
-    if not isinstance(masters, bool):
-        raise TypeError(f"masters must be True or False, got {masters!r}.")
+    if not isinstance(masters, bool) or not isinstance(overwrite, bool):
+        raise TypeError(f"masters and overwrite must be True or False, got {masters!r} and {overwrite!r}.")
     try:
         from safetensors.torch import save_file
     except ImportError:
@@ -223,6 +225,8 @@ def export_safetensors(path: str | os.PathLike, out_file: str | os.PathLike, *, 
     out = Path(out_file)
     if out.is_dir():
         raise CheckpointError(f"{out} is a directory; pass the path of the .safetensors file to write.")
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out} exists; pass another path, or overwrite=True (--overwrite) to replace it.")
     full = read_checkpoint(path)
     tensors = dict(full["model"])
     if masters:
@@ -368,7 +372,23 @@ def import_torch(path: str | os.PathLike, *, model: nn.Module, optimizer: Zero1O
             f"optimizer must be a nxd_smp Zero1Optimizer, got {type(optimizer).__name__}; a torch "
             f"optimizer loads with dcp.load and set_state_dict."
         )
-    directory = Path(path)
+    error, read = None, None
+    try:
+        read = _read_and_check(Path(path), model, optimizer)
+    except (CheckpointError, OSError) as e:
+        error = e
+    agree(optimizer.backend.coordinator, error)  # all ranks commit, or none
+    native_model, state, hypers, masters = read
+    live = model.state_dict()
+    with torch.no_grad():
+        model.load_state_dict({key: native_model[key].to(value.dtype) for key, value in live.items()}, strict=True)
+    install_full_optimizer_state(model, optimizer, state, hypers, masters)
+
+
+def _read_and_check(directory: Path, model: nn.Module, optimizer: Zero1Optimizer):
+    """``import_torch``'s reading on this rank: everything read and checked against the live
+    objects, nothing changed. Returns (model state, optimizer state by name, hyperparameters
+    per group, masters or None)."""
     index = _native_index(directory)
     tops = sorted({str(where[0]) for where in index})
     model_entries: dict[str, tuple[str, _Entry]] = {}
@@ -458,7 +478,5 @@ def import_torch(path: str | os.PathLike, *, model: nn.Module, optimizer: Zero1O
     for (fqn, key), (flat, entry) in state_entries.items():
         state[fqn][key] = _read_entry(directory, flat, entry)
     masters = {name: native_model[name] for name in names} if optimizer.mixed_precision.use_master_weights else None
-    check_full_optimizer_state(model, optimizer, state, hypers, masters)  # before the model changes
-    with torch.no_grad():
-        model.load_state_dict({key: native_model[key].to(value.dtype) for key, value in live.items()}, strict=True)
-    install_full_optimizer_state(model, optimizer, state, hypers, masters)
+    check_full_optimizer_state(model, optimizer, state, hypers, masters)
+    return native_model, state, hypers, masters

@@ -36,7 +36,8 @@ import torch
 import torch.nn as nn
 
 from .checkpoint_format import CheckpointError, load_small_file, param_group_names
-from .checkpoint_load import check_full_optimizer_state, install_full_optimizer_state
+from .backend import Coordinator
+from .checkpoint_load import agree, check_full_optimizer_state, install_full_optimizer_state, name_differences
 from .xla_state_dict import full_state
 from .zero1_optimizer import Zero1Optimizer
 
@@ -105,10 +106,15 @@ def _read(path: Path) -> Any:
         if isinstance(value, _TensorReference):
             if not isinstance(getattr(value, "tid", None), int):
                 raise CheckpointError(f"{path} holds a tensor reference without an integer id.")
-            t = load_small_file(tensors / f"tensor_{value.tid}.pt") if (tensors / f"tensor_{value.tid}.pt").is_file() \
-                else None
+            file = tensors / f"tensor_{value.tid}.pt"
+            if not file.is_file():
+                raise CheckpointError(
+                    f"{path} refers to tensor {value.tid}, which {tensors} does not hold (NxD leaves the model's "
+                    f"tensors out under avoid_saving_lower_precision_weights=True; nxd_smp needs them)."
+                )
+            t = load_small_file(file)
             if not isinstance(t, torch.Tensor):
-                raise CheckpointError(f"{path} refers to tensor {value.tid}, which {tensors} does not hold.")
+                raise CheckpointError(f"{file} does not hold a tensor.")
             return t
         if isinstance(value, dict):
             return type(value)((k, restore(v)) for k, v in value.items())
@@ -141,23 +147,28 @@ def _optimizer_files(tag: Path, tp: int, pp: int) -> list[Path]:
     return [ranks[d] for d in range(len(ranks))]
 
 
-def _full_state(records: list[Any], order: list[str], files: list[Path]):
+def _full_state(records: list[Any], groups: list[list[str]], files: list[Path]):
     """Whole per-parameter optimizer state by name, param groups and masters (or None):
     torch_xla's ZeRO-1 layout (``xla_state_dict.full_state``), or a plain torch optimizer's
-    ``state_dict()`` (NxD without ZeRO-1: one replicated file, state by parameter id)."""
+    ``state_dict()`` (NxD without ZeRO-1: one replicated file, state by parameter id).
+    ``groups``: the live optimizer's parameter names per group, which name NxD's ids."""
     first = records[0]
-    if not isinstance(first, Mapping) or "param_groups" not in first:
+    if not isinstance(first, Mapping) or not isinstance(first.get("param_groups"), list):
         raise CheckpointError(f"{files[0]} is not an optimizer state dict (no param_groups).")
-    ids = [i for g in first["param_groups"] for i in g["params"]]
-    if len(ids) != len(order):
+    sizes = [len(g["params"]) for g in first["param_groups"]]
+    if sizes != [len(g) for g in groups]:
         raise CheckpointError(
-            f"{files[0]} holds {len(ids)} parameters in its param groups, the optimizer manages {len(order)}."
+            f"{files[0]} holds param groups of {sizes} parameters, the optimizer's groups have "
+            f"{[len(g) for g in groups]}: build the param groups as the run that saved it did."
         )
+    order = [name for names in groups for name in names]
     if "base_state" in first:
         return full_state(records, order, files)
-    by_id = dict(zip(ids, order))
+    by_id = dict(zip((i for g in first["param_groups"] for i in g["params"]), order))
     state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in order}
     for i, entry in first.get("state", {}).items():
+        if i not in by_id:
+            raise CheckpointError(f"{files[0]} holds state for parameter {i!r}, which its param groups do not list.")
         state[by_id[i]] = dict(entry)
     return state, first["param_groups"], None
 
@@ -169,15 +180,42 @@ def load_nxd(
     optimizer: Zero1Optimizer | None,
     scheduler: Any,
     strict: bool,
+    coordinator: Coordinator,
 ) -> Any:
     """Load the NxD checkpoint folder ``tag`` into ``model`` and ``optimizer`` (at the
     optimizer's own DP size) and ``scheduler``; return its user content (None without).
+    Every rank calls it with the same ``tag``; each reads and checks its files, all agree
+    (through ``coordinator``), then all commit or none does.
+
+    A folder NxD's ``save_checkpoint`` began (its ``checkpoint`` marker) must be complete (its
+    ``done``); a folder without either, such as NxD's checkpoint converter writes for
+    pretrained weights, loads when named.
 
     Raises:
         CheckpointError: an incomplete tag, missing or unsafe files, or state that does not
             fit the model or the optimizer, each named; nothing is changed then.
     """
-    if not (tag / DONE_FILE).is_file():
+    error, read = None, None
+    try:
+        read = _read_and_check(tag, model, optimizer, scheduler, strict)
+    except (CheckpointError, OSError) as e:
+        error = e
+    agree(coordinator, error)
+    weights, full, scheduler_state, user_content = read
+    live = model.state_dict()
+    with torch.no_grad():
+        model.load_state_dict({k: v for k, v in weights.items() if k in live}, strict=strict)
+    if full is not None:
+        install_full_optimizer_state(model, optimizer, *full)
+    if scheduler_state is not None:
+        scheduler.load_state_dict(scheduler_state)
+    return user_content
+
+
+def _read_and_check(tag: Path, model: nn.Module, optimizer: Zero1Optimizer | None, scheduler: Any, strict: bool):
+    """This rank's files of ``tag``, read and checked against the live objects: (model
+    weights, whole optimizer state or None, scheduler state or None, user content)."""
+    if (tag / MARKER_FILE).is_file() and not (tag / DONE_FILE).is_file():
         raise CheckpointError(f"the NxD checkpoint {tag} is incomplete (no '{DONE_FILE}' file): its save was cut off.")
     tp, pp = _coordinate()
     model_file = tag / "model" / f"dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
@@ -185,11 +223,8 @@ def load_nxd(
     if not isinstance(weights, Mapping):
         raise CheckpointError(f"{model_file} is not a state dict.")
     live = model.state_dict()
-    problems = []
-    if strict:
-        lacking, surplus = sorted(set(live) - set(weights)), sorted(set(weights) - set(live))
-        problems += [f"missing from the checkpoint: {lacking}"] if lacking else []
-        problems += [f"in the checkpoint but not in the model: {surplus}"] if surplus else []
+    problems = name_differences(live, weights, "missing from the checkpoint",
+                                "in the checkpoint but not in the model") if strict else []
     for key in sorted(set(live) & set(weights)):
         if not isinstance(weights[key], torch.Tensor) or weights[key].shape != live[key].shape:
             problems.append(f"{key}: {getattr(weights[key], 'shape', type(weights[key]).__name__)} in the "
@@ -202,20 +237,27 @@ def load_nxd(
         files = _optimizer_files(tag, tp, pp)
         if not files:
             raise CheckpointError(f"{tag} holds no optimizer files for tp {tp} pp {pp}; load it with optimizer=None.")
-        order = [name for names in param_group_names(model, optimizer) for name in names]
-        full = _full_state([_read(f) for f in files], order, files)
+        groups = param_group_names(model, optimizer)
+        full = _full_state([_read(f) for f in files], groups, files)
         check_full_optimizer_state(model, optimizer, *full)
-    scheduler_state = None
-    if scheduler is not None:
-        if not callable(getattr(scheduler, "load_state_dict", None)):
-            raise TypeError(f"scheduler must have load_state_dict(), got {type(scheduler).__name__}.")
-        scheduler_state = _read(tag / SCHEDULER_FILE)
+        _check_masters_match_weights(full[2], weights, files[0])
+    scheduler_state = _read(tag / SCHEDULER_FILE) if scheduler is not None else None
     user_content = _read(tag / USER_CONTENT_FILE) if (tag / USER_CONTENT_FILE).is_file() else None
+    return weights, full, scheduler_state, user_content
 
-    with torch.no_grad():
-        model.load_state_dict({k: v for k, v in weights.items() if k in live}, strict=strict)
-    if full is not None:
-        install_full_optimizer_state(model, optimizer, *full)
-    if scheduler_state is not None:
-        scheduler.load_state_dict(scheduler_state)
-    return user_content
+
+def _check_masters_match_weights(masters: Mapping[str, torch.Tensor] | None, weights: Mapping[str, Any],
+                                 source: Path) -> None:
+    """NxD saved the weights and the master weights at the same step, so each master rounds
+    to its parameter. NxD's files number the parameters; a live optimizer whose groups list
+    them in another order than the saving run's would name them wrongly: refuse that."""
+    if masters is None:
+        return
+    wrong = [name for name, master in masters.items()
+             if isinstance(weights.get(name), torch.Tensor) and not torch.equal(master.to(weights[name].dtype), weights[name])]
+    if wrong:
+        raise CheckpointError(
+            f"the master weights in {source} do not round to the model's weights of {wrong[:8]}: NxD's files "
+            f"number the parameters in param-group order, and this optimizer's groups list them in another "
+            f"order than the run that saved them. Build the param groups as that run did."
+        )

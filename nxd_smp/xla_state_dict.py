@@ -127,6 +127,17 @@ def full_state(
     for f, r in zip(files, records):
         if not isinstance(r, Mapping) or "base_state" not in r or r.get("shape_info") != shapes:
             raise CheckpointError(f"{f} does not belong with {files[0]} (another layout or other parameters).")
+    # torch_xla pads dim 0 to a multiple of the DP size and keeps chunk ``rank``: the chunks
+    # show how many ranks wrote, and so whether one's file is missing
+    n = len(records)
+    for i, shape in shapes.items():
+        per_rank = {r["sharded_master_weights"][i].shape[0] for r in records if "sharded_master_weights" in r}
+        per_rank |= {v.shape[0] for r in records for v in r["base_state"].get(i, {}).values() if v.dim() > 0}
+        if per_rank and per_rank != {-(-shape[0] // n)}:
+            raise CheckpointError(
+                f"parameter {i} (shape {tuple(shape)}) is saved in chunks of {sorted(per_rank)} rows, which "
+                f"{n} DP ranks' files do not make up: a rank's file is missing or from another run."
+            )
 
     def whole(per_rank: Callable[[Mapping], Mapping[int, torch.Tensor]], i: int) -> torch.Tensor:
         """Parameter ``i`` from the ranks' padded dim-0 chunks."""

@@ -303,6 +303,11 @@ def test_export_safetensors(trained, tmp_path, monkeypatch):
     for name, value in full["optimizer"]["master_weights"].items():
         assert masters[name].dtype == torch.float32 and torch.equal(masters[name], value), name
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors", "w.safetensors"]
+    with pytest.raises(CheckpointError, match="exists"):  # a user's file is never replaced unasked
+        export_safetensors(trained / "ckpt", tmp_path / "w.safetensors", masters=True)
+    assert torch.equal(load_file(tmp_path / "w.safetensors")[name], full["model"][name])
+    export_safetensors(trained / "ckpt", tmp_path / "w.safetensors", masters=True, overwrite=True)
+    assert load_file(tmp_path / "w.safetensors").keys() == masters.keys()
 
     save_checkpoint(tmp_path / "model_only", model=Net())
     with pytest.raises(CheckpointError, match="no fp32 master weights"):
@@ -388,8 +393,12 @@ def test_import_refuses_what_does_not_fit(native, tmp_path):
             self[2] = nn.Linear(13, 5).bfloat16()
 
     wider = Wider()
+    wider_opt = zero1(wider)
+    before = [p.detach().clone() for p in wider.parameters()] + [m.clone() for m in wider_opt.master_shards]
     with pytest.raises(CheckpointError, match=r"2\.weight: shape \(6, 13\) in the checkpoint, \(5, 13\)"):
-        import_torch(directory, model=wider, optimizer=zero1(wider))
+        import_torch(directory, model=wider, optimizer=wider_opt)
+    after = [p.detach() for p in wider.parameters()] + list(wider_opt.master_shards)
+    assert all(torch.equal(a, b) for a, b in zip(after, before))  # a refused import changes nothing
     longer = Net()
     longer.append(nn.Linear(6, 2).bfloat16())
     with pytest.raises(CheckpointError, match=r"missing from the checkpoint: \['3\.bias', '3\.weight'\]"):

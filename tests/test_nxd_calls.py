@@ -166,6 +166,7 @@ def test_nxd_folders_that_do_not_fit_are_refused_and_change_nothing(tmp_path):
     theirs, their_opt = plain_torch_run()
     model, opt, _ = build(seed=5)
     before = params(model)
+    masters_before = [m.clone() for m in opt.master_shards]
     nxd_folder(tmp_path / "a", theirs, their_opt.state_dict(), done=False)
     with pytest.raises(CheckpointError, match="incomplete"):
         load_checkpoint(tmp_path / "a" / "step_3", model=model, optimizer=opt)
@@ -173,7 +174,7 @@ def test_nxd_folders_that_do_not_fit_are_refused_and_change_nothing(tmp_path):
     state = their_opt.state_dict()
     state["param_groups"] = state["param_groups"][:1]
     nxd_folder(tmp_path / "b", theirs, state)
-    with pytest.raises(CheckpointError, match="parameters in its param groups"):
+    with pytest.raises(CheckpointError, match=r"param groups of \[2\] parameters, the optimizer's groups have \[2, 2\]"):
         load_checkpoint(tmp_path / "b", model=model, optimizer=opt)
     other = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 6)).bfloat16()
     nxd_folder(tmp_path / "c", other, their_opt.state_dict())
@@ -184,6 +185,7 @@ def test_nxd_folders_that_do_not_fit_are_refused_and_change_nothing(tmp_path):
     with pytest.raises(CheckpointError, match="use_zero1_dcp"):
         load_checkpoint(tmp_path / "d", model=model, optimizer=opt)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(m, b) for m, b in zip(opt.master_shards, masters_before))
 
 
 def test_nxd_files_never_run_code(tmp_path):
@@ -217,3 +219,123 @@ def test_each_tensor_parallel_rank_reads_its_own_nxd_files(tmp_path):
         nxd_stand_in.uninstall()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), second.parameters()))
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), first.parameters()))
+
+
+def square_model(seed: int = 0) -> torch.nn.Module:
+    """Two layers of one shape: listed in another order, NxD's numbered files still fit by shape."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8)).bfloat16()
+
+
+def square_optimizer(model, reverse: bool = False) -> Zero1Optimizer:
+    weights, biases = [model[0].weight, model[2].weight], [model[0].bias, model[2].bias]
+    groups = [{"params": weights[::-1] if reverse else weights, "lr": 1e-2},
+              {"params": biases, "lr": 3e-2, "weight_decay": 0.0}]
+    return Zero1Optimizer(groups, torch.optim.AdamW, compile_update=False, bucket_cap_mb=0.0002,
+                          mixed_precision=nxd_smp.MixedPrecisionConfig(use_master_weights_in_ckpt=True), **HYPER)
+
+
+def zero1_nxd_folder(root: Path, dp_size: int) -> tuple[Path, dict]:
+    """An NxD tag folder of a ZeRO-1 run at ``dp_size`` (master weights saved): the optimizer
+    files in torch_xla's layout written by ``export_xla``, the model file, ``done``."""
+    from nxd_smp.xla_state_dict import export_xla
+
+    model = square_model()
+    opt = square_optimizer(model)
+    for step in range(2):
+        backward(model, grads(0, step, model))
+        opt.step()
+        opt.zero_grad()
+    save_checkpoint(root / "ours", model=model, optimizer=opt)
+    tag = root / "step_2"
+    export_xla(root / "ours", tag / "optim", dp_size=dp_size)
+    (tag / "model").mkdir()
+    torch.save(model.state_dict(), tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt")
+    (tag / "checkpoint").write_text("1")
+    (tag / "done").write_text("1")
+    return tag, read_checkpoint(root / "ours")
+
+
+def test_the_newest_tag_is_the_one_saved_last_not_the_last_by_name(tmp_path):
+    model, opt, scheduler = build()
+    for step, tag in enumerate(["step_10", "step_9", "step_11"]):
+        train(model, opt, scheduler, range(step, step + 1))
+        save_checkpoint(tmp_path / "ours", tag, model, opt, user_content=tag, num_kept_ckpts=2)
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir() if not p.name.startswith(".")) == ["step_11", "step_9"]
+    assert load_checkpoint(tmp_path / "ours", model=model, optimizer=opt) == "step_11"
+    theirs, their_opt = plain_torch_run()
+    for name, age in (("step_20", 200), ("step_3", 100)):  # NxD: the newest done file wins
+        tag = nxd_folder(tmp_path / "nxd" / "tmp", theirs, their_opt.state_dict(), user_content=name)
+        tag.rename(tmp_path / "nxd" / name)
+        os.utime(tmp_path / "nxd" / name / "done", (1_000_000 + age, 1_000_000 + age))
+    with pytest.warns(UserWarning, match="master"):
+        assert load_checkpoint(tmp_path / "nxd", model=model, optimizer=opt) == "step_20"
+
+
+def test_has_checkpoint_on_a_checkpoint_itself(tmp_path):
+    model, opt, _ = build()
+    save_checkpoint(tmp_path / "latest", model=model)
+    assert has_checkpoint(tmp_path / "latest") and has_checkpoint(tmp_path)
+    assert not has_checkpoint(tmp_path / "missing")
+    theirs, their_opt = plain_torch_run()
+    tag = nxd_folder(tmp_path / "nxd", theirs, their_opt.state_dict(), done=False)
+    assert not has_checkpoint(tag) and not has_checkpoint(tmp_path / "nxd")
+    (tag / "done").write_text("1")
+    assert has_checkpoint(tag) and has_checkpoint(tmp_path / "nxd")
+
+
+def test_nxds_keyword_names_and_converted_pretrained_weights(tmp_path):
+    model, opt, _ = build()
+    save_checkpoint(checkpoint_dir_str=tmp_path / "kw", tag="lora", model=model)  # NxD's lightning example
+    assert (tmp_path / "kw" / "lora").is_symlink()
+    with pytest.raises(TypeError, match="path once"):
+        save_checkpoint(tmp_path / "a", checkpoint_dir_str=tmp_path / "b", model=model)
+    # NxD's checkpoint converter writes model files only: no marker, no done; scripts load them
+    # by tag with strict=False
+    theirs, _ = plain_torch_run()
+    (tmp_path / "converted" / "pretrained_weight" / "model").mkdir(parents=True)
+    state = {**theirs.state_dict(), "rotary.inv_freq": torch.ones(3)}  # a surplus entry
+    torch.save(state, tmp_path / "converted" / "pretrained_weight" / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt")
+    fresh, _, _ = build(seed=5)
+    assert load_checkpoint(tmp_path / "converted", tag="pretrained_weight", model=fresh, strict=False) is None
+    assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), theirs.parameters()))
+    with pytest.raises(CheckpointError, match="rotary.inv_freq"):
+        load_checkpoint(tmp_path / "converted", tag="pretrained_weight", model=fresh)
+
+
+@pytest.mark.parametrize("dp_size", [2, 4])
+def test_a_zero1_nxd_folder_refuses_groups_in_another_order_and_a_missing_rank(tmp_path, dp_size):
+    tag, saved = zero1_nxd_folder(tmp_path, dp_size)
+    model = square_model(seed=5)
+    opt = square_optimizer(model)
+    load_checkpoint(tag, model=model, optimizer=opt)  # fits: masters kept, bit for bit
+    save_checkpoint(tmp_path / "again", model=model, optimizer=opt)
+    again = read_checkpoint(tmp_path / "again")["optimizer"]
+    for name, master in saved["optimizer"]["master_weights"].items():
+        assert torch.equal(again["master_weights"][name], master), name
+    # the same group sizes and shapes, the weights listed in the other order: NxD's ids would
+    # name them wrongly
+    swapped = square_model(seed=5)
+    other = square_optimizer(swapped, reverse=True)
+    before = params(swapped)
+    with pytest.raises(CheckpointError, match="another order"):
+        load_checkpoint(tag, model=swapped, optimizer=other)
+    assert all(torch.equal(p, before[n]) for n, p in swapped.named_parameters())
+    (tag / "optim" / f"dp_rank_{dp_size - 1:02d}_tp_rank_00_pp_rank_00.pt").unlink()
+    with pytest.raises(CheckpointError, match="file is missing"):
+        load_checkpoint(tag, model=model, optimizer=opt)
+
+
+def test_parameters_without_state_in_an_nxd_folder_start_from_zero(tmp_path):
+    # NxD without ZeRO-1: torch creates state lazily, so a parameter that got no gradient has none
+    theirs, their_opt = plain_torch_run()
+    state = their_opt.state_dict()
+    state["state"].pop(3)  # the last bias never had a gradient
+    nxd_folder(tmp_path, theirs, state)
+    model, opt, _ = build(seed=5)
+    with pytest.warns(UserWarning, match="master"):
+        load_checkpoint(tmp_path, model=model, optimizer=opt)
+    save_checkpoint(tmp_path / "ours", model=model, optimizer=opt)
+    loaded = read_checkpoint(tmp_path / "ours")["optimizer"]["state"]
+    assert not loaded["2.bias"]["exp_avg"].any() and not loaded["2.bias"]["exp_avg_sq"].any()
+    assert torch.equal(loaded["0.bias"]["exp_avg"], their_opt.state[theirs[0].bias]["exp_avg"].float())

@@ -134,14 +134,13 @@ def main(out_dir: str, n: int) -> None:
     torch_xla.launch(xla_replicas._replica, args=(out_dir, n))
 
 
-if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
-
-
 def split_torch_xla_collectives_per_tensor() -> None:
     """The one change XLA:CPU replicas force on torch_xla's optimizer at DP > 1: its coalesced
-    collectives as single-tensor torch_xla ops with a channel id, in order (the module docstring
-    says why). Only that module's ``xm`` is replaced, by a stand-in that delegates the rest."""
+    collectives as single-tensor torch_xla ops with a channel id, in order. XLA:CPU meets the
+    replicas of a collective by its channel id, and torch-xla 2.9's coalesced forms cannot
+    carry one (``xm.reduce_scatter`` with a list drops it; ``xm.all_reduce`` has none), so
+    they are split per tensor (NXD_FACTS.md). Only that module's ``xm`` is replaced, by a
+    stand-in that delegates the rest. Used by scripts/bench_xla.py and tests/nxd_layout.py."""
     import types
 
     import torch_xla.core.xla_model as xm
@@ -199,3 +198,7 @@ def split_torch_xla_collectives_per_tensor() -> None:
     stand_in.all_gather, stand_in.all_gather_bucketized, stand_in.all_reduce = (
         all_gather, all_gather_bucketized, all_reduce)
     zero.xm = stand_in
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
