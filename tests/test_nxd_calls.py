@@ -17,6 +17,7 @@ import nxd_smp
 from nxd_smp import CheckpointError, Zero1Optimizer, finalize_checkpoint, has_checkpoint, load_checkpoint, save_checkpoint
 from nxd_smp.checkpoint import inspect_checkpoint, read_checkpoint
 from tests import nxd_stand_in
+from tests.distributed import run_ranks
 from tests.nxd_layout import HYPER, backward, grads, param_groups, scheduler_of
 from tests.test_checkpoint_safety import Exploit
 from tests.xla_export_worker import make_model
@@ -339,3 +340,23 @@ def test_parameters_without_state_in_an_nxd_folder_start_from_zero(tmp_path):
     loaded = read_checkpoint(tmp_path / "ours")["optimizer"]["state"]
     assert not loaded["2.bias"]["exp_avg"].any() and not loaded["2.bias"]["exp_avg_sq"].any()
     assert torch.equal(loaded["0.bias"]["exp_avg"], their_opt.state[theirs[0].bias]["exp_avg"].float())
+
+
+def _one_rank_cannot_read(rank: int, world: int, root: str) -> tuple[str, bool]:
+    import nxd_smp.nxd_checkpoint
+
+    if rank == 1:  # this rank's (TP) files are not there
+        nxd_smp.nxd_checkpoint._coordinate = lambda: (1, 0)
+    model, opt, _ = build(seed=5)
+    before = params(model)
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(root, model=model, optimizer=opt)
+    return str(refused.value), all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_when_one_rank_cannot_read_an_nxd_folder_every_rank_refuses(tmp_path):
+    theirs, their_opt = plain_torch_run()
+    nxd_folder(tmp_path, theirs, their_opt.state_dict())
+    (first, unchanged_0), (second, unchanged_1) = run_ranks(2, _one_rank_cannot_read, str(tmp_path))
+    assert "another rank could not load" in first and "tp_rank_01" in first
+    assert "dp_rank_00_tp_rank_01_pp_rank_00.pt" in second and unchanged_0 and unchanged_1
