@@ -35,13 +35,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .checkpoint_format import CheckpointError, load_small_file, param_group_names
 from .backend import Coordinator
+from .checkpoint_format import CheckpointError, load_small_file, param_group_names
 from .checkpoint_load import agree, check_full_optimizer_state, install_full_optimizer_state, name_differences
 from .xla_state_dict import full_state
 from .zero1_optimizer import Zero1Optimizer
 
-__all__ = ["is_nxd_checkpoint", "nxd_tags", "load_nxd"]
+__all__ = ["is_nxd_checkpoint", "nxd_tags", "load_nxd", "DONE_FILE"]
 
 DONE_FILE = "done"
 MARKER_FILE = "checkpoint"
@@ -49,8 +49,6 @@ USER_CONTENT_FILE = "user_content.pt"
 SCHEDULER_FILE = "scheduler.pt"
 XSER_REFERENCE = "torch_xla.utils.serialization.TensorReference"
 _RANK_FILE = re.compile(r"dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt")
-
-
 _XSER_ADMISSION = threading.Lock()
 
 
