@@ -56,7 +56,7 @@ from .checkpoint import (
     read_checkpoint,
 )
 from .checkpoint_format import group_hyperparameters
-from .checkpoint_load import agree, check_full_optimizer_state, install_full_optimizer_state
+from .checkpoint_load import agree, check_full_optimizer_state, install_full_optimizer_state, name_differences
 from .checkpoint_storage import ChecksumError, UnsafeFileError, read_metadata, read_record
 from .zero1_optimizer import Zero1Optimizer
 
@@ -416,9 +416,8 @@ def _read_and_check(directory: Path, model: nn.Module, optimizer: Zero1Optimizer
     # Names, checked before any tensor is read.
     live = model.state_dict()
     names = managed_param_names(model, optimizer)
-    problems: list[str] = []
-    _named(problems, "missing from the checkpoint", set(live) - set(model_entries))
-    _named(problems, "in the checkpoint but not in the model", set(model_entries) - set(live))
+    problems = name_differences(live, model_entries, "missing from the checkpoint",
+                                "in the checkpoint but not in the model")
     for key in sorted(set(live) & set(model_entries)):
         meta = model_entries[key][1].meta
         if not isinstance(meta, TensorStorageMetadata):
@@ -438,8 +437,8 @@ def _read_and_check(directory: Path, model: nn.Module, optimizer: Zero1Optimizer
                               f"its parameters' FQNs under 'params').")
     native_group = {fqn: number for number, g in groups.items() for fqn in g["params"]}
     state_names = {fqn for fqn, _ in state_entries}
-    _named(problems, "parameters the native optimizer lacks", set(names) - set(native_group))
-    _named(problems, "native optimizer parameters the optimizer does not manage", set(native_group) - set(names))
+    problems += name_differences(names, native_group, "parameters the native optimizer lacks",
+                                 "native optimizer parameters the optimizer does not manage")
     _named(problems, "state for parameters the optimizer does not manage", state_names - set(names))
     if state_names & set(names):  # all or none: a step updates every parameter's state
         _named(problems, "parameters without native optimizer state", set(names) - state_names)
