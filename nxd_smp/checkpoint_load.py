@@ -214,11 +214,11 @@ def plan_load(
     kinds = [("optim", key) for key in saved_opt["tensor_keys"]]
     if saved_opt["master_weights"]:
         kinds.append(("master", None))
-    layouts, masters = optimizer.bucket_layouts, optimizer.master_shards
+    layouts, shards = optimizer.bucket_layouts, optimizer.inner_shards
     for kind, key in kinds:
         buffers = []
-        for layout, master in zip(layouts, masters):
-            buffer = torch.empty(layout.shard_numel, dtype=torch.float32 if kind == "master" else master.dtype)
+        for layout, shard in zip(layouts, shards):
+            buffer = torch.empty(layout.shard_numel, dtype=torch.float32 if kind == "master" else shard.dtype)
             covered = sum(piece.numel for piece in layout.pieces(optimizer.rank))
             buffer[covered:].zero_()  # padding: the pieces fill a prefix of the shard
             buffers.append(buffer)
@@ -277,7 +277,7 @@ def commit_optimizer(
     the current parameters with a warning."""
     inner = optimizer.inner_optimizer
     state = {}
-    for b in range(len(optimizer.master_shards)):
+    for b in range(len(optimizer.bucket_layouts)):
         entry = {key: value.clone() for key, value in scalars[b].items()}
         entry.update({key: bufs[b] for key, bufs in tensors.items()})
         if entry:
@@ -380,7 +380,7 @@ def install_full_optimizer_state(
             buffers[b][piece.shard_start : piece.shard_start + piece.numel].copy_(flat[piece.param_start : piece.param_end])
         return buffers
 
-    shard_dtypes = [master.dtype for master in optimizer.master_shards]
+    shard_dtypes = [shard.dtype for shard in optimizer.inner_shards]
     # A parameter without state (it got no gradient in the saved run: torch creates state
     # lazily) starts from zero moments, in a bucket whose step count the others give.
     live = dict(zip(names, optimizer.managed_params))

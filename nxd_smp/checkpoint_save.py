@@ -220,27 +220,27 @@ def state_to_save(
     optimizer.adopt_param_changes()  # weights changed in place since the last step are the truth
     names = managed_param_names(model, optimizer)
     inner = optimizer.inner_optimizer
-    layouts, masters = optimizer.bucket_layouts, optimizer.master_shards
+    layouts, shards = optimizer.bucket_layouts, optimizer.inner_shards
     tensor_keys: set[str] = set()
     scalar_keys: set[str] = set()
-    for master in masters:
-        for key, value in inner.state.get(master, {}).items():
+    for layout, shard in zip(layouts, shards):
+        for key, value in inner.state.get(shard, {}).items():
             if not isinstance(value, torch.Tensor):
                 raise CheckpointError(f"inner optimizer state '{key}' is not a tensor; it cannot be sharded.")
             if value.dim() == 0:
                 scalar_keys.add(key)
-            elif tuple(value.shape) == tuple(master.shape):
+            elif tuple(value.shape) == (layout.shard_numel,):
                 tensor_keys.add(key)
             else:
                 raise CheckpointError(
                     f"inner optimizer state '{key}' has shape {tuple(value.shape)}, neither a "
-                    f"scalar nor the shard's {tuple(master.shape)}; it cannot be resharded."
+                    f"scalar nor the shard's ({layout.shard_numel},); it cannot be resharded."
                 )
     # Whole shards to the host at once (one transfer each on XLA), cut into pieces there.
-    live = [(b, key, value) for b, master in enumerate(masters) for key, value in inner.state.get(master, {}).items()]
-    live += [(b, None, master) for b, master in enumerate(masters)] if with_masters else []
+    live = [(b, key, value) for b, shard in enumerate(shards) for key, value in inner.state.get(shard, {}).items()]
+    live += [(b, None, master) for b, master in enumerate(optimizer.master_shards)] if with_masters else []
     host, copied_shards = backend.to_host([value for _, _, value in live])
-    shard_state: list[dict[Any, torch.Tensor]] = [{} for _ in masters]
+    shard_state: list[dict[Any, torch.Tensor]] = [{} for _ in shards]
     for (b, key, _), value in zip(live, host):
         shard_state[b][key] = value
     for b, name, piece in named_pieces(layouts, optimizer.rank, names):

@@ -10,21 +10,26 @@ the optimizer's ``step()`` and ``zero_grad()``) the first gradient of a paramete
 *copied* into its ``main_grad``, later ones are added; ``flat(b)`` zeroes only the
 parameters that got no gradient since. So no training loop has to clear anything, and a
 loop that calls ``model.zero_grad()``, ``optimizer.zero_grad()`` or nothing trains the same.
-Nothing here communicates.
+``MainGradBuffers`` does not communicate. ``ShardedMainGrads`` (``use_sharded_grad_acc``)
+keeps only this rank's shard of the fp32 sum: each bucket's gradient is reduce-scattered
+through the backend as soon as backward has produced all of it, every micro-batch, and
+added into the shard, so no full-size fp32 buffer exists.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from collections.abc import Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .backend import Backend, PendingShard
 from .layout import BucketLayout
 from .placement import staggered_empty
 
-__all__ = ["MainGradBuffers", "flatten_grads"]
+__all__ = ["MainGradBuffers", "ShardedMainGrads", "flatten_grads"]
 
 # The hook currently registered on each parameter. A parameter is accumulated by one
 # MainGradBuffers at a time: building a new one for the same parameter (a new optimizer
@@ -84,21 +89,10 @@ class MainGradBuffers:
                 self._attach(params[index], index, owner)
 
     def _attach(self, param: torch.Tensor, index: int, owner: "weakref.ref[MainGradBuffers]") -> None:
-        def accumulate(p: torch.Tensor) -> None:
-            buffers = owner()
-            if buffers is None or p.grad is None:
-                return  # our optimizer is gone: leave .grad as autograd made it
-            buffers.add(index, p.grad)
-            p.grad = None
-
-        previous = _ACTIVE_HOOKS.get(param)
-        if previous is not None:
-            previous.remove()
-        handle = param.register_post_accumulate_grad_hook(accumulate)
-        _ACTIVE_HOOKS[param] = handle
+        _attach_hook(param, index, owner)
 
     @torch.no_grad()
-    def add(self, index: int, grad: torch.Tensor) -> None:
+    def add(self, index: int, grad: torch.Tensor, in_backward: bool = False) -> None:
         """Accumulate ``grad`` for managed parameter ``index``: copied if it is the first
         gradient since the accumulation started, else added."""
         if not self._fresh[index]:
@@ -149,6 +143,185 @@ class MainGradBuffers:
         if padding:
             parts.append(torch.zeros(padding, dtype=self.dtype, device=self._device))
         return torch.cat(parts)
+
+
+def _attach_hook(param: torch.Tensor, index: int, owner: weakref.ref) -> None:
+    """After each backward, ``owner().add(index, param.grad)`` and ``param.grad = None``."""
+
+    def accumulate(p: torch.Tensor) -> None:
+        buffers = owner()
+        if buffers is None or p.grad is None:
+            return  # our optimizer is gone: leave .grad as autograd made it
+        buffers.add(index, p.grad, in_backward=True)
+        p.grad = None
+
+    previous = _ACTIVE_HOOKS.get(param)
+    if previous is not None:
+        previous.remove()
+    handle = param.register_post_accumulate_grad_hook(accumulate)
+    _ACTIVE_HOOKS[param] = handle
+
+
+class ShardedMainGrads:
+    """This rank's shard of the fp32 gradient sum, filled bucket by bucket during backward.
+
+    Args:
+        params: all managed parameters; ``layouts`` index into this list.
+        layouts: one per bucket.
+        backend: the reduce-scatters (``reduce_scatter_start``) and where the shards live.
+        wire_dtype: per bucket, the dtype its gradient is reduce-scattered in.
+        in_flight: how many buckets' reduce-scatters may be under way at once (each holds
+            one bucket of staging); more overlap, more memory.
+
+    One backward pass is the gradients between its first hook and its end (an autograd
+    final callback). A bucket whose parameters have all delivered their gradient is
+    launched; launches go in one fixed order, the buckets from last to first (backward
+    reaches the last parameters first), so every rank issues the same collectives in the
+    same order whatever its data. At the end of the pass the rest are launched, a parameter
+    without a gradient counting zero (every rank reduce-scatters every bucket once per
+    backward), and every shard is added into the fp32 sum: copied if it is the first since
+    the accumulation started, else added. Sums are fp32 over micro-batches, and over ranks
+    in the wire dtype (fp32 unless ``reduce_dtype`` lowers it).
+    """
+
+    contiguous = False  # (there is no full-size buffer to hand to anyone)
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        layouts: Sequence[BucketLayout],
+        backend: Backend,
+        wire_dtype: Sequence[torch.dtype],
+        in_flight: int = 2,
+    ):
+        self.dtype = torch.float32
+        self._layouts = list(layouts)
+        self._backend = backend
+        self._wire = list(wire_dtype)
+        self._in_flight_max = max(1, int(in_flight))
+        self._shapes = [p.shape for p in params]
+        self._bucket_of = {}
+        for b, layout in enumerate(layouts):
+            for index in layout.param_indices:
+                self._bucket_of[index] = b
+        self._persistent = backend.persistent_grad_buffers
+        # The sum per bucket shard: persistent buffers on eager devices, this step's tensors
+        # on XLA. ``_fresh[b]``: nothing added since the accumulation started.
+        self._sums: list[torch.Tensor | None] = [
+            staggered_empty(layout.shard_numel, self.dtype, backend.device, "grad").zero_() if self._persistent else None
+            for layout in layouts
+        ]
+        self._fresh = [True] * len(layouts)
+        self._order = list(reversed(range(len(layouts))))
+        self._new_pass()
+        owner = weakref.ref(self)
+        for layout in layouts:
+            for index in layout.param_indices:
+                _attach_hook(params[index], index, owner)
+
+    def _new_pass(self) -> None:
+        self._in_pass = False
+        self._grads: list[dict[int, torch.Tensor]] = [{} for _ in self._layouts]
+        self._next = 0  # position in ``_order`` of the next bucket to launch
+        self._pending: deque[tuple[int, PendingShard]] = deque()
+
+    # ---------------------------------------------------------------- during backward
+    @torch.no_grad()
+    def add(self, index: int, grad: torch.Tensor, in_backward: bool = False) -> None:
+        """This pass's gradient of managed parameter ``index``. From a hook
+        (``in_backward``), the pass ends with the backward; otherwise ``end_pass()`` ends it."""
+        if not self._in_pass:
+            self._in_pass = True
+            if in_backward:
+                torch.autograd.Variable._execution_engine.queue_callback(self.end_pass)
+        b = self._bucket_of[index]
+        mine = self._grads[b]
+        mine[index] = mine[index] + grad if index in mine else grad  # (twice in one pass: reentrant backward)
+        if len(mine) == len(self._layouts[b].param_indices):
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self._order):
+            b = self._order[self._next]
+            if len(self._grads[b]) != len(self._layouts[b].param_indices):
+                return  # launches keep their order: a later bucket waits for this one
+            self._launch(b)
+
+    def _launch(self, b: int) -> None:
+        while len(self._pending) >= self._in_flight_max:
+            self._finish_one()  # its staging goes before this bucket's comes
+        flat = self._flatten(b)
+        self._grads[b] = {}
+        self._next += 1
+        self._pending.append((b, self._backend.reduce_scatter_start(flat)))
+
+    def _flatten(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s gradient of this pass, flat and padded, in its wire dtype."""
+        layout, grads, dtype = self._layouts[b], self._grads[b], self._wire[b]
+        device = self._backend.device
+        if self._persistent:
+            flat = torch.empty(layout.padded_numel, dtype=dtype, device=device)
+            for i, index in enumerate(layout.param_indices):
+                start, end = layout.param_range(i)
+                if index in grads:
+                    flat[start:end].copy_(grads[index].reshape(-1))
+                else:
+                    flat[start:end].zero_()
+            flat[layout.numel :].zero_()
+            return flat
+        # XLA: one concatenation (slice updates of a large buffer would each copy it)
+        parts = [
+            grads[index].reshape(-1).to(dtype) if index in grads
+            else torch.zeros(self._shapes[index].numel(), dtype=dtype, device=device)
+            for index in layout.param_indices
+        ]
+        if layout.padded_numel > layout.numel:
+            parts.append(torch.zeros(layout.padded_numel - layout.numel, dtype=dtype, device=device))
+        return torch.cat(parts)
+
+    def _finish_one(self) -> None:
+        b, pending = self._pending.popleft()
+        shard = pending.wait()
+        total = self._sums[b]
+        if self._persistent:
+            if self._fresh[b]:
+                total.copy_(shard)
+            else:
+                total.add_(shard)
+        else:
+            shard = shard.to(self.dtype)
+            self._sums[b] = shard if self._fresh[b] else total + shard
+        self._fresh[b] = False
+
+    @torch.no_grad()
+    def end_pass(self) -> None:
+        """Launch every bucket not launched in this pass (in the fixed order) and add every
+        shard into the sums. Runs at the end of each backward."""
+        if not self._in_pass:
+            return
+        while self._next < len(self._order):
+            self._launch(self._order[self._next])
+        while self._pending:
+            self._finish_one()
+        self._new_pass()
+
+    # ---------------------------------------------------------------- at step time
+    def start_new_accumulation(self) -> None:
+        """Forget the accumulation: the next shard of each bucket is copied, and a bucket
+        without one counts zero. No memory is touched."""
+        self._fresh = [True] * len(self._layouts)
+        if not self._persistent:
+            self._sums = [None] * len(self._layouts)
+
+    def shard(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s accumulated gradient shard, fp32 (zeros if it got none)."""
+        if self._fresh[b]:
+            if self._persistent:
+                self._sums[b].zero_()
+            else:
+                self._sums[b] = torch.zeros(self._layouts[b].shard_numel, dtype=self.dtype, device=self._backend.device)
+            self._fresh[b] = False
+        return self._sums[b]
 
 
 def flatten_grads(

@@ -8,6 +8,13 @@ master is rebuilt from it. torch's in-place version counter (``p._version``) tel
 parameters were written, at no cost per step; writes through ``.data`` are not counted
 (``rebuild`` is the call for them).
 
+With remainders (``use_param_remainders``) no fp32 shard is kept between steps: the master
+is the bf16 parameter plus an int16 remainder of this rank's shard (``precision_ops.
+split_master``), 2 bytes per parameter sharded instead of 4. ``begin_update`` rebuilds the
+fp32 shards for the inner step, ``publish`` splits them again (the parameter rounded to
+nearest, ties away from zero: the rounding of this mode) and frees them. A parameter written
+from outside gets a zero remainder: its master is its value.
+
 Every operation is element-wise on this rank's shard, with no rank in the graph: the
 parameters' shard comes from the backend (``param_shard``), and a per-parameter mask is
 built over the whole bucket and cut with ``local_shard``.
@@ -22,6 +29,7 @@ import torch
 from .backend import Backend
 from .layout import BucketLayout
 from .placement import staggered_empty
+from .precision_ops import join_master, split_master
 
 __all__ = ["MasterWeights"]
 
@@ -34,6 +42,9 @@ class MasterWeights:
         shard_dtype: the master dtype for a parameter dtype (fp32 under SMP).
         alias: the master shard is the parameters' own shard (no master weights on a
             backend whose ``param_shard`` is the parameters' memory).
+        remainders: keep each master as the bf16 parameter plus an int16 remainder; then
+            ``shards`` (what the inner optimizer steps) hold data only between
+            ``begin_update`` and ``publish``, and ``values()`` rebuilds the fp32 masters.
     """
 
     def __init__(
@@ -43,13 +54,28 @@ class MasterWeights:
         backend: Backend,
         shard_dtype: Callable[[torch.dtype], torch.dtype],
         alias: bool,
+        remainders: bool = False,
     ):
         self._params = list(params)
         self._layouts = list(layouts)
         self._backend = backend
         self.alias = alias
         self.shards: list[torch.Tensor] = []
+        self.remainders: list[torch.Tensor] | None = None
         with torch.no_grad():
+            if remainders:
+                if any(p.dtype != torch.bfloat16 for p in params):
+                    raise ValueError(
+                        "use_param_remainders=True keeps fp32 masters as bf16 parameters plus 16 bits; "
+                        f"these parameters are {sorted({str(p.dtype) for p in params})}. Cast the model "
+                        "to torch.bfloat16, or turn use_param_remainders off."
+                    )
+                # The parameters are exactly their masters: zero remainders.
+                self.remainders = [torch.zeros(layout.shard_numel, dtype=torch.int16, device=backend.device)
+                                   for layout in layouts]
+                self.shards = [self._empty() for _ in layouts]
+                self.record_versions()
+                return
             for b, layout in enumerate(layouts):
                 current = backend.param_shard(b)
                 if alias:
@@ -58,6 +84,26 @@ class MasterWeights:
                 dtype = shard_dtype(params[layout.param_indices[0]].dtype)
                 self.shards.append(staggered_empty(current.numel(), dtype, backend.device, "master").copy_(current))
         self.record_versions()
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.float32, device=self._backend.device)
+
+    def _join(self, b: int) -> torch.Tensor:
+        return join_master(self._backend.param_shard(b), self.remainders[b], self._backend.bitcast)
+
+    def values(self) -> list[torch.Tensor]:
+        """The master shards' values (with remainders: rebuilt, new tensors)."""
+        if self.remainders is None:
+            return list(self.shards)
+        with torch.no_grad():
+            return [self._join(b) for b in range(len(self._layouts))]
+
+    def begin_update(self) -> None:
+        """With remainders: give ``shards`` the fp32 masters for the inner step."""
+        if self.remainders is not None:
+            with torch.no_grad():
+                for b, shard in enumerate(self.shards):
+                    shard.data = self._join(b)
 
     def record_versions(self) -> None:
         """What the parameters hold now is what the masters say (the optimizer wrote it)."""
@@ -69,17 +115,38 @@ class MasterWeights:
         return [i for i, p in enumerate(self._params) if p._version != self._versions[i]]
 
     def publish(self) -> None:
-        """The parameters become the masters (cast, gathered on every rank)."""
-        self._backend.publish(self.shards)
+        """The parameters become the masters (cast, gathered on every rank); with remainders
+        the fp32 shards are split into parameters and remainders and freed."""
+        if self.remainders is None:
+            self._backend.publish(self.shards)
+        else:
+            self._backend.publish(self._split([shard.data for shard in self.shards]))
+            for shard in self.shards:
+                shard.data = self._empty()
         self.record_versions()
+
+    @torch.no_grad()
+    def _split(self, masters: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The remainders of fp32 ``masters`` kept (in place); their bf16 parameters returned."""
+        params = []
+        for remainder, master in zip(self.remainders, masters):
+            param, low = split_master(master, self._backend.bitcast)
+            remainder.copy_(low)
+            params.append(param)
+        return params
 
     @torch.no_grad()
     def load(self, shards: Sequence[torch.Tensor]) -> None:
         """Set the masters (same shapes as ``shards``) and publish them into the parameters."""
-        if len(shards) != len(self.shards) or any(
-            tuple(a.shape) != tuple(b.shape) for a, b in zip(shards, self.shards)
+        if len(shards) != len(self._layouts) or any(
+            tuple(a.shape) != (layout.shard_numel,) for a, layout in zip(shards, self._layouts)
         ):
             raise ValueError("master shards do not match this optimizer's layout.")
+        if self.remainders is not None:
+            masters = [saved.to(device=self._backend.device, dtype=torch.float32) for saved in shards]
+            self._backend.publish(self._split(masters))
+            self.record_versions()
+            return
         for master, saved in zip(self.shards, shards):
             master.copy_(saved)
         self.publish()
@@ -104,6 +171,16 @@ class MasterWeights:
             members = [index in wanted for index in layout.param_indices]
             if not any(members) or self.alias:
                 continue  # (aliased: the master shard is the parameters' memory itself)
+            if self.remainders is not None:
+                # The written values are the truth; which element kept its old value cannot be
+                # told from 16 bits, so the whole parameter's remainder goes.
+                remainder = self.remainders[b]
+                if all(members):
+                    remainder.zero_()
+                else:
+                    take = self._backend.local_shard(self._bucket_mask(layout, members))
+                    remainder.copy_(torch.where(take, torch.zeros_like(remainder), remainder))
+                continue
             current = self._backend.param_shard(b)
             master = self.shards[b]
             if only_changed_values:

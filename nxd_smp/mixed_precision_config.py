@@ -81,23 +81,42 @@ class MixedPrecisionConfig:
             ``.grad`` in the parameter dtype.
         use_master_weights_in_ckpt: write the master weights into checkpoints.
             Requires ``use_master_weights``.
+        use_sharded_grad_acc: (nxd_smp's, memory) accumulate only this rank's shard of the
+            fp32 gradient: each bucket is reduce-scattered as soon as backward completes it,
+            every micro-batch, and added into the shard; no full-size fp32 buffer. Requires
+            ``use_fp32_grad_acc``.
+        use_param_remainders: (nxd_smp's, memory) keep each fp32 master as the bf16 parameter
+            plus a 16-bit remainder of this rank's shard (2 bytes per parameter sharded
+            instead of 4); parameters then round to nearest with ties away from zero.
+            Requires ``use_master_weights`` and bf16 parameters.
     """
 
     use_master_weights: bool = True
     use_fp32_grad_acc: bool = True
     use_master_weights_in_ckpt: bool = False
+    use_sharded_grad_acc: bool = False
+    use_param_remainders: bool = False
 
-    _FIELDS = ("use_master_weights", "use_fp32_grad_acc", "use_master_weights_in_ckpt")
+    _NXD_FIELDS = ("use_master_weights", "use_fp32_grad_acc", "use_master_weights_in_ckpt")
+    _FIELDS = _NXD_FIELDS + ("use_sharded_grad_acc", "use_param_remainders")
 
     def __post_init__(self) -> None:
         for name in self._FIELDS:
             require_bool("mixed_precision_config", name, getattr(self, name))
-        if self.use_master_weights_in_ckpt and not self.use_master_weights:
-            raise ConfigError(
-                "mixed_precision_config.use_master_weights_in_ckpt=True needs "
-                "use_master_weights=True: there are no master weights to save. Set "
-                "use_master_weights=True or use_master_weights_in_ckpt=False."
-            )
+        for name, needs in (("use_master_weights_in_ckpt", "use_master_weights"),
+                            ("use_param_remainders", "use_master_weights"),
+                            ("use_sharded_grad_acc", "use_fp32_grad_acc")):
+            if getattr(self, name) and not getattr(self, needs):
+                raise ConfigError(
+                    f"mixed_precision_config.{name}=True needs {needs}=True ({self._NEEDS[name]}). "
+                    f"Set {needs}=True or {name}=False."
+                )
+
+    _NEEDS = {
+        "use_master_weights_in_ckpt": "there are no master weights to save",
+        "use_param_remainders": "the remainders are the low half of fp32 master weights",
+        "use_sharded_grad_acc": "it shards the fp32 gradient accumulation",
+    }
 
     @classmethod
     def from_dict(
@@ -106,8 +125,8 @@ class MixedPrecisionConfig:
         """Build from an NxD ``mixed_precision_config`` dict, NxD's way.
 
         Missing keys (or ``d=None``) default to ``zero_one_enabled`` for
-        ``use_master_weights`` and ``use_fp32_grad_acc`` and to False for
-        ``use_master_weights_in_ckpt``. ``d`` is not modified.
+        ``use_master_weights`` and ``use_fp32_grad_acc`` and to False for the others. ``d``
+        is not modified.
 
         Raises:
             ConfigError: unknown keys, non-bool values, an SMP flag without ZeRO-1,
@@ -120,6 +139,8 @@ class MixedPrecisionConfig:
             "use_master_weights": d.get("use_master_weights", zero_one_enabled),
             "use_fp32_grad_acc": d.get("use_fp32_grad_acc", zero_one_enabled),
             "use_master_weights_in_ckpt": d.get("use_master_weights_in_ckpt", False),
+            "use_sharded_grad_acc": d.get("use_sharded_grad_acc", False),
+            "use_param_remainders": d.get("use_param_remainders", False),
         }
         for name, value in values.items():
             require_bool("mixed_precision_config", name, value)
@@ -131,7 +152,8 @@ class MixedPrecisionConfig:
                     "Set optimizer_config['zero_one_enabled']=True or "
                     "mixed_precision_config['use_master_weights']=False."
                 )
-            for name in ("use_fp32_grad_acc", "use_master_weights_in_ckpt"):
+            for name in ("use_fp32_grad_acc", "use_master_weights_in_ckpt", "use_sharded_grad_acc",
+                         "use_param_remainders"):
                 if values[name]:
                     raise ConfigError(
                         f"Non Zero-1 optimizer does not support {name}. Set "

@@ -9,7 +9,10 @@
 * dtype names: ``parse_dtype`` / ``apply_dtype`` (``"torch.tf32"`` is fp32 storage with
   TF32 matmuls on CUDA);
 * ``stochastic_round``: fp32 -> bf16, unbiased and seeded, the software stand-in for
-  Neuron's hardware stochastic rounding on other devices.
+  Neuron's hardware stochastic rounding on other devices;
+* ``split_master`` / ``join_master``: an fp32 value as a bf16 value plus an int16 remainder
+  and back, exactly (TransformerEngine's parameter remainders); ``round_ties_away`` is the
+  rounding that split makes.
 
 Numerics only: nothing here knows about sharding or reads the environment
 (``set_stochastic_rounding``, re-exported here, lives in ``runtime_env``).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,6 +49,9 @@ __all__ = [
     "apply_dtype",
     "set_stochastic_rounding",
     "stochastic_round",
+    "split_master",
+    "join_master",
+    "round_ties_away",
 ]
 
 log = logging.getLogger(__name__)
@@ -395,3 +402,53 @@ def stochastic_round(x: torch.Tensor, *, generator: torch.Generator | None = Non
     draw = torch.rand(x.shape, generator=generator, device=x.device)
     rounded = torch.where(draw < diff.abs() / spacing, nearest + torch.sign(diff) * spacing, nearest)
     return torch.where(torch.isfinite(x), rounded, x).to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------- parameter remainders
+def _view(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.view(dtype)
+
+
+Bitcast = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
+
+
+def split_master(master: torch.Tensor, bitcast: Bitcast = _view) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``master`` as a bf16 value and an int16 remainder, exactly (``join_master``
+    inverts it): the bf16 is the upper half of the fp32 bit pattern, rounded on the bit
+    pattern as TransformerEngine does (up in magnitude when the lower half is 0x8000 or more:
+    to nearest, ties away from zero), and the remainder is the lower half.
+
+    Sixteen bits cannot tell which fp32 values round to nearest-even onto a bf16 (an even
+    bf16 has 65,537 of them); with this rounding every bf16 has exactly 65,536, so the pair
+    is the fp32 value. It differs from nearest-even only on ties (lower half exactly 0x8000
+    under an even upper half). A NaN stays NaN.
+
+    ``bitcast(tensor, dtype)`` reinterprets bits (``Tensor.view(dtype)`` by default; the
+    backends give one that stays on the device).
+    """
+    if master.dtype != _F32:
+        raise ValueError(f"split_master takes an fp32 tensor, got {master.dtype}.")
+    bits = bitcast(master, torch.int32)
+    # Right shifts only of multiples of 2^16 (torch_xla shifts negative numbers toward zero).
+    low = (bits << 16) >> 16  # the lower half, sign-extended: negative when it is 0x8000 or more
+    high = (bits - low) >> 16  # the upper half, plus one where ``low`` is negative: the rounding
+    param = bitcast(high.to(torch.int16), torch.bfloat16)
+    param = torch.where(torch.isnan(master), master.to(torch.bfloat16), param)  # 0x7FFF + 1 is no NaN
+    return param, low.to(torch.int16)
+
+
+def join_master(param: torch.Tensor, remainder: torch.Tensor, bitcast: Bitcast = _view) -> torch.Tensor:
+    """The fp32 value that ``split_master`` turned into bf16 ``param`` and int16 ``remainder``.
+    A remainder of zero gives ``param`` itself."""
+    if param.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
+        raise ValueError(
+            f"join_master takes a bf16 parameter and an int16 remainder, got {param.dtype} and {remainder.dtype}."
+        )
+    high = bitcast(param, torch.int16).to(torch.int32)
+    return bitcast((high << 16) + remainder.to(torch.int32), _F32)  # undoes the rounding of a negative low half
+
+
+def round_ties_away(x: torch.Tensor, bitcast: Bitcast = _view) -> torch.Tensor:
+    """fp32 ``x`` to bf16, to nearest with ties away from zero (the parameter that
+    ``split_master`` keeps)."""
+    return split_master(x, bitcast)[0]

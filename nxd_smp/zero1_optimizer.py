@@ -39,7 +39,7 @@ from .backend import Backend, GroupSpec, NormGroupSpec, norm_backends, select_ba
 from .backend.eager import DEFAULT_BUCKET_CAP_MB
 from .backend.xla import DEFAULT_BUCKET_CAP_MB as DEFAULT_XLA_BUCKET_CAP_MB
 from .fused_adamw import CompiledAdamW, applies_to
-from .grad_accum import MainGradBuffers, flatten_grads
+from .grad_accum import MainGradBuffers, ShardedMainGrads, flatten_grads
 from .grad_norm import clip_coefficient, global_norm, norm_role, sum_of_squares
 from .inner_step import InnerStep
 from .layout import BucketLayout, plan_buckets
@@ -261,8 +261,16 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     @property
     def master_shards(self) -> list[torch.Tensor]:
-        """This rank's shard of each bucket, in the shard dtype: the inner optimizer's
-        parameters (fp32 master weights under SMP)."""
+        """This rank's shard of each bucket, in the shard dtype (fp32 master weights under
+        SMP): the inner optimizer's parameters, or with ``use_param_remainders`` new tensors
+        rebuilt from the parameters and their remainders."""
+        self._require_initialized()
+        return self._masters.values()
+
+    @property
+    def inner_shards(self) -> list[torch.Tensor]:
+        """The inner optimizer's parameters, one per bucket: the keys of its state. With
+        ``use_param_remainders`` they hold data only inside ``step()``."""
         self._require_initialized()
         return list(self._masters.shards)
 
@@ -350,12 +358,15 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._masters = MasterWeights(
             params, self._layouts, self._backend, self._shard_dtype,
             alias=self._backend.param_shard_is_storage and not self._mp.use_master_weights,
+            remainders=self._mp.use_param_remainders,
         )
-        self._main_grads = (
-            MainGradBuffers(params, self._layouts, torch.float32, self._backend.device,
-                            contiguous=self._backend.persistent_grad_buffers)
-            if self._mp.use_fp32_grad_acc else None
-        )
+        self._main_grads: MainGradBuffers | ShardedMainGrads | None = None
+        if self._mp.use_sharded_grad_acc:
+            wire = [self._wire_dtype(params[layout.param_indices[0]].dtype) for layout in self._layouts]
+            self._main_grads = ShardedMainGrads(params, self._layouts, self._backend, wire)
+        elif self._mp.use_fp32_grad_acc:
+            self._main_grads = MainGradBuffers(params, self._layouts, torch.float32, self._backend.device,
+                                               contiguous=self._backend.persistent_grad_buffers)
         inner_groups = []
         for gi, group in enumerate(self.param_groups):
             hyper = {k: v for k, v in group.items() if k != "params"}
@@ -367,7 +378,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             sr_generator=self._backend.random_generator(self._config.sr_seed) if self._config.stochastic_rounding else None,
         )
         self._compiled = None
-        if self._may_compile:
+        if self._may_compile and not self._mp.use_param_remainders:  # (it rounds to nearest even)
             if applies_to(self._inner, self._backend.device):
                 self._compiled = CompiledAdamW(self._inner)
             elif self._config.compile_update:
@@ -428,6 +439,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         coef = self._gradient_coefficient(norm)  # clip (with the mean's 1/N and the loss scale)
         self._inner_step.pull_hyperparameters(self.param_groups)
         if inner_args or not self._compiled_step(grads, coef, found_inf):
+            self._masters.begin_update()  # (remainders: the fp32 masters exist from here to publish)
             self._inner_step(grads, coef, found_inf, inner_args)  # inner step
             self._masters.publish()  # publish
         self._inner_step.push_hyperparameters(self.param_groups)
@@ -446,6 +458,13 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 if p.grad is not None:              # or computed before the optimizer existed)
                     grads.add(i, p.grad)
                     p.grad = None
+        if isinstance(grads, ShardedMainGrads):
+            # Reduced during backward already. (A .grad set by hand is reduced here as one
+            # more pass; every rank must then have one, as every rank runs each backward.)
+            grads.end_pass()
+            shards = [grads.shard(b) for b in range(len(self._layouts))]
+            grads.start_new_accumulation()
+            return [s if s.dtype == m.dtype else s.to(m.dtype) for s, m in zip(shards, self._masters.shards)]
         flats, spares = [], []
         for b, layout in enumerate(self._layouts):
             wire = self._wire_dtype(self._managed[layout.param_indices[0]].dtype)
@@ -517,6 +536,12 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._require_initialized()
         if self._main_grads is None:
             raise RuntimeError("main_grad exists only with use_fp32_grad_acc=True.")
+        if isinstance(self._main_grads, ShardedMainGrads):
+            raise RuntimeError(
+                "main_grad is not kept with use_sharded_grad_acc=True: each rank holds only its "
+                "shard of the gradient, summed over ranks, and no rank has a parameter's whole "
+                "gradient. Turn use_sharded_grad_acc off to read it."
+            )
         for i, p in enumerate(self._managed):
             if p is param:
                 return self._main_grads.main_grad(i)
@@ -556,7 +581,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             "inner": self._inner.state_dict(),
         }
         if self._mp.use_master_weights_in_ckpt:
-            state["master_weights"] = [m.detach().clone() for m in self._masters.shards]
+            state["master_weights"] = [m.detach().clone() for m in self._masters.values()]
         if self._scaler is not None:
             state["loss_scaler"] = self._scaler.state_dict()
         return state
@@ -589,8 +614,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
             )
         masters = state_dict.get("master_weights")
         if masters is not None:
-            if len(masters) != len(self._masters.shards) or any(
-                tuple(a.shape) != tuple(b.shape) for a, b in zip(masters, self._masters.shards)
+            if len(masters) != len(self._layouts) or any(
+                tuple(a.shape) != (layout.shard_numel,) for a, layout in zip(masters, self._layouts)
             ):
                 problems.append("master weight shard shapes")
         if problems:

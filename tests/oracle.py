@@ -109,6 +109,10 @@ class Scenario:
     # and so the oracle, is the same for all three.
     clear: str = "optimizer"
     fixed_grads: bool = False  # gradients from ``fixed_grads`` instead of the model's loss
+    # Memory options: each micro-batch's gradient summed over ranks (in the wire dtype), then
+    # over micro-batches in fp32; parameters rounded to nearest with ties away from zero.
+    sharded_acc: bool = False
+    remainders: bool = False
     bucket_cap_mb: float = 0.0004  # ~100 fp32 elements: several buckets per group
 
     @property
@@ -160,22 +164,32 @@ def _run_oracle(s: Scenario, ranks_per_step: list[list[int]]) -> tuple[dict[str,
     for step in range(s.steps):
         data_ranks = ranks_per_step[step]
         world_size = len(data_ranks)
+        def backward(rank: int, micro: int) -> list[torch.Tensor]:
+            model.zero_grad(set_to_none=True)
+            if s.fixed_grads:
+                fixed_grad_loss(model, fixed_grads(s.seed, data_ranks[rank], step, micro, model)).backward()
+            else:
+                x, y = batch(s.seed, data_ranks[rank], step, micro)
+                loss_fn(model, x, y).backward()
+            return [torch.zeros(p.shape) if p.grad is None else p.grad.float() for p in managed]
+
         total = [None] * len(managed)
-        for rank in range(world_size):
-            acc = [torch.zeros(p.shape, dtype=acc_dtype) for p in managed]
+        if s.sharded_acc:  # micro-batch by micro-batch: a sum over ranks, then into fp32
+            total = [torch.zeros(p.shape) for p in managed]
             for micro in range(s.micro):
-                model.zero_grad(set_to_none=True)
-                if s.fixed_grads:
-                    fixed_grad_loss(model, fixed_grads(s.seed, data_ranks[rank], step, micro, model)).backward()
-                else:
-                    x, y = batch(s.seed, data_ranks[rank], step, micro)
-                    loss_fn(model, x, y).backward()
-                for i, p in enumerate(managed):
-                    if p.grad is not None:
-                        acc[i] = acc[i] + p.grad.to(acc_dtype)
-            for i in range(len(managed)):
-                wire = acc[i].to(s.wire_dtype)
-                total[i] = wire if rank == 0 else total[i] + wire
+                wire = [None] * len(managed)
+                for rank in range(world_size):
+                    for i, g in enumerate(backward(rank, micro)):
+                        wire[i] = g.to(s.wire_dtype) if rank == 0 else wire[i] + g.to(s.wire_dtype)
+                total = [t + w.float() for t, w in zip(total, wire)]
+        else:
+            for rank in range(world_size):
+                acc = [torch.zeros(p.shape, dtype=acc_dtype) for p in managed]
+                for micro in range(s.micro):
+                    acc = [a + g.to(acc_dtype) for a, g in zip(acc, backward(rank, micro))]
+                for i in range(len(managed)):
+                    wire = acc[i].to(s.wire_dtype)
+                    total[i] = wire if rank == 0 else total[i] + wire
         grads = [t.to(shard_dtype) / world_size for t in total]
         norm = math.sqrt(sum(float(g.float().pow(2).sum()) for g in grads))
         if s.grad_clipping:
@@ -186,10 +200,19 @@ def _run_oracle(s: Scenario, ranks_per_step: list[list[int]]) -> tuple[dict[str,
         inner.step()
         with torch.no_grad():
             for p in managed:
-                p.copy_(masters[id(p)].to(p.dtype))
+                p.copy_(round_ties_away(masters[id(p)]) if s.remainders else masters[id(p)].to(p.dtype))
         norms.append(norm)
     model.zero_grad(set_to_none=True)
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def round_ties_away(x: torch.Tensor) -> torch.Tensor:
+    """fp32 to bf16 on the bit pattern, TransformerEngine's way: the upper 16 bits, plus one
+    when the lower 16 are 0x8000 or more (to nearest, ties away from zero). Unsigned
+    arithmetic in int64, written apart from nxd_smp's signed version."""
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    upper = ((bits >> 16) + ((bits & 0xFFFF) >= 0x8000).to(torch.int64)) & 0xFFFF
+    return torch.where(upper >= 0x8000, upper - 0x10000, upper).to(torch.int16).view(torch.bfloat16)
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,13 @@ ORACLE_CASES = [
     Case("neuron_zero1_nxd_settings", scenario("neuron", max_norm=0.3), api="neuron"),
     Case("initialize_parallel_optimizer", scenario("nxd", "SGD", opt_kwargs=SGD, lr_a=0.05, lr_b=0.02,
                                                    max_norm=0.05, clear="model"), api="nxd_config"),
+    # The memory options: gradients reduce-scattered inside the backward graph (which holds
+    # the step too: the loop syncs once per step, as NxD's do), masters as remainders.
+    Case("adamw_sharded_grad_acc", scenario("sharded", max_norm=0.5, sharded_acc=True)),
+    Case("sgd_param_remainders", scenario("remainders", "SGD", opt_kwargs=SGD, lr_a=0.05, lr_b=0.02,
+                                          max_norm=0.05, remainders=True)),
+    Case("memory_options_nxd_config", scenario("memory", max_norm=0.3, sharded_acc=True, remainders=True,
+                                               clear="model"), api="nxd_config"),
 ]
 PAIRS = Case("adamw_pairs_of_replicas", scenario("pairs", max_norm=0.5), groups=((0, 1), (2, 3)))
 FP16_OVERFLOW = Case("fp16_overflow_on_rank_1", scenario("fp16", max_norm=0.5), dtype=torch.float16,
@@ -147,6 +154,16 @@ def test_the_step_graph_has_no_rank_baked_in_and_no_slice_update_chains(replicas
     # one element per rank on the XLA CPU device, whose all-reduce takes no channel id)
     assert buckets > 1 and hlo.count("reduce-scatter(") == buckets
     assert hlo.count("all-gather(") == buckets + 1
+
+
+def test_sharded_accumulation_reduce_scatters_each_micro_batch_inside_the_backward_graph(replicas):
+    """One graph per step (the loop syncs after the step): each of the 2 micro-batches'
+    backward reduce-scatters every bucket, and the step adds none of its own."""
+    n, ranks, _ = replicas
+    sharded, default = ranks[0]["adamw_sharded_grad_acc"], ranks[0]["adamw_smp_clip_active"]
+    assert sharded["buckets"] == default["buckets"] > 1
+    assert default["hlo"].count("reduce-scatter(") == default["buckets"]
+    assert sharded["hlo"].count("reduce-scatter(") == 2 * sharded["buckets"]
 
 
 @DP4

@@ -45,8 +45,21 @@ SCENARIOS = [
     *[Scenario(f"nxd_sweep_adamw_max_norm_{m}", "AdamW", steps=5, micro=1, max_norm=m, api="nxd_config")
       for m in (0.01, 0.1, 1.0, 10.0)],
     Scenario("nxd_sweep_adamw_no_clipping", "AdamW", steps=5, micro=1, grad_clipping=False, api="nxd_config"),
+    # The memory options (issue 18): sharded fp32 accumulation through every loop shape,
+    # parameter remainders, both together, and through NxD's config dict.
+    Scenario("adamw_sharded_acc", "AdamW", sharded_acc=True),
+    Scenario("sgd_sharded_acc_clip_active", "SGD", SGD, lr_a=0.05, lr_b=0.02, max_norm=0.05, sharded_acc=True),
+    Scenario("sgd_sharded_acc_bf16_wire", "SGD", SGD, lr_a=0.05, lr_b=0.02, wire=torch.bfloat16, sharded_acc=True),
+    Scenario("sgd_sharded_acc_loop_clears_nothing", "SGD", SGD, lr_a=0.05, lr_b=0.02, max_norm=0.05,
+             clear="none", sharded_acc=True),
+    Scenario("adamw_sharded_acc_loop_calls_model_zero_grad", "AdamW", clear="model", sharded_acc=True),
+    Scenario("adamw_sharded_acc_one_bucket", "AdamW", sharded_acc=True, bucket_cap_mb=float("inf")),
+    Scenario("adamw_remainders", "AdamW", remainders=True),
+    Scenario("sgd_remainders_clip_active", "SGD", SGD, lr_a=0.05, lr_b=0.02, max_norm=0.05, remainders=True),
+    Scenario("adamw_memory_options_nxd_config", "AdamW", api="nxd_config", max_norm=0.3, sharded_acc=True,
+             remainders=True),
 ]
-LEGACY_LIKE = {"adamw_legacy", "sgd_master_bf16_accumulation", "sgd_bf16_wire"}
+LEGACY_LIKE = {"adamw_legacy", "sgd_master_bf16_accumulation", "sgd_bf16_wire", "sgd_sharded_acc_bf16_wire"}
 
 
 def build_optimizer(s: Scenario, groups):
@@ -56,7 +69,8 @@ def build_optimizer(s: Scenario, groups):
             groups,
             cls,
             mixed_precision=MixedPrecisionConfig(
-                use_master_weights=s.master, use_fp32_grad_acc=s.fp32_acc
+                use_master_weights=s.master, use_fp32_grad_acc=s.fp32_acc,
+                use_sharded_grad_acc=s.sharded_acc, use_param_remainders=s.remainders,
             ),
             grad_clipping=s.grad_clipping,
             max_norm=s.max_norm,
@@ -71,7 +85,9 @@ def build_optimizer(s: Scenario, groups):
                 "grad_clipping": s.grad_clipping,
                 "max_grad_norm": s.max_norm,
             },
-            mixed_precision_config={"use_master_weights": s.master, "use_fp32_grad_acc": s.fp32_acc},
+            mixed_precision_config={"use_master_weights": s.master, "use_fp32_grad_acc": s.fp32_acc,
+                                    **({"use_sharded_grad_acc": True} if s.sharded_acc else {}),
+                                    **({"use_param_remainders": True} if s.remainders else {})},
         )
         return initialize_parallel_optimizer(cfg, cls, groups, **s.opt_kwargs)
     assert s.api == "neuron"

@@ -51,12 +51,14 @@ def build(case: Case, groups_arg, param_groups_: list[dict], world: int):
     if case.api == "nxd_config":
         cfg = nxd_smp.neuronx_distributed_config(
             optimizer_config={"zero_one_enabled": True, "grad_clipping": s.grad_clipping, "max_grad_norm": s.max_norm},
-            mixed_precision_config={"use_master_weights": s.master, "use_fp32_grad_acc": s.fp32_acc},
+            mixed_precision_config={"use_master_weights": s.master, "use_fp32_grad_acc": s.fp32_acc,
+                                    "use_sharded_grad_acc": s.sharded_acc, "use_param_remainders": s.remainders},
         )
         return nxd_smp.initialize_parallel_optimizer(cfg, cls, param_groups_, process_group=groups_arg, **s.opt_kwargs)
     return nxd_smp.Zero1Optimizer(
         param_groups_, cls,
-        mixed_precision=MixedPrecisionConfig(use_master_weights=s.master, use_fp32_grad_acc=s.fp32_acc),
+        mixed_precision=MixedPrecisionConfig(use_master_weights=s.master, use_fp32_grad_acc=s.fp32_acc,
+                                             use_sharded_grad_acc=s.sharded_acc, use_param_remainders=s.remainders),
         grad_clipping=s.grad_clipping, max_norm=s.max_norm, process_group=groups_arg,
         bucket_cap_mb=s.bucket_cap_mb, **case.extra, **s.opt_kwargs,
     )

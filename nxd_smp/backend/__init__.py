@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .base import Backend, GroupSpec, NormGroupSpec, is_replica_groups, replica_partition
+from .base import Backend, GroupSpec, NormGroupSpec, PendingShard, is_replica_groups, replica_partition
 from .coordination import CoordinationError, Coordinator
 from .eager import EagerBackend
 from .xla import XlaBackend
@@ -34,6 +34,7 @@ __all__ = [
     "EagerBackend",
     "GroupSpec",
     "NormGroupSpec",
+    "PendingShard",
     "XlaBackend",
     "norm_backends",
     "replica_partition",

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Backend",
+    "PendingShard",
     "GroupSpec",
     "NormGroupSpec",
     "is_replica_groups",
@@ -88,6 +89,25 @@ def replica_partition(ranks: Sequence[int], world_size: int) -> list[list[int]]:
     )
 
 
+class PendingShard:
+    """A reduce-scatter under way: ``wait()`` returns this rank's shard of the sum.
+
+    Args:
+        shard: where the result is (or will be).
+        work: torch.distributed's handle of an asynchronous collective, or None (done).
+        source: the input buffer, kept alive until the collective is done.
+    """
+
+    def __init__(self, shard: torch.Tensor, work: object = None, source: torch.Tensor | None = None):
+        self._shard, self._work, self._source = shard, work, source
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = self._source = None
+        return self._shard
+
+
 class Backend(ABC):
     """Everything that depends on the device, decided once when an optimizer is built.
 
@@ -126,6 +146,13 @@ class Backend(ABC):
         over ranks. The buffers may be overwritten. ``into``: per buffer, an optional tensor
         of the same length whose shard may hold the result (eager devices reuse memory)."""
 
+    def reduce_scatter_start(self, flat: torch.Tensor) -> PendingShard:
+        """Start the reduce-scatter of one flat buffer from a backward hook; ``wait()`` on
+        the result gives this rank's shard of the sum. Eager devices launch it
+        asynchronously (it overlaps the rest of backward); on XLA it is traced into the
+        backward graph, where the compiler schedules it."""
+        return PendingShard(self.reduce_scatter([flat])[0])
+
     @abstractmethod
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         """``tensor = sum over ranks of tensor``, in place."""
@@ -150,6 +177,10 @@ class Backend(ABC):
 
     def check_param_storage(self) -> None:
         """Raise if a parameter's storage was replaced behind the backend's back."""
+
+    def bitcast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``tensor``'s bits read as ``dtype`` (of the same size), on the device."""
+        return tensor.view(dtype)
 
     # ---------------------------------------------------------------- host side
     def random_generator(self, seed: int) -> torch.Generator | None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ..layout import BucketLayout
 from ..placement import staggered_empty
-from .base import Backend, GroupSpec, check_replica_groups, is_replica_groups
+from .base import Backend, GroupSpec, PendingShard, check_replica_groups, is_replica_groups
 from .coordination import Coordinator, LocalCoordinator, ProcessGroupCoordinator
 
 __all__ = ["EagerBackend"]
@@ -124,6 +124,13 @@ class EagerBackend(Backend):
             self._shard(spare).copy_(shard) if spare is not None and spare.dtype != shard.dtype else shard
             for shard, spare in zip(shards, into)
         ]
+
+    def reduce_scatter_start(self, flat: torch.Tensor) -> PendingShard:
+        if self.world_size == 1:
+            return PendingShard(flat)
+        shard = torch.empty(flat.numel() // self.world_size, dtype=flat.dtype, device=flat.device)
+        work = dist.reduce_scatter_tensor(shard, flat, group=self.group, async_op=True)
+        return PendingShard(shard, work, flat)
 
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         if self.world_size > 1:

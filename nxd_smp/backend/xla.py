@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import BucketLayout
-from .base import Backend, GroupSpec, check_replica_groups, is_replica_groups, replica_partition
+from .base import Backend, GroupSpec, PendingShard, check_replica_groups, is_replica_groups, replica_partition
 from .coordination import (
     Coordinator,
     LocalCoordinator,
@@ -57,12 +57,43 @@ _xla_cpu = threading.local()
 def restart_channel_ids() -> None:
     """Number the next collectives on the XLA CPU device from 1 again (per thread)."""
     _xla_cpu.next_channel = 1
+    _xla_cpu.in_backward_graph = False
+
+
+def _restart_at_next_sync() -> None:
+    """Collectives were traced outside ``step()`` (sharded gradient accumulation, from
+    backward hooks): their graph may also hold the step's, so the step must not number from 1
+    again; the numbering restarts when the graph is cut (``torch_xla.sync()`` runs this
+    thread's step closures)."""
+    if not getattr(_xla_cpu, "in_backward_graph", False):
+        import torch_xla.core.xla_model as xm
+
+        xm.add_step_closure(restart_channel_ids)
+        _xla_cpu.in_backward_graph = True
 
 
 def _next_channel_id() -> int:
     channel = getattr(_xla_cpu, "next_channel", 1)
     _xla_cpu.next_channel = channel + 1
     return channel
+
+
+_BITCAST_TYPES = {"int16": "S16", "int32": "S32", "bfloat16": "BF16", "float32": "F32", "float16": "F16"}
+_bitcast_ops: dict[torch.dtype, object] = {}
+
+
+def _bitcast_op(dtype: torch.dtype):
+    """An XLA op reinterpreting bits as ``dtype`` (one per dtype, built once)."""
+    if dtype not in _bitcast_ops:
+        import torch_xla.core.xla_builder as xb
+        import torch_xla.core.xla_op_registry as xor
+
+        name = str(dtype).split(".")[-1]
+        if name not in _BITCAST_TYPES:
+            raise ValueError(f"no XLA bitcast to {dtype}; supported: {sorted(_BITCAST_TYPES)}.")
+        to_type = getattr(xb.Type, _BITCAST_TYPES[name])
+        _bitcast_ops[dtype] = xor.Op(f"nxd_smp_bitcast_{name}", lambda x: x.bitcast(to_type))
+    return _bitcast_ops[dtype]
 
 
 def _replica_groups(group: GroupSpec, world_size: int) -> list[list[int]]:
@@ -151,7 +182,7 @@ class XlaBackend(Backend):
         return flat.view(self.world_size, -1).index_select(0, self._rank_index).view(-1)
 
     def begin_step(self) -> None:
-        if self._cpu:
+        if self._cpu and not getattr(_xla_cpu, "in_backward_graph", False):
             restart_channel_ids()
 
     def _run(self, op, tensor, **kwargs):
@@ -188,6 +219,11 @@ class XlaBackend(Backend):
                                      groups=self.groups, **kwargs)
 
         return self._per_bucket(op, flats)
+
+    def reduce_scatter_start(self, flat: torch.Tensor) -> PendingShard:
+        if self._cpu:
+            _restart_at_next_sync()
+        return PendingShard(self.reduce_scatter([flat])[0])
 
     def _all_gather(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         xm = self._xm
@@ -238,6 +274,13 @@ class XlaBackend(Backend):
                 targets.append(self._params[index])
                 sources.append(flat[start:end].view(self._params[index].shape))
         torch._foreach_copy_(targets, sources)
+
+    def bitcast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # torch_xla runs Tensor.view(dtype) on the host (an aten fallback); XLA's
+        # BitcastConvert keeps it in the graph.
+        if tensor.dtype == dtype:
+            return tensor
+        return _bitcast_op(dtype)(tensor)
 
     # ---------------------------------------------------------------- host side
     def to_host(self, tensors):
