@@ -16,6 +16,16 @@ states) = 18 bytes per parameter, and any transient copy on top.
 
     python scripts/bench_step.py                 # prints a table, writes JSON
     python scripts/bench_step.py --params 50e6 --iters 30
+
+``--options`` measures the memory options instead (docs/design.md, "Memory options"), at DP=2
+over gloo on this machine's CPU: per option (the default, sharded fp32 accumulation, parameter
+remainders, both), the peak-RSS slope per rank (each size in freshly spawned ranks) beside the
+figure the option must hold, the bytes each rank sends per step for 1, 4 and 16 micro-batches
+(ring collectives: (N-1)/N of each buffer), and the iteration time (backward of every
+micro-batch + step) at those micro-batch counts, the options alternating in one pair of ranks.
+It also measures how much of the sharded accumulation's reduce-scatters backward hides.
+
+    python scripts/bench_step.py --options --out docs/bench_step_options.json
 """
 
 from __future__ import annotations
@@ -98,6 +108,132 @@ def probe_in_subprocess(n_params: float, width: int, steps: int) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+# ---------------------------------------------------------------------------- --options (DP=2, gloo)
+OPTIONS = {
+    "default": {},
+    "sharded_acc": {"use_sharded_grad_acc": True},
+    "remainders": {"use_param_remainders": True},
+    "sharded_acc+remainders": {"use_sharded_grad_acc": True, "use_param_remainders": True},
+}
+MICRO = (1, 4, 16)
+
+
+def options_floor(name: str, world: int) -> float:
+    """Bytes per parameter per rank an option holds (a backward of ``Weights`` makes its bf16
+    gradient one parameter at a time, so none is counted): bf16 parameters 2, the fp32
+    accumulation 4 (4/N sharded), masters and Adam states 12/N (10/N with remainders)."""
+    o = OPTIONS[name]
+    return 2 + (4 / world if o.get("use_sharded_grad_acc") else 4) + (10 if o.get("use_param_remainders") else 12) / world
+
+
+def _options_optimizer(name: str, model: nn.Module) -> nxd_smp.Zero1Optimizer:
+    return nxd_smp.Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, weight_decay=0.01,
+                                  mixed_precision=nxd_smp.MixedPrecisionConfig(**OPTIONS[name]))
+
+
+def _wire_bytes(opt: nxd_smp.Zero1Optimizer, micro: int) -> int:
+    """Bytes one rank sends per step in ring collectives: (N-1)/N of every reduce-scattered
+    gradient (fp32; every micro-batch when sharded) and of every gathered parameter (bf16)."""
+    n = opt.world_size
+    padded = sum(layout.padded_numel for layout in opt.bucket_layouts)
+    reduces = micro if opt.mixed_precision.use_sharded_grad_acc else 1
+    return int((n - 1) / n * padded * (4 * reduces + 2))
+
+
+def options_memory_rank(rank: int, world: int, name: str, n_params: float, width: int) -> dict:
+    torch.manual_seed(0)
+    model = Weights(n_params, width)
+    x = torch.randn(width, width, dtype=torch.bfloat16) * 1e-3
+    opt = _options_optimizer(name, model)
+    for _ in range(3):
+        for _ in range(2):
+            model(x).backward()
+        opt.step()
+    gc.collect()
+    return {"params": sum(q.numel() for q in model.parameters()), "peak_bytes": rss_bytes("VmHWM")}
+
+
+def options_timing_rank(rank: int, world: int, n_params: float, width: int, iters: int) -> dict:
+    """Every option over its own copy of the model, alternating; times per micro-batch count."""
+    torch.manual_seed(0)
+    x = torch.randn(width, width, dtype=torch.bfloat16) * 1e-3
+    runs = {}
+    for name in OPTIONS:
+        model = Weights(n_params, width)
+        runs[name] = (model, _options_optimizer(name, model))
+    times = {f"{name}/{micro}": [] for name in OPTIONS for micro in MICRO}
+    backward_ms = {name: [] for name in OPTIONS}
+    for it in range(iters + 1):
+        for micro in MICRO:
+            for name, (model, opt) in runs.items():
+                torch.distributed.barrier()
+                t = time.perf_counter()
+                for m in range(micro):
+                    b = time.perf_counter()
+                    model(x).backward()
+                    if micro == 1:
+                        backward_ms[name].append((time.perf_counter() - b) * 1e3)
+                opt.step()
+                if it:  # the first round warms up
+                    times[f"{name}/{micro}"].append((time.perf_counter() - t) * 1e3)
+    # What the sharded accumulation's reduce-scatters cost when nothing hides them: the same
+    # buckets reduce-scattered one after the other, outside backward.
+    _, sharded = runs["sharded_acc"]
+    flats = [torch.randn(layout.padded_numel) for layout in sharded.bucket_layouts]
+    exposed = []
+    for _ in range(iters):
+        torch.distributed.barrier()
+        t = time.perf_counter()
+        for flat in flats:
+            sharded.backend.reduce_scatter_start(flat).wait()
+        exposed.append((time.perf_counter() - t) * 1e3)
+    wire = {f"{name}/{micro}": _wire_bytes(opt, micro) for name, (_, opt) in runs.items() for micro in MICRO}
+    return {"times_ms": times, "backward_ms": backward_ms, "reduce_scatter_alone_ms": exposed, "wire_bytes": wire,
+            "params": sum(q.numel() for q in runs["default"][0].parameters())}
+
+
+def run_options(args) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.distributed import run_ranks
+
+    world = 2
+    memory = {}
+    for name in OPTIONS:
+        small, large = (max(run_ranks(world, options_memory_rank, name, n, args.width), key=lambda r: r["peak_bytes"])
+                        for n in (args.params, 2 * args.params))
+        memory[name] = {"small": small, "large": large,
+                        "bytes_per_param": (large["peak_bytes"] - small["peak_bytes"]) / (large["params"] - small["params"]),
+                        "floor": options_floor(name, world)}
+        print(f"  {name}: {memory[name]['bytes_per_param']:.2f} bytes/param", flush=True)
+    timing = run_ranks(world, options_timing_rank, args.params, args.width, args.iters)[0]
+    med = {key: statistics.median(v) for key, v in timing["times_ms"].items()}
+    bwd = {name: statistics.median(v) for name, v in timing["backward_ms"].items()}
+    alone = statistics.median(timing["reduce_scatter_alone_ms"])
+    hidden = (bwd["default"] + alone - bwd["sharded_acc"]) / alone if alone > 0 else float("nan")
+    n = timing["params"]
+    report = [f"DP=2 over gloo on {os.cpu_count()} CPU cores, {n / 1e6:.1f}M bf16 parameters (memory: slope against "
+              f"{2 * args.params / 1e6:.0f}M, each size in fresh ranks), AdamW; iteration = backward of every "
+              f"micro-batch + step, median of {args.iters}, options alternating in one pair of ranks", "",
+              "| option | bytes/param/rank | floor | MB sent per step per rank (1 / 4 / 16 micro-batches) | "
+              "iteration ms (1 / 4 / 16) | / default (1 / 4 / 16) |", "|---|---|---|---|---|---|"]
+    for name in OPTIONS:
+        sent = " / ".join(f"{timing['wire_bytes'][f'{name}/{m}'] / 2**20:.0f}" for m in MICRO)
+        its = " / ".join(f"{med[f'{name}/{m}']:.0f}" for m in MICRO)
+        rel = " / ".join(f"{med[f'{name}/{m}'] / med[f'default/{m}']:.2f}" for m in MICRO)
+        report.append(f"| {name} | {memory[name]['bytes_per_param']:.2f} | {memory[name]['floor']:.1f} | {sent} | {its} | {rel} |")
+    report += ["", f"backward of one micro-batch: {bwd['default']:.1f} ms without communication, {bwd['sharded_acc']:.1f} ms "
+               f"with the sharded accumulation's asynchronous reduce-scatters; the same reduce-scatters alone take "
+               f"{alone:.1f} ms, so backward hides {100 * hidden:.0f}% of them"]
+    print("\n".join(report))
+    result = {"command": " ".join(sys.argv), "report": report, "memory": memory, "iteration_ms_median": med,
+              "backward_ms_median": bwd, "reduce_scatter_alone_ms_median": alone, "hidden_fraction": hidden,
+              "timing": timing, "options": OPTIONS, "world_size": world, "cpus": os.cpu_count(),
+              "torch": torch.__version__}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
 def main() -> None:
     # glibc keeps freed heap pages resident, so RSS would measure the allocator's history
     # rather than the live tensors. A fixed mmap threshold returns every large free to
@@ -112,9 +248,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("bench_results/bench_step.json"))
     p.add_argument("--memory-probe", action="store_true", help=argparse.SUPPRESS)  # internal: one size
+    p.add_argument("--options", action="store_true",
+                   help="measure the memory options at DP=2 over gloo instead (see above)")
     args = p.parse_args()
     if args.params < 1 or args.width < 1 or args.iters < 1 or args.warmup < 1:
         p.error("--params, --width, --iters and --warmup must be positive")
+    if args.options:
+        run_options(args)
+        return
     if args.memory_probe:
         print(json.dumps(memory_probe(args.params, args.width, args.warmup)))
         return

@@ -54,7 +54,27 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 TARGETS = {"iteration_ratio": 0.8, "memory_ratio": 0.8}
-KINDS = ("torch_xla", "nxd_smp")
+#: The memory options' targets against torch_xla as shipped (issue 18): DP 1 with the README's
+#: Trainium settings, DP 4 with sharded accumulation and remainders.
+OPTION_TARGETS = {"dp1_memory_ratio": 0.55, "dp4_memory_ratio": 0.6}
+#: nxd_smp's memory options per kind (mixed_precision_config keys beyond NxD's three).
+OPTIONS = {
+    "nxd_smp": {},
+    "nxd_smp_sharded_acc": {"use_sharded_grad_acc": True},
+    "nxd_smp_remainders": {"use_param_remainders": True},
+    "nxd_smp_trainium": {"use_sharded_grad_acc": True, "use_param_remainders": True},
+}
+KINDS = ("torch_xla", *OPTIONS)
+
+
+def theory(kind: str, world: int) -> float:
+    """Bytes per parameter per rank the kind must hold at its peak: the bf16 parameter (2) and
+    the bf16 gradient backward produces (2), the fp32 accumulation (4, or 4/N sharded), and
+    the sharded master and Adam states (12/N, or 10/N with 2-byte remainders for masters)."""
+    options = OPTIONS.get(kind, {})
+    accumulation = 4 / world if options.get("use_sharded_grad_acc") else 4
+    state = (10 if options.get("use_param_remainders") else 12) / world
+    return 2 + 2 + accumulation + state
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%\S+ = ", re.M)
 
 
@@ -96,12 +116,13 @@ def build(kind: str, model: torch.nn.Module, world: int):
 
     cfg = nxd_smp.neuronx_distributed_config(
         optimizer_config={"zero_one_enabled": True, "grad_clipping": True, "max_grad_norm": 1.0},
-        mixed_precision_config={"use_master_weights": True, "use_fp32_grad_acc": True},
+        mixed_precision_config={"use_master_weights": True, "use_fp32_grad_acc": True, **OPTIONS[kind]},
     )
     return nxd_smp.initialize_parallel_optimizer(cfg, torch.optim.AdamW, model.parameters(), lr=1e-4)
 
 
-def replica(rank: int, world: int, kind: str, width: int, layers: int, iters: int, warmup: int) -> dict[str, Any]:
+def replica(rank: int, world: int, kind: str, width: int, layers: int, iters: int, warmup: int,
+            micro: int = 1) -> dict[str, Any]:
     """One replica's run (called by tests/xla_replicas.py in the benchmark's child process)."""
     import torch_xla
     import torch_xla.debug.metrics as met
@@ -117,12 +138,13 @@ def replica(rank: int, world: int, kind: str, width: int, layers: int, iters: in
     opt = build(kind, model, world)
     sync()
     g = torch.Generator().manual_seed(rank)
-    data = [torch.randn(16, width, generator=g).bfloat16() for _ in range(warmup + iters)]
+    data = [[torch.randn(16, width, generator=g).bfloat16() for _ in range(micro)] for _ in range(warmup + iters)]
     times, hlo, marks = [], None, {}
-    for i, x in enumerate(data):
+    for i, batches in enumerate(data):
         barrier()
         start = time.perf_counter()
-        model(x.to(device)).float().pow(2).mean().backward()
+        for x in batches:  # the micro-batches' forward+backward: one graph
+            model(x.to(device)).float().pow(2).mean().backward()
         sync()
         restart_channel_ids()  # nxd_smp does this in step(); the same for torch_xla's optimizer
         opt.step()
@@ -162,10 +184,10 @@ def _optimizer_tensors(opt) -> list[torch.Tensor]:
     return out
 
 
-def run(kind: str, world: int, width: int, layers: int, iters: int, warmup: int) -> dict[str, Any]:
+def run(kind: str, world: int, width: int, layers: int, iters: int, warmup: int, micro: int) -> dict[str, Any]:
     from tests.xla_replicas import run_replicas
 
-    ranks = run_replicas(world, "scripts.bench_xla:replica", kind, width, layers, iters, warmup, timeout=1800)
+    ranks = run_replicas(world, "scripts.bench_xla:replica", kind, width, layers, iters, warmup, micro, timeout=1800)
     result = dict(ranks[0])
     result["one_graph_for_all_ranks"] = len({r["step_hlo_sha"] for r in ranks}) == 1
     return result
@@ -178,45 +200,59 @@ def main() -> None:
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--micro", type=int, default=1, help="micro-batches per iteration (default 1)")
+    p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                   help="optimizers to run (default: torch_xla and nxd_smp with each memory option)")
     p.add_argument("--out", type=Path, default=Path("bench_results/bench_xla.json"))
     a = p.parse_args()
     if a.layers[0] >= a.layers[1] or min(a.layers) < 1:
         p.error("--layers needs two increasing positive depths")
-    if min(a.dp) < 1 or a.width < 1 or a.iters < 1 or a.warmup < 2:
-        p.error("--dp and --width must be positive, --iters >= 1, --warmup >= 2")
+    if min(a.dp) < 1 or a.width < 1 or a.iters < 1 or a.warmup < 2 or a.micro < 1:
+        p.error("--dp, --width and --micro must be positive, --iters >= 1, --warmup >= 2")
+    if "torch_xla" not in a.kinds or "nxd_smp" not in a.kinds:
+        p.error("--kinds must include torch_xla and nxd_smp (the baseline and the default)")
+    kinds = [k for k in KINDS if k in a.kinds]
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # glibc returns large frees
 
     rows, results = [], {}
     for world in a.dp:
-        for kind in KINDS:
-            small = run(kind, world, a.width, a.layers[0], a.iters, a.warmup)
-            large = run(kind, world, a.width, a.layers[1], a.iters, a.warmup)
+        for kind in kinds:
+            small = run(kind, world, a.width, a.layers[0], a.iters, a.warmup, a.micro)
+            large = run(kind, world, a.width, a.layers[1], a.iters, a.warmup, a.micro)
             slope = (large["peak_rss"] - small["peak_rss"]) / (large["params"] - small["params"]) / world
-            results[f"{kind}_dp{world}"] = {"small": small, "large": large, "bytes_per_param": slope}
+            results[f"{kind}_dp{world}"] = {"small": small, "large": large, "bytes_per_param": slope,
+                                            "theory_bytes_per_param": theory(kind, world)}
             print(f"  {kind} DP={world}: {large['iter_ms']:.1f} ms/iteration, {slope:.1f} bytes/param", flush=True)
     ratios = {}
     for world in a.dp:
-        ours, theirs = results[f"nxd_smp_dp{world}"], results[f"torch_xla_dp{world}"]
-        ratios[f"dp{world}"] = {
-            "iteration": ours["large"]["iter_ms"] / theirs["large"]["iter_ms"],
-            "memory": ours["bytes_per_param"] / theirs["bytes_per_param"],
-        }
-        if world == 1:  # at DP > 1 the baseline's collectives are split per tensor: not comparable
-            ratios[f"dp{world}"]["hlo_instructions"] = (
-                ours["large"]["step_hlo_instructions"] / theirs["large"]["step_hlo_instructions"])
-        for kind in KINDS:
+        theirs = results[f"torch_xla_dp{world}"]
+        for kind in kinds[1:]:
+            ours = results[f"{kind}_dp{world}"]
+            key = f"dp{world}" if kind == "nxd_smp" else f"{kind}_dp{world}"
+            ratios[key] = {
+                "iteration": ours["large"]["iter_ms"] / theirs["large"]["iter_ms"],
+                "memory": ours["bytes_per_param"] / theirs["bytes_per_param"],
+            }
+            if world == 1:  # at DP > 1 the baseline's collectives are split per tensor: not comparable
+                ratios[key]["hlo_instructions"] = (
+                    ours["large"]["step_hlo_instructions"] / theirs["large"]["step_hlo_instructions"])
+        for kind in kinds:
             r = results[f"{kind}_dp{world}"]
+            against = "" if kind == "torch_xla" else (
+                f"{r['large']['iter_ms'] / theirs['large']['iter_ms']:.2f} / "
+                f"{r['bytes_per_param'] / theirs['bytes_per_param']:.2f}")
             rows.append((f"{kind} DP={world}", f"{r['large']['iter_ms']:.1f}", f"{r['bytes_per_param']:.1f}",
+                         f"{r['theory_bytes_per_param']:.1f}", against,
                          f"{r['large']['compiles']} ({r['large']['compiles_after_warmup']})",
                          f"{r['large']['compile_s']:.1f}",
-                         str(r["large"]["step_hlo_instructions"]) if kind == "nxd_smp" or world == 1 else "n/a (split)",
+                         str(r["large"]["step_hlo_instructions"]) if kind != "torch_xla" or world == 1 else "n/a (split)",
                          "yes" if r["large"]["one_graph_for_all_ranks"] else "NO"))
     n = results[f"nxd_smp_dp{a.dp[0]}"]["large"]["params"]
-    header = ("optimizer", "iteration ms", "bytes/param/rank", "compilations (after warm-up)",
-              "compile s", "step HLO instructions", "one step graph for all ranks")
+    header = ("optimizer", "iteration ms", "bytes/param/rank", "floor bytes/param", "/ torch_xla: iteration, memory",
+              "compilations (after warm-up)", "compile s", "step HLO instructions", "one step graph for all ranks")
     report = [f"bf16 MLP {a.layers[1]} x {a.width} wide, {n / 1e6:.1f}M parameters (memory: slope against "
-              f"{a.layers[0]} layers), AdamW, median of {a.iters} iterations after {a.warmup} warm-up; "
-              f"XLA CPU replicas in one process", "",
+              f"{a.layers[0]} layers), AdamW, {a.micro} micro-batch(es) per iteration, median of {a.iters} "
+              f"iterations after {a.warmup} warm-up; XLA CPU replicas in one process", "",
               "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     report += ["| " + " | ".join(row) + " |" for row in rows]
     report.append("")
@@ -226,9 +262,16 @@ def main() -> None:
         hlo = f", step HLO instructions {r['hlo_instructions']:.2f} (<= 1)" if "hlo_instructions" in r else ""
         report.append(f"DP={world}: nxd_smp / torch_xla: iteration {r['iteration']:.2f}, memory {r['memory']:.2f} "
                       f"(targets <= {TARGETS['iteration_ratio']}){hlo}{split}")
+    for world, kind, target in ((1, "nxd_smp_trainium", OPTION_TARGETS["dp1_memory_ratio"]),
+                                (4, "nxd_smp_trainium", OPTION_TARGETS["dp4_memory_ratio"])):
+        r = ratios.get(f"{kind}_dp{world}")
+        if r is not None:
+            report.append(f"DP={world}, sharded accumulation + remainders: memory / torch_xla {r['memory']:.2f} "
+                          f"(target <= {target}), iteration {r['iteration']:.2f}")
     print("\n" + "\n".join(report))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"results": results, "ratios": ratios, "targets": TARGETS,
+                                 "option_targets": OPTION_TARGETS, "options": OPTIONS,
                                  "baseline": "torch_xla as NxD ships it at DP 1; at DP > 1 its collectives split "
                                              "per tensor with channel ids (forced by XLA:CPU replicas)",
                                  "command": " ".join(sys.argv), "report": report,

@@ -197,7 +197,7 @@ class XlaBackend(Backend):
             if last is not None:
                 self._xm.optimization_barrier_([tensor, last])
             out = op(tensor, channel_id=_next_channel_id(), **kwargs)
-            _xla_cpu.last = out.reshape(-1)[:1]
+            _xla_cpu.last = out.reshape(-1)[:1].clone()
             return out
         finally:
             self._xlac._set_all_reduce_token(self._xlac._xla_get_default_device(), None)
