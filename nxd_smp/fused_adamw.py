@@ -3,7 +3,9 @@
 ``torch.optim.AdamW(fused=True)`` followed by the cast into the bf16 parameters reads the
 fp32 master twice, and applying the clip coefficient through its ``grad_scale`` writes
 the gradient back: three passes over memory where one will do. This module compiles
-"scale the gradient, AdamW step, cast into the parameter buffer" into one loop.
+"scale the gradient, AdamW step, cast into the parameter buffer" into one loop; with parameter
+remainders, "rebuild the fp32 master from the bf16 parameter and its int16 remainder, step,
+split it back" into one loop, so no fp32 shard is ever in memory.
 
 It is a drop-in for ``inner.step()`` of a ``torch.optim.Adam``/``AdamW`` built over the
 shards: it reads and updates that optimizer's own state tensors (``step``, ``exp_avg``,
@@ -22,20 +24,20 @@ from typing import Any
 import torch
 
 from .placement import is_staggered, plain_alias, staggered_empty
+from .precision_ops import join_master, split_master
 
 __all__ = ["CompiledAdamW", "applies_to", "compile_cpu_kernel", "compiler_unavailable"]
 
 
-def _adamw_and_cast(
+def _adamw(
     param: torch.Tensor,
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
-    out: torch.Tensor,
     scalars: torch.Tensor,
     decoupled: bool,
-) -> None:
-    """torch.optim.Adam(W)'s update of ``param`` in place, then ``out.copy_(param)``.
+) -> torch.Tensor:
+    """torch.optim.Adam(W)'s update: the moments in place, the new ``param`` returned.
 
     ``scalars`` (one fp32 tensor, so a changing learning rate does not recompile) holds
     what ``_scalars`` derives on the host in double, each rounded once to fp32 as torch's
@@ -57,8 +59,22 @@ def _adamw_and_cast(
     new_param = new_param + neg_step_size * new_avg / denom
     exp_avg.copy_(torch.where(keep, exp_avg, new_avg))
     exp_avg_sq.copy_(torch.where(keep, exp_avg_sq, new_avg_sq))
-    param.copy_(torch.where(keep, param, new_param))
+    return torch.where(keep, param, new_param)
+
+
+def _adamw_and_cast(param, grad, exp_avg, exp_avg_sq, out, scalars, decoupled) -> None:
+    """``_adamw`` of the fp32 ``param`` in place, then ``out.copy_(param)``."""
+    param.copy_(_adamw(param, grad, exp_avg, exp_avg_sq, scalars, decoupled))
     out.copy_(param)
+
+
+def _adamw_remainders(param, remainder, grad, exp_avg, exp_avg_sq, scalars, decoupled) -> None:
+    """``_adamw`` of the fp32 master that bf16 ``param`` and int16 ``remainder`` hold
+    (``precision_ops.join_master``), split back into them: one pass, no fp32 shard in memory."""
+    master = join_master(param, remainder)
+    new_param, low = split_master(_adamw(master, grad, exp_avg, exp_avg_sq, scalars, decoupled))
+    param.copy_(new_param)
+    remainder.copy_(low)
 
 
 def _scalars(group: dict[str, Any], step: float, decoupled: bool) -> list[float]:
@@ -101,15 +117,14 @@ def compile_cpu_kernel(fn: Any) -> Any:
     return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.min_chunk_size": 1})
 
 
-_compiled = None
+_compiled: dict[Any, Any] = {}
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _kernel():
-    global _compiled
-    if _compiled is None:
-        _compiled = compile_cpu_kernel(_adamw_and_cast)
-    return _compiled
+def _kernel(fn=_adamw_and_cast):
+    if fn not in _compiled:
+        _compiled[fn] = compile_cpu_kernel(fn)
+    return _compiled[fn]
 
 
 def applies_to(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
@@ -148,21 +163,24 @@ class CompiledAdamW:
         outs: list[torch.Tensor],
         coef: torch.Tensor | float | None,
         found_inf: torch.Tensor | None = None,
+        remainders: list[torch.Tensor] | None = None,
     ) -> bool:
         """One step: ``grads[i]`` (scaled by ``coef``) updates the optimizer's i-th shard,
         which is then cast into ``outs[i]``; where ``found_inf`` nothing changes (and
-        ``step`` does not advance). Returns False (nothing changed) if the kernel cannot
-        be compiled here; the caller then uses the stock step."""
+        ``step`` does not advance). With ``remainders`` the i-th fp32 master is bf16
+        ``outs[i]`` plus int16 ``remainders[i]`` (the optimizer's shards hold no data), updated
+        in place. Returns False (nothing changed) if the kernel cannot be compiled here; the
+        caller then uses the stock step."""
         if not self.enabled:
             return False
-        kernel = _kernel()
+        kernel = _kernel(_adamw_and_cast if remainders is None else _adamw_remainders)
         index = 0
         for group in self.optimizer.param_groups:
             decoupled = bool(group.get("decoupled_weight_decay", type(self.optimizer) is torch.optim.AdamW))
             for shard in group["params"]:
                 grad, out = grads[index], outs[index]
                 index += 1
-                state = self._state(shard)
+                state = self._state(shard, grad.numel())
                 step = float(state["step"]) + 1  # a CPU tensor: no device sync
                 scalars = torch.tensor(_scalars(group, step, decoupled), dtype=torch.float32)
                 if coef is not None:
@@ -170,9 +188,13 @@ class CompiledAdamW:
                 if found_inf is not None:
                     scalars[8] = found_inf
                 try:
-                    tensors = _plain_aliases(shard, grad, state["exp_avg"], state["exp_avg_sq"], out)
                     with torch.no_grad():
-                        kernel(*tensors, scalars, decoupled)
+                        if remainders is None:
+                            kernel(*_plain_aliases(shard, grad, state["exp_avg"], state["exp_avg_sq"], out),
+                                   scalars, decoupled)
+                        else:
+                            kernel(*_plain_aliases(out, remainders[index - 1], grad, state["exp_avg"],
+                                                   state["exp_avg_sq"]), scalars, decoupled)
                 except compiler_unavailable() as e:
                     if index > 1:
                         raise  # it ran for earlier shards: a real error, not a missing compiler
@@ -186,14 +208,15 @@ class CompiledAdamW:
                 state["step"].add_(1 if found_inf is None else (~found_inf).float())
         return True
 
-    def _state(self, shard: torch.Tensor) -> dict[str, Any]:
-        """The optimizer's state for ``shard``, created as torch.optim.Adam(W) creates it
-        (its moments placed as ``nxd_smp.placement`` says)."""
+    def _state(self, shard: torch.Tensor, numel: int) -> dict[str, Any]:
+        """The optimizer's state for ``shard`` (of ``numel`` elements: a shard that holds no
+        data between steps has none), created as torch.optim.Adam(W) creates it (its moments
+        placed as ``nxd_smp.placement`` says)."""
         state = self.optimizer.state[shard]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32, device=shard.device)
             for key in _MOMENTS:
-                state[key] = staggered_empty(shard.numel(), shard.dtype, shard.device, key).view(shard.shape).zero_()
+                state[key] = staggered_empty(numel, shard.dtype, shard.device, key).zero_()
         return state
 
     def place_state(self) -> None:

@@ -213,17 +213,33 @@ class ShardedMainGrads:
         ]
         self._fresh = [True] * len(layouts)
         self._order = list(reversed(range(len(layouts))))
+        self._pools: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
         self._new_pass()
         owner = weakref.ref(self)
         for layout in layouts:
             for index in layout.param_indices:
                 _attach_hook(params[index], index, owner)
 
+    def _borrow(self, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A ``numel``-element buffer of ``dtype`` from the pool of ``kind`` ("staging": flat
+        buckets, "shard": reduce-scatter results); at most ``in_flight`` of each are ever
+        allocated, so no backward allocates (and faults in) fresh memory."""
+        pool = self._pools.setdefault((kind, dtype), [])
+        if pool:
+            return pool.pop()[:numel]
+        size = max(layout.padded_numel if kind == "staging" else layout.shard_numel for layout in self._layouts)
+        return torch.empty(size, dtype=dtype, device=self._backend.device)[:numel]
+
+    def _give_back(self, kind: str, buffer: torch.Tensor | None) -> None:
+        if buffer is not None:
+            self._pools[(kind, buffer.dtype)].append(buffer._base if buffer._base is not None else buffer)
+
     def _new_pass(self) -> None:
         self._in_pass = False
         self._grads: list[dict[int, torch.Tensor]] = [{} for _ in self._layouts]
         self._next = 0  # position in ``_order`` of the next bucket to launch
-        self._pending: deque[tuple[int, PendingShard]] = deque()
+        # (bucket, the reduce-scatter, its staging and its result buffer from the pools, or None)
+        self._pending: deque[tuple[int, PendingShard, torch.Tensor | None, torch.Tensor | None]] = deque()
 
     # ---------------------------------------------------------------- during backward
     @torch.no_grad()
@@ -253,14 +269,21 @@ class ShardedMainGrads:
         flat = self._flatten(b)
         self._grads[b] = {}
         self._next += 1
-        self._pending.append((b, self._backend.reduce_scatter_start(flat)))
+        result = None
+        if self._persistent:  # a fresh fp32 sum takes the result itself: no copy
+            into_sum = self._fresh[b] and flat.dtype == self.dtype
+            result = None if into_sum else self._borrow("shard", self._layouts[b].shard_numel, flat.dtype)
+            pending = self._backend.reduce_scatter_start(flat, self._sums[b] if into_sum else result)
+        else:
+            pending = self._backend.reduce_scatter_start(flat)
+        self._pending.append((b, pending, flat if self._persistent else None, result))
 
     def _flatten(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s gradient of this pass, flat and padded, in its wire dtype."""
         layout, grads, dtype = self._layouts[b], self._grads[b], self._wire[b]
         device = self._backend.device
         if self._persistent:
-            flat = torch.empty(layout.padded_numel, dtype=dtype, device=device)
+            flat = self._borrow("staging", layout.padded_numel, dtype)
             for i, index in enumerate(layout.param_indices):
                 start, end = layout.param_range(i)
                 if index in grads:
@@ -280,14 +303,17 @@ class ShardedMainGrads:
         return torch.cat(parts)
 
     def _finish_one(self) -> None:
-        b, pending = self._pending.popleft()
+        b, pending, staging, result = self._pending.popleft()
         shard = pending.wait()
         total = self._sums[b]
         if self._persistent:
-            if self._fresh[b]:
-                total.copy_(shard)
-            else:
-                total.add_(shard)
+            if shard is not total:  # (else the reduce-scatter wrote the sum itself)
+                if self._fresh[b]:
+                    total.copy_(shard)
+                else:
+                    total.add_(shard)
+            self._give_back("staging", staging)
+            self._give_back("shard", result)
         else:
             shard = shard.to(self.dtype)
             self._sums[b] = shard if self._fresh[b] else total + shard

@@ -378,7 +378,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             sr_generator=self._backend.random_generator(self._config.sr_seed) if self._config.stochastic_rounding else None,
         )
         self._compiled = None
-        if self._may_compile and not self._mp.use_param_remainders:  # (it rounds to nearest even)
+        if self._may_compile:
             if applies_to(self._inner, self._backend.device):
                 self._compiled = CompiledAdamW(self._inner)
             elif self._config.compile_update:
@@ -504,12 +504,13 @@ class Zero1Optimizer(torch.optim.Optimizer):
         return coef
 
     def _compiled_step(self, grads, coef, found_inf) -> bool:
-        """The compiled one-pass update (CPU): it writes the cast straight into the
-        parameters' shards, which are then gathered. False if it does not run here."""
+        """The compiled one-pass update (CPU): it writes the cast (with remainders: the split)
+        straight into the parameters' shards, which are then gathered. False if it does not
+        run here."""
         if self._compiled is None:
             return False
         outs = [self._backend.param_shard(b) for b in range(len(self._layouts))]
-        if not self._compiled.step(grads, outs, coef, found_inf):
+        if not self._compiled.step(grads, outs, coef, found_inf, remainders=self._masters.remainders):
             return False
         self._backend.publish(outs)
         self._masters.record_versions()

@@ -126,8 +126,9 @@ def options_floor(name: str, world: int) -> float:
     return 2 + (4 / world if o.get("use_sharded_grad_acc") else 4) + (10 if o.get("use_param_remainders") else 12) / world
 
 
-def _options_optimizer(name: str, model: nn.Module) -> nxd_smp.Zero1Optimizer:
+def _options_optimizer(name: str, model: nn.Module, bucket_cap_mb: float) -> nxd_smp.Zero1Optimizer:
     return nxd_smp.Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, weight_decay=0.01,
+                                  bucket_cap_mb=bucket_cap_mb,
                                   mixed_precision=nxd_smp.MixedPrecisionConfig(**OPTIONS[name]))
 
 
@@ -140,11 +141,11 @@ def _wire_bytes(opt: nxd_smp.Zero1Optimizer, micro: int) -> int:
     return int((n - 1) / n * padded * (4 * reduces + 2))
 
 
-def options_memory_rank(rank: int, world: int, name: str, n_params: float, width: int) -> dict:
+def options_memory_rank(rank: int, world: int, name: str, n_params: float, width: int, cap: float) -> dict:
     torch.manual_seed(0)
     model = Weights(n_params, width)
     x = torch.randn(width, width, dtype=torch.bfloat16) * 1e-3
-    opt = _options_optimizer(name, model)
+    opt = _options_optimizer(name, model, cap)
     for _ in range(3):
         for _ in range(2):
             model(x).backward()
@@ -153,14 +154,14 @@ def options_memory_rank(rank: int, world: int, name: str, n_params: float, width
     return {"params": sum(q.numel() for q in model.parameters()), "peak_bytes": rss_bytes("VmHWM")}
 
 
-def options_timing_rank(rank: int, world: int, n_params: float, width: int, iters: int) -> dict:
+def options_timing_rank(rank: int, world: int, n_params: float, width: int, iters: int, cap: float) -> dict:
     """Every option over its own copy of the model, alternating; times per micro-batch count."""
     torch.manual_seed(0)
     x = torch.randn(width, width, dtype=torch.bfloat16) * 1e-3
     runs = {}
     for name in OPTIONS:
         model = Weights(n_params, width)
-        runs[name] = (model, _options_optimizer(name, model))
+        runs[name] = (model, _options_optimizer(name, model, cap))
     times = {f"{name}/{micro}": [] for name in OPTIONS for micro in MICRO}
     backward_ms = {name: [] for name in OPTIONS}
     for it in range(iters + 1):
@@ -199,21 +200,23 @@ def run_options(args) -> None:
     world = 2
     memory = {}
     for name in OPTIONS:
-        small, large = (max(run_ranks(world, options_memory_rank, name, n, args.width), key=lambda r: r["peak_bytes"])
+        small, large = (max(run_ranks(world, options_memory_rank, name, n, args.width, args.bucket_cap_mb),
+                            key=lambda r: r["peak_bytes"])
                         for n in (args.params, 2 * args.params))
         memory[name] = {"small": small, "large": large,
                         "bytes_per_param": (large["peak_bytes"] - small["peak_bytes"]) / (large["params"] - small["params"]),
                         "floor": options_floor(name, world)}
         print(f"  {name}: {memory[name]['bytes_per_param']:.2f} bytes/param", flush=True)
-    timing = run_ranks(world, options_timing_rank, args.params, args.width, args.iters)[0]
+    timing = run_ranks(world, options_timing_rank, args.params, args.width, args.iters, args.bucket_cap_mb)[0]
     med = {key: statistics.median(v) for key, v in timing["times_ms"].items()}
     bwd = {name: statistics.median(v) for name, v in timing["backward_ms"].items()}
     alone = statistics.median(timing["reduce_scatter_alone_ms"])
     hidden = (bwd["default"] + alone - bwd["sharded_acc"]) / alone if alone > 0 else float("nan")
     n = timing["params"]
     report = [f"DP=2 over gloo on {os.cpu_count()} CPU cores, {n / 1e6:.1f}M bf16 parameters (memory: slope against "
-              f"{2 * args.params / 1e6:.0f}M, each size in fresh ranks), AdamW; iteration = backward of every "
-              f"micro-batch + step, median of {args.iters}, options alternating in one pair of ranks", "",
+              f"{2 * args.params / 1e6:.0f}M, each size in fresh ranks), AdamW, buckets of {args.bucket_cap_mb:g} MiB; "
+              f"iteration = backward of every micro-batch + step, median of {args.iters}, options alternating in "
+              f"one pair of ranks", "",
               "| option | bytes/param/rank | floor | MB sent per step per rank (1 / 4 / 16 micro-batches) | "
               "iteration ms (1 / 4 / 16) | / default (1 / 4 / 16) |", "|---|---|---|---|---|---|"]
     for name in OPTIONS:
@@ -250,6 +253,9 @@ def main() -> None:
     p.add_argument("--memory-probe", action="store_true", help=argparse.SUPPRESS)  # internal: one size
     p.add_argument("--options", action="store_true",
                    help="measure the memory options at DP=2 over gloo instead (see above)")
+    p.add_argument("--bucket-cap-mb", type=float, default=32.0,
+                   help="with --options: the bucket size of every option (default 32: the sharded "
+                        "accumulation's staging, two buckets, stays small beside the models measured)")
     args = p.parse_args()
     if args.params < 1 or args.width < 1 or args.iters < 1 or args.warmup < 1:
         p.error("--params, --width, --iters and --warmup must be positive")

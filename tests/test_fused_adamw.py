@@ -107,7 +107,7 @@ def compiler_missing() -> Exception:
 def test_a_missing_compiler_falls_back_to_the_stock_step(monkeypatch):
     expected = _train(*_opt_and_model(compile_update=False))
 
-    def broken():
+    def broken(fn=None):
         def kernel(*args):
             raise compiler_missing()
         return kernel
@@ -120,7 +120,7 @@ def test_a_missing_compiler_falls_back_to_the_stock_step(monkeypatch):
 
 
 def test_a_real_error_in_the_kernel_surfaces(monkeypatch):
-    def broken():
+    def broken(fn=None):
         def kernel(*args):
             raise RuntimeError("shapes do not match")
         return kernel

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from nxd_smp import ConfigError, MixedPrecisionConfig, Zero1Optimizer, load_checkpoint, save_checkpoint
 from nxd_smp.backend import PendingShard
+from nxd_smp.fused_adamw import CompiledAdamW
 from nxd_smp.precision_ops import join_master, round_ties_away, split_master
 from tests.distributed import run_ranks
 from tests.oracle import round_ties_away as oracle_round
@@ -64,28 +65,40 @@ def test_split_and_join_are_exact_and_round_ties_away_from_zero():
 
 
 # ---------------------------------------------------------------------------- remainders
-def test_remainders_are_exact_over_1000_adamw_steps():
-    """Parameters and rebuilt masters bit-identical to a plain fp32-master AdamW loop that
-    rounds its parameters the same way (the same fused kernel over the same flat layout)."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["torch_fused_kernel", "compiled_one_pass"])
+def test_remainders_are_exact_over_1000_adamw_steps(compiled):
+    """Parameters and rebuilt masters bit-identical to a plain fp32-master AdamW loop over the
+    same flat layout that rounds its parameters the same way: with torch's fused kernel, or
+    with nxd_smp's compiled one-pass update (which rebuilds and splits the masters in the loop)."""
     model = _mlp()
     reference = copy.deepcopy(model)
     hyper = {"lr": 3e-3, "weight_decay": 0.1}
-    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, mixed_precision=REMAINDERS,
-                         grad_clipping=False, bucket_cap_mb=math.inf, **hyper)
-    assert opt.inner_optimizer.param_groups[0]["fused"]
+    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, mixed_precision=REMAINDERS, grad_clipping=False,
+                         bucket_cap_mb=math.inf, compile_update=compiled, **hyper)
+    assert opt.inner_optimizer.param_groups[0]["fused"] and (opt._compiled is not None) == compiled
     (layout,) = opt.bucket_layouts
     params = list(reference.parameters())
     padding = torch.zeros(layout.padded_numel - layout.numel)
     master = torch.cat([p.detach().float().reshape(-1) for p in params] + [padding])
-    ref_opt = torch.optim.AdamW([master], fused=True, **hyper)
+    if compiled:
+        one_pass = CompiledAdamW(torch.optim.AdamW([master], **hyper))
+        scratch = torch.empty(master.numel(), dtype=torch.bfloat16)
+
+        def ref_step(grad: torch.Tensor) -> None:
+            assert one_pass.step([grad], [scratch], None)
+    else:
+        fused = torch.optim.AdamW([master], fused=True, **hyper)
+
+        def ref_step(grad: torch.Tensor) -> None:
+            master.grad = grad
+            fused.step()
     differ_from_nearest_even = 0
     for step in range(1000):
         _loss(model, step).backward()
         opt.step()
         reference.zero_grad(set_to_none=True)
         _loss(reference, step).backward()
-        master.grad = torch.cat([p.grad.float().reshape(-1) for p in params] + [padding])
-        ref_opt.step()
+        ref_step(torch.cat([p.grad.float().reshape(-1) for p in params] + [padding]))
         rounded = oracle_round(master)
         nearest_even = master.to(torch.bfloat16)
         differs = rounded.view(torch.int16) != nearest_even.view(torch.int16)
@@ -181,8 +194,8 @@ class _Counting:
         self.launched = self.open = self.most_open = 0
         start = backend.reduce_scatter_start
 
-        def counted(flat: torch.Tensor) -> PendingShard:
-            pending = start(flat)
+        def counted(flat: torch.Tensor, out: torch.Tensor | None = None) -> PendingShard:
+            pending = start(flat, out)
             self.launched += 1
             self.open += 1
             self.most_open = max(self.most_open, self.open)
@@ -251,3 +264,24 @@ def test_sharded_accumulation_on_two_gloo_ranks_keeps_shards_and_sums_every_rank
     for r in ranks:
         assert torch.equal(r["extra"], expected)
         assert torch.equal(r["weight"], ranks[0]["weight"])
+
+
+def test_the_readme_trainium_settings_build_an_optimizer_with_sharded_accumulation():
+    import re
+    from pathlib import Path
+
+    import nxd_smp
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Memory options"):]
+    section = section[: section.index("\n## ", 4)]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    namespace = {"nxd_smp": nxd_smp}
+    exec(code, namespace)
+    model = _mlp()
+    opt = nxd_smp.initialize_parallel_optimizer(namespace["cfg"], torch.optim.AdamW, model.parameters(), lr=1e-3)
+    assert opt.mixed_precision.use_sharded_grad_acc and opt.mixed_precision.use_master_weights
+    _loss(model, 0).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="use_sharded_grad_acc"):
+        opt.main_grad(model[0].weight)

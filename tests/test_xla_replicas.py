@@ -166,6 +166,20 @@ def test_sharded_accumulation_reduce_scatters_each_micro_batch_inside_the_backwa
     assert sharded["hlo"].count("reduce-scatter(") == 2 * sharded["buckets"]
 
 
+@pytest.mark.parametrize("name,per_bucket,per_param", [
+    ("adamw_smp_clip_active", 3, 0),  # master, exp_avg, exp_avg_sq
+    ("adamw_sharded_grad_acc", 3, 0),
+    ("memory_options_nxd_config", 3, 1),  # remainder, exp_avg, exp_avg_sq; and the parameters
+])
+def test_the_step_graph_updates_the_optimizer_state_in_place(replicas, name, per_bucket, per_param):
+    """Inputs donated to their outputs (input/output aliasing): the graph holds no second copy
+    of the state it updates."""
+    n, ranks, _ = replicas
+    case = ranks[0][name]
+    managed = 7  # tests/oracle.py: OddModel's parameters that get gradients
+    assert case["aliased"] >= per_bucket * case["buckets"] + per_param * managed
+
+
 @DP4
 def test_an_overflow_on_one_rank_skips_the_step_on_all(replicas):
     n, ranks, _ = replicas

@@ -66,9 +66,21 @@ def build(case: Case, groups_arg, param_groups_: list[dict], world: int):
 
 def _state_tensors(model, opt) -> list[torch.Tensor]:
     out = [p for p in model.parameters()] + opt.master_shards
-    for master in opt.master_shards:
-        out += [v for v in opt.inner_optimizer.state.get(master, {}).values() if isinstance(v, torch.Tensor)]
+    for shard in opt.inner_shards:
+        out += [v for v in opt.inner_optimizer.state.get(shard, {}).values() if isinstance(v, torch.Tensor)]
     return out
+
+
+def _aliased_since(count: int) -> int:
+    """The most input buffers any graph compiled since the ``count``-th compilation donated to
+    its outputs (torch_xla's ``InputOutputAliasCount``, one sample per compilation)."""
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("InputOutputAliasCount")
+    if not data:
+        return 0
+    total, _, samples = data
+    return int(max((value for _, value in samples[len(samples) - (total - count):]), default=0))
 
 
 def _counters() -> dict[str, float]:
@@ -185,6 +197,7 @@ def checkpoints(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 
 def train(rank: int, world: int, cases: list[Case], checkpoint_job: dict[str, Any] | None = None) -> dict[str, Any]:
     import torch_xla
+    import torch_xla.debug.metrics as met
 
     from tests.xla_replicas import barrier, serial, sync
 
@@ -199,6 +212,8 @@ def train(rank: int, world: int, cases: list[Case], checkpoint_job: dict[str, An
         opt = build(case, groups, param_groups(model, lr_a=s.lr_a, lr_b=s.lr_b), world)
         sync()
         norms, marks, hlo, snapshots = [], {"harness_transfers": 0}, None, {}
+        barrier()
+        aliases_before = (met.metric_data("InputOutputAliasCount") or [0])[0]
 
         def snapshot(key: str) -> None:
             # The harness's own transfers, counted apart: XLA's counters are per process, so
@@ -240,6 +255,7 @@ def train(rank: int, world: int, cases: list[Case], checkpoint_job: dict[str, An
             "snapshots": snapshots,
             "scale": None if opt.loss_scaler is None else float(opt.loss_scaler.scale.cpu()),
             "buckets": len(opt.bucket_layouts),
+            "aliased": _aliased_since(aliases_before),
         }
     if checkpoint_job is not None:
         results["checkpoints"] = checkpoints(rank, world, checkpoint_job)

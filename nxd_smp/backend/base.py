@@ -146,11 +146,11 @@ class Backend(ABC):
         over ranks. The buffers may be overwritten. ``into``: per buffer, an optional tensor
         of the same length whose shard may hold the result (eager devices reuse memory)."""
 
-    def reduce_scatter_start(self, flat: torch.Tensor) -> PendingShard:
+    def reduce_scatter_start(self, flat: torch.Tensor, out: torch.Tensor | None = None) -> PendingShard:
         """Start the reduce-scatter of one flat buffer from a backward hook; ``wait()`` on
-        the result gives this rank's shard of the sum. Eager devices launch it
-        asynchronously (it overlaps the rest of backward); on XLA it is traced into the
-        backward graph, where the compiler schedules it."""
+        the result gives this rank's shard of the sum (in ``out`` where given, on devices
+        that write in place). Eager devices launch it asynchronously (it overlaps the rest of
+        backward); on XLA it is traced into the backward graph, where the compiler schedules it."""
         return PendingShard(self.reduce_scatter([flat])[0])
 
     @abstractmethod

@@ -125,12 +125,13 @@ class EagerBackend(Backend):
             for shard, spare in zip(shards, into)
         ]
 
-    def reduce_scatter_start(self, flat: torch.Tensor) -> PendingShard:
+    def reduce_scatter_start(self, flat: torch.Tensor, out: torch.Tensor | None = None) -> PendingShard:
+        if out is None:
+            out = torch.empty(flat.numel() // self.world_size, dtype=flat.dtype, device=flat.device)
         if self.world_size == 1:
-            return PendingShard(flat)
-        shard = torch.empty(flat.numel() // self.world_size, dtype=flat.dtype, device=flat.device)
-        work = dist.reduce_scatter_tensor(shard, flat, group=self.group, async_op=True)
-        return PendingShard(shard, work, flat)
+            return PendingShard(out.copy_(flat))
+        work = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
+        return PendingShard(out, work, flat)
 
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         if self.world_size > 1:

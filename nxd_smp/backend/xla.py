@@ -220,7 +220,8 @@ class XlaBackend(Backend):
 
         return self._per_bucket(op, flats)
 
-    def reduce_scatter_start(self, flat: torch.Tensor) -> PendingShard:
+    def reduce_scatter_start(self, flat: torch.Tensor, out: torch.Tensor | None = None) -> PendingShard:
+        # (``out`` is ignored: XLA's collectives return new tensors.)
         if self._cpu:
             _restart_at_next_sync()
         return PendingShard(self.reduce_scatter([flat])[0])
