@@ -273,7 +273,7 @@ def main() -> None:
     print("\n" + "\n".join(report))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"results": results, "ratios": ratios, "targets": TARGETS,
-                                 "option_targets": OPTION_TARGETS, "options": OPTIONS,
+                                 "option_targets": OPTION_TARGETS, "options": OPTIONS, "trainium_kind": TRAINIUM,
                                  "baseline": "torch_xla as NxD ships it at DP 1; at DP > 1 its collectives split "
                                              "per tensor with channel ids (forced by XLA:CPU replicas)",
                                  "command": " ".join(sys.argv), "report": report,

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 HEADER = ["| what | measured | target | made by (the file holds the command and the report) |", "|---|---|---|---|"]
 #: The files whose ``report`` docs/results.md shows, as the scripts printed it.
-REPORTS = ["precision/results.json", "bench_step.json", "bench_peers.json", "bench_xla.json", "bench_checkpoint.json"]
+REPORTS = ["precision/results.json", "bench_step.json", "bench_peers.json", "bench_xla.json", "bench_checkpoint.json",
+           "bench_step_options.json", "memory_options_demo.json"]
 
 
 def _load(name: str) -> dict:
@@ -54,6 +55,23 @@ def rows() -> list[str]:
         out.append((f"XLA iteration / memory per parameter against torch_xla's ZeRO-1, DP={world}{forced}",
                     f"{ratios['iteration']:.2f} / {ratios['memory']:.2f}",
                     f"<= {xt['iteration_ratio']} / {xt['memory_ratio']}", "bench_xla.json"))
+    for world, kind, target in ((1, xla["trainium_kind"], "dp1_memory_ratio"),
+                                (4, "nxd_smp_both", "dp4_memory_ratio")):
+        r = xla["ratios"].get(f"{kind}_dp{world}")
+        if r is not None:
+            what = "sharded accumulation (the README's Trainium settings)" if world == 1 else \
+                "sharded accumulation + remainders"
+            out.append((f"XLA memory per parameter / iteration against torch_xla's ZeRO-1, DP={world}, {what}",
+                        f"{r['memory']:.2f} / {r['iteration']:.2f}", f"<= {xla['option_targets'][target]} / -",
+                        "bench_xla.json"))
+    options = _load("bench_step_options.json")
+    for name, m in options["memory"].items():
+        out.append((f"bytes per parameter per rank at DP=2 over gloo, {name} (slope)",
+                    f"{m['bytes_per_param']:.2f}", f"floor {m['floor']:.1f}", "bench_step_options.json"))
+    demo = _load("memory_options_demo.json")
+    worst = max(abs(r[k]) for name, r in demo["results"].items() for k in ("train_vs_default", "val_vs_default"))
+    out.append(("the demo's final losses with each memory option against the default's (largest difference)",
+                f"{100 * worst:.3f}%", f"<= {100 * demo['target_rel']:.2f}%", "memory_options_demo.json"))
     for size in ckpt["results"]:
         out += [
             (f"checkpoint save / cold load / warm load against torch ({size['params'] / 1e6:.0f}M parameters)",
