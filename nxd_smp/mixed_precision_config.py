@@ -163,7 +163,9 @@ class MixedPrecisionConfig:
         return cls(**values)
 
     def to_dict(self) -> dict[str, bool]:
-        return asdict(self)
+        """NxD's three keys, and nxd_smp's own only where they are on (so NxD's dicts keep
+        NxD's shape)."""
+        return {k: v for k, v in asdict(self).items() if k in self._NXD_FIELDS or v}
 
 
 @dataclass(frozen=True)

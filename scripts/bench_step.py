@@ -154,16 +154,17 @@ def options_memory_rank(rank: int, world: int, name: str, n_params: float, width
     return {"params": sum(q.numel() for q in model.parameters()), "peak_bytes": rss_bytes("VmHWM")}
 
 
-def options_timing_rank(rank: int, world: int, n_params: float, width: int, iters: int, cap: float) -> dict:
+def options_timing_rank(rank: int, world: int, n_params: float, width: int, iters: int, cap: float,
+                        names: list[str]) -> dict:
     """Every option over its own copy of the model, alternating; times per micro-batch count."""
     torch.manual_seed(0)
     x = torch.randn(width, width, dtype=torch.bfloat16) * 1e-3
     runs = {}
-    for name in OPTIONS:
+    for name in names:
         model = Weights(n_params, width)
         runs[name] = (model, _options_optimizer(name, model, cap))
-    times = {f"{name}/{micro}": [] for name in OPTIONS for micro in MICRO}
-    backward_ms = {name: [] for name in OPTIONS}
+    times = {f"{name}/{micro}": [] for name in names for micro in MICRO}
+    backward_ms = {name: [] for name in names}
     for it in range(iters + 1):
         for micro in MICRO:
             for name, (model, opt) in runs.items():
@@ -179,7 +180,7 @@ def options_timing_rank(rank: int, world: int, n_params: float, width: int, iter
                     times[f"{name}/{micro}"].append((time.perf_counter() - t) * 1e3)
     # What the sharded accumulation's reduce-scatters cost when nothing hides them: the same
     # buckets reduce-scattered one after the other, outside backward.
-    _, sharded = runs["sharded_acc"]
+    sharded = next(opt for _, opt in runs.values() if opt.mixed_precision.use_sharded_grad_acc)
     flats = [torch.randn(layout.padded_numel) for layout in sharded.bucket_layouts]
     exposed = []
     for _ in range(iters):
@@ -199,7 +200,8 @@ def run_options(args) -> None:
 
     world = 2
     memory = {}
-    for name in OPTIONS:
+    chosen = [name for name in OPTIONS if name == "default" or name in args.option]
+    for name in chosen:
         small, large = (max(run_ranks(world, options_memory_rank, name, n, args.width, args.bucket_cap_mb),
                             key=lambda r: r["peak_bytes"])
                         for n in (args.params, 2 * args.params))
@@ -207,11 +209,13 @@ def run_options(args) -> None:
                         "bytes_per_param": (large["peak_bytes"] - small["peak_bytes"]) / (large["params"] - small["params"]),
                         "floor": options_floor(name, world)}
         print(f"  {name}: {memory[name]['bytes_per_param']:.2f} bytes/param", flush=True)
-    timing = run_ranks(world, options_timing_rank, args.params, args.width, args.iters, args.bucket_cap_mb)[0]
+    timing = run_ranks(world, options_timing_rank, args.params, args.width, args.iters, args.bucket_cap_mb,
+                       chosen)[0]
     med = {key: statistics.median(v) for key, v in timing["times_ms"].items()}
     bwd = {name: statistics.median(v) for name, v in timing["backward_ms"].items()}
     alone = statistics.median(timing["reduce_scatter_alone_ms"])
-    hidden = (bwd["default"] + alone - bwd["sharded_acc"]) / alone if alone > 0 else float("nan")
+    shard_name = next(name for name in chosen if OPTIONS[name].get("use_sharded_grad_acc"))
+    hidden = (bwd["default"] + alone - bwd[shard_name]) / alone if alone > 0 else float("nan")
     n = timing["params"]
     report = [f"DP=2 over gloo on {os.cpu_count()} CPU cores, {n / 1e6:.1f}M bf16 parameters (memory: slope against "
               f"{2 * args.params / 1e6:.0f}M, each size in fresh ranks), AdamW, buckets of {args.bucket_cap_mb:g} MiB; "
@@ -219,12 +223,12 @@ def run_options(args) -> None:
               f"one pair of ranks", "",
               "| option | bytes/param/rank | floor | MB sent per step per rank (1 / 4 / 16 micro-batches) | "
               "iteration ms (1 / 4 / 16) | / default (1 / 4 / 16) |", "|---|---|---|---|---|---|"]
-    for name in OPTIONS:
+    for name in chosen:
         sent = " / ".join(f"{timing['wire_bytes'][f'{name}/{m}'] / 2**20:.0f}" for m in MICRO)
         its = " / ".join(f"{med[f'{name}/{m}']:.0f}" for m in MICRO)
         rel = " / ".join(f"{med[f'{name}/{m}'] / med[f'default/{m}']:.2f}" for m in MICRO)
         report.append(f"| {name} | {memory[name]['bytes_per_param']:.2f} | {memory[name]['floor']:.1f} | {sent} | {its} | {rel} |")
-    report += ["", f"backward of one micro-batch: {bwd['default']:.1f} ms without communication, {bwd['sharded_acc']:.1f} ms "
+    report += ["", f"backward of one micro-batch: {bwd['default']:.1f} ms without communication, {bwd[shard_name]:.1f} ms "
                f"with the sharded accumulation's asynchronous reduce-scatters; the same reduce-scatters alone take "
                f"{alone:.1f} ms, so backward hides {100 * hidden:.0f}% of them"]
     print("\n".join(report))
@@ -253,6 +257,10 @@ def main() -> None:
     p.add_argument("--memory-probe", action="store_true", help=argparse.SUPPRESS)  # internal: one size
     p.add_argument("--options", action="store_true",
                    help="measure the memory options at DP=2 over gloo instead (see above)")
+    p.add_argument("--option", nargs="+", choices=[name for name in OPTIONS if name != "default"],
+                   default=[name for name in OPTIONS if name != "default"],
+                   help="with --options: the options measured beside the default (default: all; one "
+                        "with sharded accumulation is needed)")
     p.add_argument("--bucket-cap-mb", type=float, default=32.0,
                    help="with --options: the bucket size of every option (default 32: the sharded "
                         "accumulation's staging, two buckets, stays small beside the models measured)")
@@ -260,6 +268,8 @@ def main() -> None:
     if args.params < 1 or args.width < 1 or args.iters < 1 or args.warmup < 1:
         p.error("--params, --width, --iters and --warmup must be positive")
     if args.options:
+        if not any(OPTIONS[name].get("use_sharded_grad_acc") for name in args.option):
+            p.error("--option needs one with sharded accumulation (sharded_acc or sharded_acc+remainders)")
         run_options(args)
         return
     if args.memory_probe:

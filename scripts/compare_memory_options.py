@@ -50,13 +50,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300, help="the demo's steps (default: the demo's 300)")
     p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--option", nargs="+", choices=[name for name in OPTIONS if name != "default"],
+                   default=[name for name in OPTIONS if name != "default"],
+                   help="the options run beside the default (default: all)")
     p.add_argument("--out", type=Path, default=Path("bench_results/memory_options_demo.json"))
     p.add_argument("demo_args", nargs="*", help="more arguments for train_gpt.py (after --)")
     a = p.parse_args()
     if a.steps < 1 or a.micro_batches < 1:
         p.error("--steps and --micro-batches must be positive")
     with tempfile.TemporaryDirectory() as work:
-        runs = {name: run_demo(name, a.steps, a.micro_batches, Path(work), a.demo_args) for name in OPTIONS}
+        runs = {name: run_demo(name, a.steps, a.micro_batches, Path(work), a.demo_args)
+                for name in OPTIONS if name == "default" or name in a.option}
     base = runs["default"]
     rows, results = [], {}
     for name, s in runs.items():

@@ -36,9 +36,9 @@ def test_the_peers_benchmark_writes_finite_json(tmp_path):
 
 def test_xla_benchmark_runs_both_optimizers_on_replicas(tmp_path):
     run("bench_xla.py", "--width", "32", "--layers", "2", "4", "--dp", "2", "--iters", "1", "--warmup", "2",
-        "--kinds", "torch_xla", "nxd_smp", "nxd_smp_both", "--out", str(tmp_path / "xla.json"), timeout=900)
+        "--kinds", "torch_xla", "nxd_smp", "--out", str(tmp_path / "xla.json"), timeout=900)
     result = json.loads((tmp_path / "xla.json").read_text())
-    for kind in ("nxd_smp_dp2", "torch_xla_dp2", "nxd_smp_both_dp2"):
+    for kind in ("nxd_smp_dp2", "torch_xla_dp2"):
         large = result["results"][kind]["large"]
         assert finite(large["iter_ms"], large["compile_s"], result["results"][kind]["bytes_per_param"])
         assert large["one_graph_for_all_ranks"] and large["compiles_after_warmup"] == 0
@@ -47,10 +47,10 @@ def test_xla_benchmark_runs_both_optimizers_on_replicas(tmp_path):
 
 
 def test_the_memory_options_benchmark_writes_finite_json(tmp_path):
-    run("bench_step.py", "--options", "--params", "2e5", "--width", "256", "--iters", "1", "--bucket-cap-mb", "0.25",
-        "--out", str(tmp_path / "options.json"))
+    run("bench_step.py", "--options", "--option", "sharded_acc", "--params", "2e5", "--width", "256", "--iters", "1",
+        "--bucket-cap-mb", "0.25", "--out", str(tmp_path / "options.json"))
     result = json.loads((tmp_path / "options.json").read_text())
-    assert set(result["memory"]) == {"default", "sharded_acc", "remainders", "sharded_acc+remainders"}
+    assert set(result["memory"]) == {"default", "sharded_acc"}
     assert finite(*(m["bytes_per_param"] for m in result["memory"].values()), *result["iteration_ms_median"].values())
     # bytes sent grow with the micro-batches only when the accumulation is sharded
     wire = result["timing"]["wire_bytes"]
@@ -58,10 +58,11 @@ def test_the_memory_options_benchmark_writes_finite_json(tmp_path):
 
 
 def test_the_demo_comparison_of_the_memory_options_writes_finite_json(tmp_path):
-    run("compare_memory_options.py", "--steps", "2", "--out", str(tmp_path / "demo.json"), "--",
+    run("compare_memory_options.py", "--steps", "2", "--option", "sharded_acc+remainders",
+        "--out", str(tmp_path / "demo.json"), "--",
         "--device", "cpu", "--layers", "1", "--width", "32", "--heads", "2", "--seq", "16", "--batch", "2",
         "--eval-every", "2", "--eval-iters", "1")
     result = json.loads((tmp_path / "demo.json").read_text())
-    assert set(result["results"]) == {"default", "sharded_acc", "remainders", "sharded_acc+remainders"}
+    assert set(result["results"]) == {"default", "sharded_acc+remainders"}
     assert result["results"]["default"]["train_vs_default"] == 0 and result["report"]
     assert finite(*(r["final_train_loss"] for r in result["results"].values()))

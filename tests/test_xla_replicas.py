@@ -52,8 +52,6 @@ ORACLE_CASES = [
     # The memory options: gradients reduce-scattered inside the backward graph (which holds
     # the step too: the loop syncs once per step, as NxD's do), masters as remainders.
     Case("adamw_sharded_grad_acc", scenario("sharded", max_norm=0.5, sharded_acc=True)),
-    Case("sgd_param_remainders", scenario("remainders", "SGD", opt_kwargs=SGD, lr_a=0.05, lr_b=0.02,
-                                          max_norm=0.05, remainders=True)),
     Case("memory_options_nxd_config", scenario("memory", max_norm=0.3, sharded_acc=True, remainders=True,
                                                clear="model"), api="nxd_config"),
 ]
