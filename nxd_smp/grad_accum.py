@@ -94,7 +94,8 @@ class MainGradBuffers:
     @torch.no_grad()
     def add(self, index: int, grad: torch.Tensor, in_backward: bool = False) -> None:
         """Accumulate ``grad`` for managed parameter ``index``: copied if it is the first
-        gradient since the accumulation started, else added."""
+        gradient since the accumulation started, else added. (``in_backward``, which the
+        hooks pass to either kind of buffers, matters only to ``ShardedMainGrads``.)"""
         if not self._fresh[index]:
             self._acc[index].add_(grad)
         elif self.contiguous:
@@ -183,8 +184,6 @@ class ShardedMainGrads:
     the accumulation started, else added. Sums are fp32 over micro-batches, and over ranks
     in the wire dtype (fp32 unless ``reduce_dtype`` lowers it).
     """
-
-    contiguous = False  # (there is no full-size buffer to hand to anyone)
 
     def __init__(
         self,

@@ -463,17 +463,16 @@ class Zero1Optimizer(torch.optim.Optimizer):
             # more pass; every rank must then have one, as every rank runs each backward.)
             grads.end_pass()
             shards = [grads.shard(b) for b in range(len(self._layouts))]
-            grads.start_new_accumulation()
-            return [s if s.dtype == m.dtype else s.to(m.dtype) for s, m in zip(shards, self._masters.shards)]
-        flats, spares = [], []
-        for b, layout in enumerate(self._layouts):
-            wire = self._wire_dtype(self._managed[layout.param_indices[0]].dtype)
-            flat = grads.flat(b) if grads is not None else flatten_grads(self._managed, layout, wire)
-            flats.append(flat if flat.dtype == wire else flat.to(wire))
-            # a shard that arrives in another dtype may land in the consumed accumulation
-            spare = grads.buffers[b] if grads is not None and grads.contiguous else None
-            spares.append(spare if spare is not None and spare.dtype == self._masters.shards[b].dtype else None)
-        shards = self._backend.reduce_scatter(flats, into=spares)
+        else:
+            flats, spares = [], []
+            for b, layout in enumerate(self._layouts):
+                wire = self._wire_dtype(self._managed[layout.param_indices[0]].dtype)
+                flat = grads.flat(b) if grads is not None else flatten_grads(self._managed, layout, wire)
+                flats.append(flat if flat.dtype == wire else flat.to(wire))
+                # a shard that arrives in another dtype may land in the consumed accumulation
+                spare = grads.buffers[b] if grads is not None and grads.contiguous else None
+                spares.append(spare if spare is not None and spare.dtype == self._masters.shards[b].dtype else None)
+            shards = self._backend.reduce_scatter(flats, into=spares)
         if grads is not None:
             grads.start_new_accumulation()
         return [s if s.dtype == m.dtype else s.to(m.dtype) for s, m in zip(shards, self._masters.shards)]
