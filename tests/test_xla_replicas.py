@@ -178,6 +178,17 @@ def test_the_step_graph_updates_the_optimizer_state_in_place(replicas, name, per
     assert case["aliased"] >= per_bucket * case["buckets"] + per_param * managed
 
 
+def test_the_memory_phases_script_reads_each_graph_on_the_replicas(replicas):
+    """scripts/xla_memory_phases.py's replica, tiny: rank 0 reads the resident size between
+    steps and each graph's peak above it (never below: the peak was reset to the size then)."""
+    n, ranks, _ = replicas
+    first = ranks[0]["memory_phases"]
+    assert first["params"] == 2 * (32 * 32 + 32)
+    assert set(first["bytes"]) == {"between steps", "forward+backward", "step"}
+    assert first["bytes"]["between steps"] > 0 and min(first["bytes"].values()) >= 0
+    assert all(not rank["memory_phases"]["bytes"] for rank in ranks[1:])  # only rank 0 reads
+
+
 @DP4
 def test_an_overflow_on_one_rank_skips_the_step_on_all(replicas):
     n, ranks, _ = replicas

@@ -259,6 +259,10 @@ def train(rank: int, world: int, cases: list[Case], checkpoint_job: dict[str, An
         }
     if checkpoint_job is not None:
         results["checkpoints"] = checkpoints(rank, world, checkpoint_job)
+    # scripts/xla_memory_phases.py's replica at a tiny size, on these replicas
+    from scripts.xla_memory_phases import replica as memory_phases
+
+    results["memory_phases"] = memory_phases(rank, world, "nxd_smp_sharded_acc", 32, 2, 2)
     return results
 
 
