@@ -50,6 +50,10 @@ def make_optimizer(kind: str, model, **zero1_kwargs):
     import nxd_smp
 
     hyper = dict(lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    if kind == "smp_memory_options":  # both memory options (README, "Memory options")
+        options = nxd_smp.MixedPrecisionConfig(use_sharded_grad_acc=True, use_param_remainders=True)
+        return nxd_smp.Zero1Optimizer(model.parameters(), torch.optim.AdamW, mixed_precision=options,
+                                      **zero1_kwargs, **hyper)
     if kind == "smp":
         return nxd_smp.Zero1Optimizer(model.parameters(), torch.optim.AdamW, **zero1_kwargs, **hyper)
     # the reference clips as nxd_smp does (max_norm 1.0): torch's own clip_grad_norm_
@@ -150,7 +154,7 @@ def plain_loop(kind: str) -> dict:
     for step in range(STEPS):
         for micro in tokens[step]:
             (model(input_ids=micro, labels=micro).loss / ACCUM).backward()
-        if kind != "smp":
+        if not kind.startswith("smp"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         model.zero_grad()  # never optimizer.zero_grad(), as the Trainer
@@ -162,7 +166,8 @@ LOOPS = {"hf_trainer": hf_trainer, "accelerate": accelerate_loop, "plain": plain
 
 def main(out_path: str, loop: str) -> None:
     torch.set_num_threads(1)  # the same reduction order in every run
-    runs = {kind: LOOPS[loop](kind) for kind in ("fp32", "bf16", "smp")}
+    kinds = ("fp32", "bf16", "smp") + (("smp_memory_options",) if loop != "plain" else ())
+    runs = {kind: LOOPS[loop](kind) for kind in kinds}
     if loop == "hf_trainer":
         runs["smp_callback"] = hf_trainer("smp", callback=True)
     with open(out_path, "w") as f:
