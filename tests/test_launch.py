@@ -1,7 +1,8 @@
 """The launch every Trainium user runs: ``torchrun`` with ``init_process_group("xla")``
 before the optimizer is built, here on the XLA CPU device at one process (two XLA:CPU
 processes each see a world of one, so DP > 1 runs on the replica threads of
-test_xla_replicas.py). Each API and group form trains like the unsharded oracle; a
+test_xla_replicas.py). Each API and group form, and NxD's dict with the README's Trainium
+settings (sharded accumulation), trains like the unsharded oracle; a
 checkpoint saved from the XLA device resumes on the XLA device and on the CPU; the demo
 takes the xla process group, launched as the README says."""
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from tests.oracle import assert_params_close, run_oracle
-from tests.xla_launch_worker import SAVED_AT, SCENARIO, SGD, STEPS, WARMUP
+from tests.xla_launch_worker import SAVED_AT, SCENARIO, STEPS, WARMUP, scenario_of
 
 pytest.importorskip("torch_xla", reason="torch_xla is part of the pinned test environment")
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +43,9 @@ def launched(tmp_path_factory):
     return torch.load(out / "results.pt", weights_only=True)
 
 
-CASES = ["zero1_no_group", "zero1_default_group", "zero1_new_group", "zero1_replica_groups", "neuron", "nxd_config"]
+CASES = {"zero1_no_group": "zero1", "zero1_default_group": "zero1", "zero1_new_group": "zero1",
+         "zero1_replica_groups": "zero1", "neuron": "neuron", "nxd_config": "nxd_config",
+         "nxd_trainium_settings": "nxd_trainium"}  # case: the API it builds through
 
 
 def test_the_launch_runs_under_the_xla_process_group(launched):
@@ -52,9 +55,9 @@ def test_the_launch_runs_under_the_xla_process_group(launched):
 @pytest.mark.parametrize("case", CASES)
 def test_every_api_and_group_form_trains_like_the_oracle_on_the_xla_backend(launched, case):
     got = launched["cases"][case]
-    scenario = SGD if case == "nxd_config" else SCENARIO
-    expected, norms = run_oracle(scenario, 1)
+    expected, norms = run_oracle(scenario_of(CASES[case]), 1)
     assert got["backend"] == "XlaBackend" and got["world_size"] == 1
+    assert got["sharded_grad_acc"] == (case == "nxd_trainium_settings")
     assert_params_close(got["params"], expected)
     assert got["norms"] == pytest.approx(norms, rel=1e-5)
     assert got["compiles"][WARMUP - 1] == got["compiles"][-1], "a new graph after warm-up"

@@ -23,12 +23,19 @@ STEPS, SAVED_AT, WARMUP = 5, 3, 3
 SCENARIO = Scenario("launch", "AdamW", fixed_grads=True, steps=STEPS, micro=2, max_norm=0.5)
 SGD = Scenario("launch_sgd", "SGD", opt_kwargs={"momentum": 0.9}, lr_a=0.05, lr_b=0.02, fixed_grads=True,
                steps=STEPS, micro=2, max_norm=0.05)
+#: The README's Trainium settings: NxD's dict with sharded accumulation.
+TRAINIUM = Scenario("launch_trainium", "AdamW", fixed_grads=True, steps=STEPS, micro=2, max_norm=0.5,
+                    sharded_acc=True, api="nxd_config")
+
+
+def scenario_of(api: str) -> Scenario:
+    return {"nxd_config": SGD, "nxd_trainium": TRAINIUM}.get(api, SCENARIO)
 
 
 def build(api: str, group, model) -> torch.optim.Optimizer:
     import nxd_smp
 
-    s = SGD if api == "nxd_config" else SCENARIO
+    s = scenario_of(api)
     groups = param_groups(model, lr_a=s.lr_a, lr_b=s.lr_b)
     if api == "neuron":  # what NxD's initialize_parallel_optimizer passes
         return nxd_smp.NeuronZero1Optimizer(
@@ -44,6 +51,12 @@ def build(api: str, group, model) -> torch.optim.Optimizer:
         )
         return nxd_smp.initialize_parallel_optimizer(cfg, s.optimizer_class, groups, process_group=group,
                                                      **s.opt_kwargs)
+    if api == "nxd_trainium":
+        cfg = nxd_smp.neuronx_distributed_config(
+            optimizer_config={"zero_one_enabled": True, "grad_clipping": True, "max_grad_norm": s.max_norm},
+            mixed_precision_config={"use_sharded_grad_acc": True},
+        )
+        return nxd_smp.initialize_parallel_optimizer(cfg, s.optimizer_class, groups, process_group=group)
     return nxd_smp.Zero1Optimizer(groups, s.optimizer_class, max_norm=s.max_norm, process_group=group,
                                   bucket_cap_mb=s.bucket_cap_mb, **s.opt_kwargs)
 
@@ -99,11 +112,12 @@ def main(out_dir: str) -> None:
         "zero1_replica_groups": ("zero1", lambda: [[0]]),
         "neuron": ("neuron", lambda: None),
         "nxd_config": ("nxd_config", lambda: None),
+        "nxd_trainium_settings": ("nxd_trainium", lambda: dist.group.WORLD),
     }
     for name, (api, group) in forms.items():
         model = make_model(0).to(device)
         opt = build(api, group(), model)
-        scenario = SGD if api == "nxd_config" else SCENARIO
+        scenario = scenario_of(api)
         compiles = []
         norms = []
         for step in range(STEPS):
@@ -121,7 +135,8 @@ def main(out_dir: str) -> None:
             saved = nxd_smp.checkpoint.read_checkpoint(out / "async_from_xla")["optimizer"]["state"]
             results["async_saved_steps"] = sorted({float(s["step"]) for s in saved.values() if "step" in s})
         results["cases"][name] = {"params": params_of(model), "norms": norms, "compiles": compiles,
-                                  "backend": type(opt.backend).__name__, "world_size": opt.world_size}
+                                  "backend": type(opt.backend).__name__, "world_size": opt.world_size,
+                                  "sharded_grad_acc": opt.mixed_precision.use_sharded_grad_acc}
 
     # The checkpoint saved from the XLA device, loaded back there and on the CPU, both continued.
     for where in ("xla", "cpu"):
