@@ -30,15 +30,16 @@ GLOBAL_MICRO = 6  # micro-batches per step over all ranks: the same data at DP 1
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build(seed=0, master_in_ckpt=True, master=True, optimizer=torch.optim.AdamW, **kwargs):
+def build(seed=0, master_in_ckpt=True, master=True, optimizer=torch.optim.AdamW, memory_options=False, **kwargs):
     """The model and optimizer the checkpoint tests move around. The compiled CPU update is off
     here (a fresh process pays seconds to load it, and it changes nothing a checkpoint holds:
-    test_placement loads into it)."""
+    test_placement loads into it). ``memory_options``: sharded accumulation and remainders."""
     if optimizer in (torch.optim.Adam, torch.optim.AdamW):
         kwargs.setdefault("compile_update", False)
     model = make_model(seed)
     mp = MixedPrecisionConfig(use_master_weights=master, use_fp32_grad_acc=master,
-                              use_master_weights_in_ckpt=master_in_ckpt and master)
+                              use_master_weights_in_ckpt=master_in_ckpt and master,
+                              use_sharded_grad_acc=memory_options, use_param_remainders=memory_options)
     opt = Zero1Optimizer(param_groups(model, lr_a=1e-2, lr_b=3e-2), optimizer,
                          mixed_precision=mp, bucket_cap_mb=0.0004, **kwargs)
     return model, opt
@@ -59,10 +60,10 @@ def params_of(model):
 
 
 # ---------------------------------------------------------------- across DP sizes
-def save_then_continue(rank, world_size, path, async_save=False):
+def save_then_continue(rank, world_size, path, async_save=False, memory_options=False):
     """Train 3 steps, save (in the background when ``async_save``: training goes on while
     the checkpoint is written), train 2 more."""
-    model, opt = build(seed=0)
+    model, opt = build(seed=0, memory_options=memory_options)
     train(model, opt, 3, 0, rank, world_size)
     save_checkpoint(path, model=model, optimizer=opt, extra={"step": 3}, async_save=async_save)
     train(model, opt, 2, 3, rank, world_size)
@@ -70,8 +71,8 @@ def save_then_continue(rank, world_size, path, async_save=False):
     return params_of(model)
 
 
-def load_then_continue(rank, world_size, path):
-    model, opt = build(seed=5)  # different initial weights: everything must come from the file
+def load_then_continue(rank, world_size, path, memory_options=False):
+    model, opt = build(seed=5, memory_options=memory_options)  # everything must come from the file
     extra = load_checkpoint(path, model=model, optimizer=opt)
     assert extra == {"step": 3}
     train(model, opt, 2, extra["step"], rank, world_size)
@@ -103,6 +104,20 @@ def test_resume_from_dp3_saved_in_the_background_at_dp1_matches_within_rounding(
     uninterrupted = run_ranks(3, save_then_continue, path, True)
     resumed = load_then_continue(0, 1, path)
     assert_params_close(resumed, uninterrupted[0], max_ulp=2, max_flip_fraction=0.05)
+
+
+def test_a_checkpoint_with_the_memory_options_moves_across_dp_sizes_and_modes(tmp_path):
+    """Saved at DP 2 with sharded accumulation and remainders (in the background), resumed at
+    DP 3 without them and at DP 1 with them: the file holds full fp32 masters either way."""
+    path = str(tmp_path / "ckpt")
+    uninterrupted = run_ranks(2, save_then_continue, path, True, True)
+    consolidate(path, tmp_path / "plain.pt")
+    masters = torch.load(tmp_path / "plain.pt", weights_only=True)["master_weights"]
+    # fp32 masters, not the bf16 parameters: the remainders went into the file
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in masters.values())
+    assert_params_close(run_ranks(3, load_then_continue, path)[0], uninterrupted[0],
+                        max_ulp=2, max_flip_fraction=0.05)
+    assert_params_close(load_then_continue(0, 1, path, True), uninterrupted[0], max_ulp=2, max_flip_fraction=0.05)
 
 
 def test_resume_in_process_at_dp1_is_bit_exact(tmp_path):
