@@ -29,7 +29,7 @@ from .backend import Backend, PendingShard
 from .layout import BucketLayout
 from .placement import staggered_empty
 
-__all__ = ["MainGradBuffers", "ShardedMainGrads", "flatten_grads"]
+__all__ = ["MainGradBuffers", "ShardedMainGrads", "concat_bucket", "flatten_grads"]
 
 # The hook currently registered on each parameter. A parameter is accumulated by one
 # MainGradBuffers at a time: building a new one for the same parameter (a new optimizer
@@ -86,10 +86,7 @@ class MainGradBuffers:
                 if contiguous:
                     start, end = layout.param_range(i)
                     self._acc[index] = self.buffers[b][start:end].view(params[index].shape)
-                self._attach(params[index], index, owner)
-
-    def _attach(self, param: torch.Tensor, index: int, owner: "weakref.ref[MainGradBuffers]") -> None:
-        _attach_hook(param, index, owner)
+                _attach_hook(params[index], index, owner)
 
     @torch.no_grad()
     def add(self, index: int, grad: torch.Tensor, in_backward: bool = False) -> None:
@@ -134,16 +131,22 @@ class MainGradBuffers:
                     self._acc[index].zero_()
             self.buffers[b][layout.numel :].zero_()  # padding: a step may have scaled it
             return self.buffers[b]
-        parts = [
-            torch.zeros(self._shapes[index].numel(), dtype=self.dtype, device=self._device)
-            if self._fresh[index]
-            else self._acc[index].reshape(-1)
-            for index in layout.param_indices
-        ]
-        padding = layout.padded_numel - layout.numel
-        if padding:
-            parts.append(torch.zeros(padding, dtype=self.dtype, device=self._device))
-        return torch.cat(parts)
+        parts = [None if self._fresh[index] else self._acc[index] for index in layout.param_indices]
+        return concat_bucket(layout, parts, self.dtype, self._device)
+
+
+def concat_bucket(layout: BucketLayout, parts: Sequence[torch.Tensor | None], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """Bucket ``layout``'s flat, padded tensor of ``dtype`` as one concatenation of ``parts``
+    (per parameter its tensor, or None for zeros); on XLA one concatenation beats slice
+    updates of a large buffer, which would each copy it."""
+    flat = [
+        torch.zeros(n, dtype=dtype, device=device) if part is None else part.reshape(-1).to(dtype)
+        for part, n in zip(parts, layout.numels)
+    ]
+    if layout.padded_numel > layout.numel:
+        flat.append(torch.zeros(layout.padded_numel - layout.numel, dtype=dtype, device=device))
+    return torch.cat(flat)
 
 
 def _attach_hook(param: torch.Tensor, index: int, owner: weakref.ref) -> None:
@@ -198,7 +201,6 @@ class ShardedMainGrads:
         self._backend = backend
         self._wire = list(wire_dtype)
         self._in_flight_max = max(1, int(in_flight))
-        self._shapes = [p.shape for p in params]
         self._bucket_of = {}
         for b, layout in enumerate(layouts):
             for index in layout.param_indices:
@@ -280,7 +282,6 @@ class ShardedMainGrads:
     def _flatten(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s gradient of this pass, flat and padded, in its wire dtype."""
         layout, grads, dtype = self._layouts[b], self._grads[b], self._wire[b]
-        device = self._backend.device
         if self._persistent:
             flat = self._borrow("staging", layout.padded_numel, dtype)
             for i, index in enumerate(layout.param_indices):
@@ -291,15 +292,8 @@ class ShardedMainGrads:
                     flat[start:end].zero_()
             flat[layout.numel :].zero_()
             return flat
-        # XLA: one concatenation (slice updates of a large buffer would each copy it)
-        parts = [
-            grads[index].reshape(-1).to(dtype) if index in grads
-            else torch.zeros(self._shapes[index].numel(), dtype=dtype, device=device)
-            for index in layout.param_indices
-        ]
-        if layout.padded_numel > layout.numel:
-            parts.append(torch.zeros(layout.padded_numel - layout.numel, dtype=dtype, device=device))
-        return torch.cat(parts)
+        return concat_bucket(layout, [grads.get(index) for index in layout.param_indices], dtype,
+                             self._backend.device)
 
     def _finish_one(self) -> None:
         b, pending, staging, result = self._pending.popleft()

@@ -142,13 +142,11 @@ class MasterWeights:
             tuple(a.shape) != (layout.shard_numel,) for a, layout in zip(shards, self._layouts)
         ):
             raise ValueError("master shards do not match this optimizer's layout.")
-        if self.remainders is not None:
-            masters = [saved.to(device=self._backend.device, dtype=torch.float32) for saved in shards]
-            self._backend.publish(self._split(masters))
-            self.record_versions()
-            return
         for master, saved in zip(self.shards, shards):
-            master.copy_(saved)
+            if self.remainders is None:
+                master.copy_(saved)
+            else:  # (``publish`` splits it and frees it)
+                master.data = saved.to(device=self._backend.device, dtype=torch.float32)
         self.publish()
 
     def adopt_changes(self) -> None:
@@ -178,8 +176,7 @@ class MasterWeights:
                 if all(members):
                     remainder.zero_()
                 else:
-                    take = self._backend.local_shard(self._bucket_mask(layout, members))
-                    remainder.copy_(torch.where(take, torch.zeros_like(remainder), remainder))
+                    remainder.masked_fill_(self._backend.local_shard(self._bucket_mask(layout, members)), 0)
                 continue
             current = self._backend.param_shard(b)
             master = self.shards[b]

@@ -103,20 +103,19 @@ class MixedPrecisionConfig:
     def __post_init__(self) -> None:
         for name in self._FIELDS:
             require_bool("mixed_precision_config", name, getattr(self, name))
-        for name, needs in (("use_master_weights_in_ckpt", "use_master_weights"),
-                            ("use_param_remainders", "use_master_weights"),
-                            ("use_sharded_grad_acc", "use_fp32_grad_acc")):
+        for name, needs, why in self._REQUIRES:
             if getattr(self, name) and not getattr(self, needs):
                 raise ConfigError(
-                    f"mixed_precision_config.{name}=True needs {needs}=True ({self._NEEDS[name]}). "
+                    f"mixed_precision_config.{name}=True needs {needs}=True ({why}). "
                     f"Set {needs}=True or {name}=False."
                 )
 
-    _NEEDS = {
-        "use_master_weights_in_ckpt": "there are no master weights to save",
-        "use_param_remainders": "the remainders are the low half of fp32 master weights",
-        "use_sharded_grad_acc": "it shards the fp32 gradient accumulation",
-    }
+    #: (flag, the flag it needs, why)
+    _REQUIRES = (
+        ("use_master_weights_in_ckpt", "use_master_weights", "there are no master weights to save"),
+        ("use_param_remainders", "use_master_weights", "the remainders are the low half of fp32 master weights"),
+        ("use_sharded_grad_acc", "use_fp32_grad_acc", "it shards the fp32 gradient accumulation"),
+    )
 
     @classmethod
     def from_dict(

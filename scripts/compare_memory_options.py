@@ -23,12 +23,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIONS = {
-    "default": {},
-    "sharded_acc": {"use_sharded_grad_acc": True},
-    "remainders": {"use_param_remainders": True},
-    "sharded_acc+remainders": {"use_sharded_grad_acc": True, "use_param_remainders": True},
-}
+sys.path.insert(0, str(ROOT))
+
+from scripts.bench_step import OPTIONS  # noqa: E402  (the same options as the gloo benchmark)
+
 #: The issue's target: each option's final loss within 0.05% of the default's.
 TARGET_REL = 5e-4
 

@@ -42,19 +42,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts.bench_step import rss_bytes  # noqa: E402
 from scripts.bench_xla import KINDS, build, make_model, theory  # noqa: E402
 
 PHASES = ("between steps", "forward+backward", "step")
-
-
-def _resident() -> tuple[int, int]:
-    """(VmRSS, VmHWM) of this process in bytes."""
-    values = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                values[line.split(":")[0]] = int(line.split()[1]) * 1024
-    return values["VmRSS"], values["VmHWM"]
 
 
 def _reset_peak() -> None:
@@ -89,12 +80,12 @@ def replica(rank: int, world: int, kind: str, width: int, layers: int, warmup: i
         settle()
         if last and rank == 0:
             _reset_peak()
-            measured["between steps"] = _resident()[0]
+            measured["between steps"] = rss_bytes("VmRSS")
         barrier()
         model(x.to(device)).float().pow(2).mean().backward()
         settle()
         if last and rank == 0:
-            measured["forward+backward"] = _resident()[1] - measured["between steps"]
+            measured["forward+backward"] = rss_bytes("VmHWM") - measured["between steps"]
             _reset_peak()
         barrier()
         restart_channel_ids()
@@ -102,7 +93,7 @@ def replica(rank: int, world: int, kind: str, width: int, layers: int, warmup: i
         opt.zero_grad()
         settle()
         if last and rank == 0:
-            measured["step"] = _resident()[1] - measured["between steps"]
+            measured["step"] = rss_bytes("VmHWM") - measured["between steps"]
         barrier()
     return {"params": sum(p.numel() for p in model.parameters()), "bytes": measured}
 
