@@ -290,10 +290,3 @@ def has_checkpoint(path: str | os.PathLike) -> bool:
         return path.is_dir() and not path.is_symlink() and bool(nxd_tags(path))
     return True
 
-
-if __name__ == "__main__":  # ``python -m nxd_smp.checkpoint ...``: the CLI under its old name
-    import sys
-
-    from .cli import main
-
-    sys.exit(main(prog="python -m nxd_smp.checkpoint"))

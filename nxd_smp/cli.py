@@ -1,7 +1,4 @@
-"""The command line: ``python -m nxd_smp inspect|consolidate|export-xla|export-torch|export-safetensors ...``.
-
-``python -m nxd_smp.checkpoint ...`` runs the same commands (an alias kept for scripts).
-"""
+"""The command line: ``python -m nxd_smp inspect|consolidate|export-xla|export-torch|export-safetensors ...``."""
 
 from __future__ import annotations
 

@@ -14,8 +14,8 @@
   and back, exactly (TransformerEngine's parameter remainders); ``round_ties_away`` is the
   rounding that split makes.
 
-Numerics only: nothing here knows about sharding or reads the environment
-(``set_stochastic_rounding``, re-exported here, lives in ``runtime_env``).
+Numerics only: nothing here knows about sharding or reads the environment (the Neuron
+runtime's stochastic rounding is ``runtime_env.set_stochastic_rounding``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
 from .mixed_precision_config import ConfigError
-from .runtime_env import set_stochastic_rounding  # re-exported: documented as precision_ops'
 
 __all__ = [
     "softmax",
@@ -47,7 +46,6 @@ __all__ = [
     "NaiveAMPModel",
     "parse_dtype",
     "apply_dtype",
-    "set_stochastic_rounding",
     "stochastic_round",
     "split_master",
     "join_master",

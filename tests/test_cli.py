@@ -1,5 +1,5 @@
 """The command line: ``python -m nxd_smp inspect|consolidate|export-xla|export-torch|
-export-safetensors``, and the old ``python -m nxd_smp.checkpoint`` name for it."""
+export-safetensors``."""
 
 from __future__ import annotations
 
@@ -18,15 +18,14 @@ from tests.test_checkpoint import build, train
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("module", ["nxd_smp", "nxd_smp.checkpoint"])
-def test_inspect_prints_and_fails_cleanly(tmp_path, module):
+def test_inspect_prints_and_fails_cleanly(tmp_path):
     model, opt = build()
     save_checkpoint(tmp_path / "c", model=model, optimizer=opt)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", module, "inspect", str(tmp_path / "c")],
+    out = subprocess.run([sys.executable, "-m", "nxd_smp", "inspect", str(tmp_path / "c")],
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0 and "model/lin1.weight" in out.stdout and "DP size 1" in out.stdout
-    out = subprocess.run([sys.executable, "-m", module, "inspect", str(tmp_path / "none")],
+    out = subprocess.run([sys.executable, "-m", "nxd_smp", "inspect", str(tmp_path / "none")],
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2 and "does not exist" in out.stderr
 

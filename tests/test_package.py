@@ -129,7 +129,7 @@ DOCUMENTED = {
     "nxd_smp.mixed_precision_config": ["MixedPrecisionConfig", "OptimizerConfig", "Zero1Config", "ConfigError"],
     "nxd_smp.zero1_optimizer": ["Zero1Optimizer", "NeuronZero1Optimizer"],
     "nxd_smp.backend": ["select_backend", "Backend", "EagerBackend", "XlaBackend"],
-    "nxd_smp.precision_ops": ["set_stochastic_rounding", "stochastic_round", "NaiveAMPModel", "cast_model"],
+    "nxd_smp.precision_ops": ["stochastic_round", "NaiveAMPModel", "cast_model"],
     "nxd_smp.checkpoint": ["save_checkpoint", "load_checkpoint", "inspect_checkpoint", "consolidate"],
     "nxd_smp.trainer": ["neuronx_distributed_config", "initialize_parallel_optimizer", "ClippedOptimizer",
                         "configs_from_nxd_dict"],
