@@ -173,7 +173,7 @@ def save_checkpoint(
     if model is None:
         raise TypeError("save_checkpoint needs model=...: nxd_smp names the optimizer's state by the model's "
                         "parameters.")
-    check_args(model, optimizer)
+    optimizer = check_args(model, optimizer)
     objects = stateful_objects(scheduler, stateful)
     _check_nxd_only_args(num_workers, use_xser=use_xser, async_save=async_save, zero1_optimizer=zero1_optimizer,
                          use_zero1_dcp=use_zero1_dcp,
@@ -248,7 +248,7 @@ def load_checkpoint(
     path = _tagged(path, tag)
     if model is None:
         raise TypeError("load_checkpoint needs model=...: the optimizer's state is named by the model's parameters.")
-    check_args(model, optimizer)
+    optimizer = check_args(model, optimizer)
     objects = stateful_objects(scheduler, stateful)
     _check_nxd_only_args(num_workers, strict=strict, use_zero1_dcp=use_zero1_dcp)
     finish_save_in_flight(raise_error=False)

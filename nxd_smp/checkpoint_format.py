@@ -38,7 +38,7 @@ import torch.nn as nn
 from .checkpoint_storage import IO_THREADS, ChecksumError, StoredTensor, UnsafeFileError, read_tensors, safe_load
 from .checkpoint_storage import read_index as storage_index
 from .param_groups import index_groups
-from .zero1_optimizer import Zero1Optimizer
+from .zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
 
 __all__ = [
     "CheckpointError",
@@ -152,14 +152,26 @@ def torch_optim_groups(groups: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [{**g["hyper"], "params": i, "param_names": list(g["params"])} for g, i in zip(groups, ids)]
 
 
-def check_args(model: Any, optimizer: Any) -> None:
+def check_args(model: Any, optimizer: Any) -> Zero1Optimizer | None:
+    """The ``Zero1Optimizer`` that ``optimizer`` is or holds (NxD's trainer wrapper, accelerate's
+    and optimum-neuron's keep it in ``.optimizer``), None for None; ``model`` checked.
+
+    Raises:
+        TypeError: ``model`` is not a module, or ``optimizer`` holds no nxd_smp optimizer.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-    if optimizer is not None and not isinstance(optimizer, Zero1Optimizer):
+    if optimizer is None:
+        return None
+    zero1 = zero1_optimizer_of(optimizer)
+    if zero1 is None:
         raise TypeError(
-            f"optimizer must be a nxd_smp Zero1Optimizer (or None), got {type(optimizer).__name__}; "
-            f"save a plain torch optimizer with torch.save(optimizer.state_dict())."
+            f"optimizer must be a nxd_smp Zero1Optimizer, or hold one in .optimizer (NxD's wrapper, "
+            f"accelerate's), got {type(optimizer).__name__}; a plain torch optimizer (ZeRO-1 off) is "
+            f"replicated: save its state_dict() with torch.save, or pass the state dicts in NxD's call "
+            f"shape, save_checkpoint(dir, tag, model=model.state_dict(), optimizer=optimizer.state_dict())."
         )
+    return zero1
 
 
 def stateful_objects(scheduler: Any, stateful: Mapping[str, Any] | None) -> dict[str, Any]:

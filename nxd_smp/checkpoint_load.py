@@ -339,7 +339,7 @@ def check_full_optimizer_state(
 ) -> None:
     """Raise a ``CheckpointError`` naming every way the arguments of
     ``load_full_optimizer_state`` do not fit; change nothing."""
-    check_args(model, optimizer)
+    optimizer = check_args(model, optimizer)
     names = managed_param_names(model, optimizer)
     live = dict(zip(names, optimizer.managed_params))
     problems = name_differences(names, state, "no state for", "state for parameters the optimizer does not manage")

@@ -174,6 +174,7 @@ class ShardedMainGrads:
         layouts: one per bucket.
         backend: the reduce-scatters (``reduce_scatter_start``) and where the shards live.
         wire_dtype: per bucket, the dtype its gradient is reduce-scattered in.
+        dtype: the sums' dtype (fp32 on the device: float64 under ``XLA_DOWNCAST_BF16``).
         in_flight: how many buckets' reduce-scatters may be under way at once (each holds
             one bucket of staging); more overlap, more memory.
 
@@ -195,8 +196,9 @@ class ShardedMainGrads:
         backend: Backend,
         wire_dtype: Sequence[torch.dtype],
         in_flight: int = 2,
+        dtype: torch.dtype = torch.float32,
     ):
-        self.dtype = torch.float32
+        self.dtype = dtype
         self._layouts = list(layouts)
         self._backend = backend
         self._wire = list(wire_dtype)

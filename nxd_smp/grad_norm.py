@@ -95,19 +95,21 @@ def _compiled_sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor | None
     return total.float()
 
 
-def sum_of_squares(tensors: list[torch.Tensor], device: torch.device, compiled: bool = False) -> torch.Tensor:
+def sum_of_squares(tensors: list[torch.Tensor], device: torch.device, compiled: bool = False,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Sum of squared elements over ``tensors``, accumulated in fp32 or better (a 0-dim
-    fp32 tensor on ``device``; zero for an empty list). ``compiled``: on CPU, use the
-    compiled kernel (one read of the gradient at memory speed)."""
+    tensor of ``dtype`` on ``device``; zero for an empty list). ``compiled``: on CPU, use the
+    compiled kernel (one read of the gradient at memory speed). ``dtype``: the torch dtype the
+    device holds as fp32 (float64 on an XLA device under ``XLA_DOWNCAST_BF16``)."""
     if not tensors:
-        return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.zeros((), dtype=dtype, device=device)
     if device.type == "cpu":
-        if compiled:
+        if compiled and dtype == torch.float32:
             total = _compiled_sum_of_squares(tensors)
             if total is not None:
                 return total
         tensors = [piece for t in tensors for piece in t.reshape(-1).split(_CPU_NORM_PIECE)]
-    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=dtype)).square().sum()
 
 
 def global_norm(

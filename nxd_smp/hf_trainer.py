@@ -21,16 +21,9 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .zero1_optimizer import Zero1Optimizer
+from .zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
 
 __all__ = ["Zero1TrainerCallback"]
-
-
-def _unwrap(optimizer: Any) -> Zero1Optimizer | None:
-    """The Zero1Optimizer inside ``optimizer`` (accelerate wraps it in ``.optimizer``)."""
-    while optimizer is not None and not isinstance(optimizer, Zero1Optimizer):
-        optimizer = getattr(optimizer, "optimizer", None)
-    return optimizer
 
 
 class Zero1TrainerCallback(TrainerCallback):
@@ -53,7 +46,7 @@ class Zero1TrainerCallback(TrainerCallback):
         self._optimizer: Zero1Optimizer | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        zero1 = _unwrap(optimizer)
+        zero1 = zero1_optimizer_of(optimizer)  # (accelerate and NxD's wrapper hold it in .optimizer)
         if zero1 is None:
             raise TypeError(
                 f"Zero1TrainerCallback needs the Trainer's optimizer to be a nxd_smp Zero1Optimizer, "

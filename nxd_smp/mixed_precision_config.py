@@ -175,11 +175,13 @@ class OptimizerConfig:
         zero_one_enabled: shard the optimizer (ZeRO-1) over the data-parallel group.
         grad_clipping: clip the global gradient norm at ``max_grad_norm``.
         max_grad_norm: a positive real number; ``inf`` measures the norm but never clips.
+            None only with ``grad_clipping=False`` (NxD Training's ``gradient_clip_val: null``
+            gives ``{"grad_clipping": False, "max_grad_norm": None}``).
     """
 
     zero_one_enabled: bool = False
     grad_clipping: bool = True
-    max_grad_norm: float = 1.0
+    max_grad_norm: float | None = 1.0
 
     _FIELDS = ("zero_one_enabled", "grad_clipping", "max_grad_norm")
     # How errors name the fields: NxD's dict keys here, the optimizer's arguments in Zero1Config.
@@ -189,6 +191,13 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         require_bool(self._OWNER, "zero_one_enabled", self.zero_one_enabled)
         require_bool(self._OWNER, "grad_clipping", self.grad_clipping)
+        if self.max_grad_norm is None and not self.grad_clipping:
+            return  # nothing is clipped, so there is no threshold
+        if self.max_grad_norm is None:
+            raise ConfigError(
+                f"{self._MAX_NORM_NAME} is None while grad_clipping=True: clipping needs a threshold. "
+                f"Pass a positive number (e.g. 1.0), or grad_clipping=False."
+            )
         object.__setattr__(self, "max_grad_norm", validate_max_norm(self.max_grad_norm, self._MAX_NORM_NAME))
 
     @classmethod

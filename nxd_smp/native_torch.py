@@ -55,7 +55,7 @@ from .checkpoint import (
     param_group_names,
     read_checkpoint,
 )
-from .checkpoint_format import group_hyperparameters
+from .checkpoint_format import check_args, group_hyperparameters
 from .checkpoint_load import agree, check_full_optimizer_state, install_full_optimizer_state, name_differences
 from .checkpoint_storage import ChecksumError, UnsafeFileError, read_metadata, read_record
 from .zero1_optimizer import Zero1Optimizer
@@ -365,13 +365,9 @@ def import_torch(path: str | os.PathLike, *, model: nn.Module, optimizer: Zero1O
         CheckpointError: no or a refused/damaged index or record; missing or surplus names,
             shapes that differ, groups that do not fit; each named.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-    if not isinstance(optimizer, Zero1Optimizer):
-        raise TypeError(
-            f"optimizer must be a nxd_smp Zero1Optimizer, got {type(optimizer).__name__}; a torch "
-            f"optimizer loads with dcp.load and set_state_dict."
-        )
+    optimizer = check_args(model, optimizer)  # (a torch optimizer loads with dcp.load and set_state_dict)
+    if optimizer is None:
+        raise TypeError("import_torch needs the optimizer to load into.")
     error, read = None, None
     try:
         read = _read_and_check(Path(path), model, optimizer)

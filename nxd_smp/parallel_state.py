@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-__all__ = ["ParallelGroups", "nxd_parallel_groups"]
+__all__ = ["ParallelGroups", "nxd_parallel_groups", "nxd_coordinate"]
 
 _MODULE = "neuronx_distributed.parallel_layers.parallel_state"
 
@@ -24,14 +24,19 @@ class ParallelGroups:
     """Replica groups (lists of global ranks) of NxD's parallel state.
 
     Attributes:
-        data: the ZeRO-1 sharding groups (the data-parallel groups).
+        sharding: the ZeRO-1 sharding groups: the data-parallel groups, or with context
+            parallelism NxD's data x context parallel groups (``get_zero1_sharding_groups()``).
+        data: the data-parallel groups (what NxD averages gradients over with ZeRO-1 off).
         tensor: the tensor-parallel groups, None at tensor-parallel size 1.
         pipeline: the pipeline-parallel groups, None at pipeline-parallel size 1.
+        context: the context-parallel groups, None at context-parallel size 1.
     """
 
+    sharding: list[list[int]]
     data: list[list[int]]
     tensor: list[list[int]] | None
     pipeline: list[list[int]] | None
+    context: list[list[int]] | None
 
 
 def _groups(groups) -> list[list[int]]:
@@ -47,11 +52,26 @@ def nxd_parallel_groups() -> ParallelGroups | None:
         return None
     if not ps.model_parallel_is_initialized():
         return None
+    data = _groups(ps.get_data_parallel_replica_groups())
+    sharding, context = data, None
     if ps.get_context_model_parallel_size() > 1:
-        data = ps.get_zero1_sharding_groups()
-    else:
-        data = ps.get_data_parallel_replica_groups()
+        sharding = _groups(ps.get_zero1_sharding_groups())
+        context = _groups(ps.get_context_model_parallel_replica_groups())
     tensor = ps.get_tensor_model_parallel_replica_groups() if ps.get_tensor_model_parallel_size() > 1 else None
     pipeline = (ps.get_pipeline_model_parallel_replica_groups()
                 if ps.get_pipeline_model_parallel_size() > 1 else None)
-    return ParallelGroups(_groups(data), tensor and _groups(tensor), pipeline and _groups(pipeline))
+    return ParallelGroups(sharding, data, tensor and _groups(tensor), pipeline and _groups(pipeline), context)
+
+
+def nxd_coordinate() -> tuple[int, int, int] | None:
+    """This process's (data-parallel, tensor-parallel, pipeline-parallel) rank in NxD's parallel
+    state, which name NxD's checkpoint files (``dp_rank_DD_tp_rank_TT_pp_rank_PP.pt``); None
+    when NxD is not installed or its parallel state not initialised."""
+    try:
+        ps = importlib.import_module(_MODULE)
+    except ImportError:
+        return None
+    if not ps.model_parallel_is_initialized():
+        return None
+    return (ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_rank())

@@ -10,13 +10,18 @@ from typing import Any
 
 import torch
 
+from .mixed_precision_config import ConfigError
+
 __all__ = [
     "SUPPORTED_PARAM_DTYPES",
     "normalize_param_groups",
     "managed_params",
     "check_optimizer_class",
+    "inner_hyperparameters",
     "auto_fuse",
     "index_groups",
+    "sequence_parallel_marked",
+    "check_sequence_parallel",
 ]
 
 SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -115,6 +120,44 @@ def check_optimizer_class(optimizer_class: Any, *, sharded: bool = True) -> None
             )
 
 
+#: The kernel options of torch.optim: at the class's own default they choose nothing.
+KERNEL_OPTIONS = ("fused", "foreach", "capturable", "differentiable")
+#: A hyperparameter NxD drops when the class does not take it: torch 2.9's ``Adam.defaults``
+#: and ``AdamW.defaults`` hold it, and ``AdamW(...)`` rejects it.
+_DROPPED_WHEN_UNKNOWN = ("decoupled_weight_decay",)
+
+
+def _signature_defaults(optimizer_class: type) -> tuple[dict[str, Any], bool]:
+    """``optimizer_class.__init__``'s keyword defaults, and whether it takes ``**kwargs``."""
+    try:
+        parameters = inspect.signature(optimizer_class.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return {}, True
+    defaults = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+    return defaults, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def inner_hyperparameters(optimizer_class: type, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments ``optimizer_class`` is built with, from ``defaults`` as NxD's
+    callers pass them (NxD Training passes ``**torch_optimizer.defaults``):
+
+    * ``decoupled_weight_decay`` is dropped where the class does not take it, as NxD drops it;
+      nothing else is dropped (a misspelt name stays the class's error);
+    * a kernel option (``fused``, ``foreach``, ``capturable``, ``differentiable``) at the
+      class's own default is left out: it chooses nothing, so nxd_smp may still choose (the
+      fused kernel, the compiled CPU update).
+    """
+    own, takes_any = _signature_defaults(optimizer_class)
+    out = {}
+    for key, value in defaults.items():
+        if key in _DROPPED_WHEN_UNKNOWN and key not in own and not takes_any:
+            continue
+        if key in KERNEL_OPTIONS and key in own and value is own[key]:
+            continue
+        out[key] = value
+    return out
+
+
 def auto_fuse(
     optimizer_class: type, defaults: dict[str, Any], *, has_fused_kernels: bool, all_fp32: bool
 ) -> dict[str, Any]:
@@ -125,7 +168,7 @@ def auto_fuse(
     fastest and allocates no temporaries. Low-precision shards keep the stock path so
     legacy mode rounds exactly like the stock optimizer.
     """
-    chosen = {"fused", "foreach", "capturable", "differentiable"} & set(defaults)
+    chosen = set(KERNEL_OPTIONS) & set(defaults)  # (after inner_hyperparameters: only real choices)
     try:
         accepts_fused = "fused" in inspect.signature(optimizer_class.__init__).parameters
     except (TypeError, ValueError):
@@ -144,3 +187,29 @@ def index_groups(sizes: Sequence[int]) -> list[list[int]]:
         out.append(list(range(start, start + n)))
         start += n
     return out
+
+
+def sequence_parallel_marked(param: torch.Tensor) -> bool:
+    """Whether NxD marked ``param`` ``sequence_parallel_enabled`` (its LayerNorm/RMSNorm weights
+    and some biases under sequence parallelism): each tensor-parallel rank's gradient is then a
+    partial sum over its part of the sequence, to be summed over the tensor-parallel group."""
+    return bool(getattr(param, "sequence_parallel_enabled", False))
+
+
+def check_sequence_parallel(params: Sequence[torch.Tensor], *, tensor_parallel_known: bool, owner: str) -> bool:
+    """Whether ``params`` hold parameters marked ``sequence_parallel_enabled`` (whose gradients
+    ``owner`` then sums over the tensor-parallel group).
+
+    Raises:
+        ConfigError: some are marked and no tensor-parallel group is known, so their sum would
+            be left undone.
+    """
+    marked = sum(sequence_parallel_marked(p) for p in params)
+    if marked and not tensor_parallel_known:
+        raise ConfigError(
+            f"{owner}: sequence parallelism is on and {marked} parameters are marked sequence_parallel_enabled, "
+            f"but no tensor-parallel group is known to sum their gradients over. Pass grad_norm_groups=<the "
+            f"tensor-parallel groups> (NxD's get_tensor_model_parallel_replica_groups()), or initialise NxD's "
+            f"parallel state."
+        )
+    return marked > 0

@@ -1,8 +1,13 @@
 """Every environment variable nxd_smp reads or sets, and what the XLA runtime has done.
 
-* ``XLA_USE_BF16`` / ``XLA_DOWNCAST_BF16`` (read): make torch_xla store fp32 tensors as
-  bf16 on the device, which would silently turn the fp32 master weights into bf16 ones.
-  ``check_no_xla_downcast`` refuses them while master weights are on.
+* ``XLA_USE_BF16`` / ``XLA_DOWNCAST_BF16`` (read, by ``xla_bf16_variable`` alone): torch_xla's
+  deprecated switches that change what an XLA device stores for torch's float types.
+  ``XLA_DOWNCAST_BF16=1`` stores float32 as bf16 and float64 as fp32: NxD Training's default
+  precision (``mixed_precision``) and NxD's Llama launch scripts use it, with the model in
+  torch fp32 and the masters, states and accumulation in torch float64 (fp32 on the device),
+  which nxd_smp does too (its XLA backend reads this). ``XLA_USE_BF16=1`` stores float64 as
+  bf16 as well, so no fp32 master could exist: ``check_master_weights_storage`` refuses it
+  while master weights are on.
 * ``NEURON_RT_STOCHASTIC_ROUNDING_EN`` (set): the Neuron runtime's stochastic rounding,
   read once when the runtime starts; standard mixed precision wants it off (``0``).
   ``set_stochastic_rounding`` sets it, and refuses a change the runtime would ignore.
@@ -21,39 +26,54 @@ from .mixed_precision_config import ConfigError
 
 __all__ = [
     "SR_VARIABLE",
-    "XLA_DOWNCAST_VARIABLES",
-    "check_no_xla_downcast",
+    "XLA_USE_BF16",
+    "XLA_DOWNCAST_BF16",
+    "xla_bf16_variable",
+    "check_master_weights_storage",
     "set_stochastic_rounding",
     "xla_runtime_started",
     "xla_device_type",
 ]
 
-#: Environment variables that make torch_xla store fp32 tensors as bf16 on the device.
-XLA_DOWNCAST_VARIABLES = ("XLA_USE_BF16", "XLA_DOWNCAST_BF16")
+#: torch_xla: float32 and float64 both stored as bf16 on an XLA device.
+XLA_USE_BF16 = "XLA_USE_BF16"
+#: torch_xla: float32 stored as bf16 and float64 as fp32 on an XLA device.
+XLA_DOWNCAST_BF16 = "XLA_DOWNCAST_BF16"
 
 #: The Neuron runtime's switch for stochastic rounding ("0" = round to nearest).
 SR_VARIABLE = "NEURON_RT_STOCHASTIC_ROUNDING_EN"
 _NEURON_SR_DEFAULT = "1"  # the Neuron runtime rounds stochastically unless told otherwise
 
 
-def check_no_xla_downcast(environ: Mapping[str, str] | None = None) -> None:
-    """Refuse master weights when torch_xla would silently store fp32 tensors as bf16.
+def xla_bf16_variable(environ: Mapping[str, str] | None = None) -> str | None:
+    """Which of torch_xla's bf16 switches is on: ``"XLA_USE_BF16"`` (it wins when both are:
+    float64 is then bf16 too), ``"XLA_DOWNCAST_BF16"``, or None. A value other than empty or
+    ``0`` counts as on, as torch_xla reads it. The only place these variables are read."""
+    env = os.environ if environ is None else environ
+    for name in (XLA_USE_BF16, XLA_DOWNCAST_BF16):
+        if env.get(name, "").strip() not in ("", "0"):
+            return name
+    return None
 
-    Called by ``neuronx_distributed_config`` when its config has master weights, and by
-    the optimizers when they are built with master weights.
+
+def check_master_weights_storage(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse master weights where no torch dtype is fp32 on an XLA device (``XLA_USE_BF16``).
+
+    Called by ``neuronx_distributed_config`` when its config has master weights, and by the
+    optimizers when they are built with master weights. ``XLA_DOWNCAST_BF16`` is accepted: the
+    masters are then torch float64, fp32 on the device.
 
     Raises:
-        ConfigError: naming the variable that is set and the fix.
+        ConfigError: naming the variable and the fix.
     """
-    env = os.environ if environ is None else environ
-    for name in XLA_DOWNCAST_VARIABLES:
-        value = env.get(name, "")
-        if value.strip() not in ("", "0"):
-            raise ConfigError(
-                f"{name}={value!r} is set while use_master_weights=True: it makes torch_xla "
-                f"store the fp32 master weights as bf16, which defeats them. Unset {name} "
-                f"(or set it to 0) and cast the model instead with model.to(torch.bfloat16)."
-            )
+    if xla_bf16_variable(environ) == XLA_USE_BF16:
+        value = (os.environ if environ is None else environ)[XLA_USE_BF16]
+        raise ConfigError(
+            f"{XLA_USE_BF16}={value!r} is set while use_master_weights=True: it makes torch_xla store "
+            f"float32 and float64 alike as bf16, so the master weights could not be fp32. Unset "
+            f"{XLA_USE_BF16} (or set it to 0) and cast the model with model.to(torch.bfloat16), or use "
+            f"{XLA_DOWNCAST_BF16}=1 (NxD's mixed precision: fp32 masters as torch float64)."
+        )
 
 
 def xla_runtime_started() -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .checkpoint_format import CheckpointError, load_small_file, param_group_names
+from .checkpoint_format import CheckpointError, check_args, load_small_file, param_group_names
 from .checkpoint_load import load_full_optimizer_state
 from .checkpoint_tools import read_checkpoint
 from .param_groups import index_groups
@@ -97,8 +97,9 @@ def import_xla(files: Sequence[str | os.PathLike], *, model: nn.Module, optimize
     Raises:
         CheckpointError: the files do not fit the optimizer (count, shapes, groups), named.
     """
-    if not isinstance(optimizer, Zero1Optimizer):
-        raise TypeError(f"optimizer must be a nxd_smp Zero1Optimizer, got {type(optimizer).__name__}.")
+    optimizer = check_args(model, optimizer)
+    if optimizer is None:
+        raise TypeError("import_xla needs the optimizer to load into.")
     if not files:
         raise ValueError("import_xla needs the per-rank files (one per DP rank, in rank order).")
     records = [load_small_file(Path(f)) for f in files]

@@ -6,7 +6,10 @@ shard of every bucket and keeps, for its shard only, the master weights and the 
 optimizer's states. One ``step()``:
 
 1. reduce: per bucket, reduce-scatter the accumulated gradient (a sum; the 1/world_size of
-   the mean is folded into step 3),
+   the mean is folded into step 3); with context parallelism the gradient is first summed over
+   the context-parallel group, and with sequence parallelism the gradient of the parameters
+   NxD marks ``sequence_parallel_enabled`` over the tensor-parallel group (NxD's trainer
+   wrapper does both on ``.grad``; here they act on the accumulated gradient),
 2. norm: the global gradient norm in fp32 (shards, then ``grad_norm_groups``, DP and
    ``pipeline_groups``),
 3. clip: the coefficient ``min(1, max_norm / (norm + 1e-6)) / world_size`` (and 1/loss
@@ -28,6 +31,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -46,13 +50,23 @@ from .layout import BucketLayout, plan_buckets
 from .loss_scaler import DynamicLossScaler
 from .master_weights import MasterWeights
 from .mixed_precision_config import ConfigError, MixedPrecisionConfig, Zero1Config, require_bool
-from .param_groups import auto_fuse, check_optimizer_class, index_groups, managed_params, normalize_param_groups
+from .param_groups import (
+    auto_fuse,
+    check_optimizer_class,
+    index_groups,
+    inner_hyperparameters,
+    managed_params,
+    check_sequence_parallel,
+    normalize_param_groups,
+    sequence_parallel_marked,
+)
 from .parallel_state import nxd_parallel_groups
-from .runtime_env import check_no_xla_downcast
+from .runtime_env import XLA_DOWNCAST_BF16, check_master_weights_storage
 
 __all__ = [
     "Zero1Optimizer",
     "NeuronZero1Optimizer",
+    "zero1_optimizer_of",
     "DEFAULT_BUCKET_CAP_MB",
     "DEFAULT_XLA_BUCKET_CAP_MB",
 ]
@@ -96,6 +110,18 @@ class Zero1Optimizer(torch.optim.Optimizer):
             different parameters, so their squares add up over the group; a parameter marked
             ``shared=True`` (NxD's mark for a tied weight another stage already counts) is
             left out here. Without it the norm covers this stage only.
+        sequence_parallel: sum the gradient of the parameters marked
+            ``sequence_parallel_enabled=True`` over ``grad_norm_groups`` (the tensor-parallel
+            group) before the step, as NxD's trainer wrapper does under sequence parallelism:
+            each tensor-parallel rank computed them from its part of the sequence. They get
+            buckets of their own, summed whole before the reduce-scatter (with sharded
+            accumulation: this rank's fp32 shard, after it; a sum commutes with the DP
+            reduction). Marked parameters with no tensor-parallel group are refused.
+        context_parallel_groups: the context-parallel groups, in the same forms: every
+            gradient is averaged over them first (NxD's trainer wrapper under context
+            parallelism). Where they lie inside ``process_group`` (NxD's ZeRO-1 sharding groups
+            span data x context parallelism) the data-parallel mean already averages over them,
+            and nothing more is sent.
         pin_layout: passed to torch_xla collectives.
         lazy_init: defer building shards and buffers until ``init_zero()``.
         compile_update: for Adam/AdamW on CPU with fp32 shards, run the update, the
@@ -128,6 +154,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
         bucket_cap_mb: float | None = None,
         grad_norm_groups: NormGroupSpec = None,
         pipeline_groups: NormGroupSpec = None,
+        sequence_parallel: bool = False,
+        context_parallel_groups: NormGroupSpec = None,
         pin_layout: bool = True,
         lazy_init: bool = False,
         compile_update: bool | None = None,
@@ -144,25 +172,42 @@ class Zero1Optimizer(torch.optim.Optimizer):
         check_optimizer_class(optimizer_class)
         if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
             raise TypeError(f"loss_scaler must be a DynamicLossScaler or None, got {type(loss_scaler).__name__}.")
+        require_bool("Zero1Optimizer", "sequence_parallel", sequence_parallel)
         if config.mixed_precision.use_master_weights:
-            check_no_xla_downcast()
+            check_master_weights_storage()
 
         groups = normalize_param_groups(params)
         self._managed, device = managed_params(groups)
         self._backend = select_backend(device, process_group, pin_layout=config.pin_layout)
         self._norm_backends = norm_backends(grad_norm_groups, device, pin_layout=config.pin_layout)
         self._pipeline_backends = norm_backends(pipeline_groups, device, pin_layout=config.pin_layout)
+        self._context_backends = [
+            cp for cp in norm_backends(context_parallel_groups, device, pin_layout=config.pin_layout)
+            if not set(cp.global_ranks) <= set(self._backend.global_ranks)  # (else the DP mean covers it)
+        ]
+        # The mean is over data x context parallelism (CP groups inside the DP group: over DP alone).
+        self._mean_over = self._backend.world_size * math.prod(cp.world_size for cp in self._context_backends)
+        self._sequence_parallel = sequence_parallel and check_sequence_parallel(
+            self._managed, tensor_parallel_known=bool(self._norm_backends), owner=type(self).__name__)
+        if config.mixed_precision.use_param_remainders and self._backend.fp32 != torch.float32:
+            raise ConfigError(
+                f"use_param_remainders=True keeps fp32 masters as bf16 parameters plus 16 bits, but under "
+                f"{XLA_DOWNCAST_BF16}=1 the parameters are torch float32 (bf16 on the device) and the masters "
+                f"float64. Turn use_param_remainders off, or unset {XLA_DOWNCAST_BF16} and cast the model to "
+                f"torch.bfloat16."
+            )
         if config.bucket_cap_mb is None:
             config = dataclasses.replace(config, bucket_cap_mb=self._backend.default_bucket_cap_mb)
         self._config = config
         self._mp = config.mixed_precision
         self._scaler = None if loss_scaler is None else loss_scaler.to(device)
         self._optimizer_class = optimizer_class
-        self._inner_defaults = self._inner_kwargs(optimizer_class, dict(defaults), loss_scaler is not None)
+        chosen = inner_hyperparameters(optimizer_class, defaults)
+        self._inner_defaults = self._inner_kwargs(optimizer_class, dict(chosen), loss_scaler is not None)
         # The compiled one-pass update stands in for the fused kernel nxd_smp chose itself;
         # a caller who picked a variant (fused=..., foreach=...) gets exactly that.
         self._may_compile = config.compile_update is True or bool(
-            config.compile_update is None and self._inner_defaults.get("fused") and "fused" not in defaults
+            config.compile_update is None and self._inner_defaults.get("fused") and "fused" not in chosen
         )
         # Every hyperparameter the inner optimizer will see, with its class defaults, so
         # the wrapper's param_groups are complete (LR schedulers read them) before the
@@ -189,7 +234,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         if (scaled and self._backend.step_counter_on_device and "capturable" not in defaults
                 and "capturable" in inspect.signature(optimizer_class.__init__).parameters):
             defaults["capturable"] = True  # keep the step counter on the device
-        all_fp32 = all(self._shard_dtype(p.dtype) == torch.float32 for p in self._managed)
+        all_fp32 = all(self._shard_dtype(p.dtype) == self._backend.fp32 for p in self._managed)
         return auto_fuse(optimizer_class, defaults, has_fused_kernels=self._backend.has_fused_kernels,
                          all_fp32=all_fp32 and not self._config.stochastic_rounding)
 
@@ -235,11 +280,22 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     @property
     def grad_clipping(self) -> bool:
+        """Whether ``step()`` clips at ``max_norm``; settable between steps (optimum-neuron sets
+        it, and ``max_norm``, around each step), validated as in the constructor."""
         return self._config.grad_clipping
 
+    @grad_clipping.setter
+    def grad_clipping(self, value: bool) -> None:
+        self.set_clipping(value)
+
     @property
-    def max_norm(self) -> float:
+    def max_norm(self) -> float | None:
+        """The clipping threshold (None only while clipping is off); settable between steps."""
         return self._config.max_grad_norm
+
+    @max_norm.setter
+    def max_norm(self, value: float) -> None:
+        self.set_clipping(self._config.grad_clipping, value)
 
     def set_clipping(self, grad_clipping: bool, max_norm: float | None = None) -> None:
         """Change gradient clipping between steps (``max_norm`` None: keep it); validated
@@ -248,6 +304,17 @@ class Zero1Optimizer(torch.optim.Optimizer):
             self._config, grad_clipping=grad_clipping,
             max_grad_norm=self._config.max_grad_norm if max_norm is None else max_norm,
         )
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether ``step()`` sums the gradients of the parameters marked
+        ``sequence_parallel_enabled`` over the tensor-parallel group (``grad_norm_groups``)."""
+        return self._sequence_parallel
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The size of the tensor-parallel group (``grad_norm_groups``; 1 without it)."""
+        return math.prod(group.world_size for group in self._norm_backends)
 
     @property
     def bucket_layouts(self) -> list[BucketLayout]:
@@ -328,11 +395,12 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ dtypes
     def _shard_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
-        """Dtype of master weights and optimizer states for a parameter dtype."""
-        return torch.float32 if self._mp.use_master_weights else param_dtype
+        """Dtype of master weights and optimizer states for a parameter dtype (fp32 on the
+        device: ``backend.fp32``)."""
+        return self._backend.fp32 if self._mp.use_master_weights else param_dtype
 
     def _accum_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
-        return torch.float32 if self._mp.use_fp32_grad_acc else param_dtype
+        return self._backend.fp32 if self._mp.use_fp32_grad_acc else param_dtype
 
     def _wire_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         """Dtype the gradient is reduce-scattered in."""
@@ -349,7 +417,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
             return
         params = self._managed  # in param-group order, as the layout wants them
         pipeline = bool(self._pipeline_backends)
-        keys = [(gi, p.dtype, norm_role(p, pipeline_parallel=pipeline))
+        # (group, dtype, role in the norm, summed over the tensor-parallel group first)
+        keys = [(gi, p.dtype, norm_role(p, pipeline_parallel=pipeline),
+                 self._sequence_parallel and sequence_parallel_marked(p))
                 for gi, group in enumerate(self.param_groups) for p in group["params"]]
         self._layouts = plan_buckets(
             [p.numel() for p in params], keys, self._backend.world_size, self._config.bucket_cap_numel
@@ -363,9 +433,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._main_grads: MainGradBuffers | ShardedMainGrads | None = None
         if self._mp.use_sharded_grad_acc:
             wire = [self._wire_dtype(params[layout.param_indices[0]].dtype) for layout in self._layouts]
-            self._main_grads = ShardedMainGrads(params, self._layouts, self._backend, wire)
+            self._main_grads = ShardedMainGrads(params, self._layouts, self._backend, wire, dtype=self._backend.fp32)
         elif self._mp.use_fp32_grad_acc:
-            self._main_grads = MainGradBuffers(params, self._layouts, torch.float32, self._backend.device,
+            self._main_grads = MainGradBuffers(params, self._layouts, self._backend.fp32, self._backend.device,
                                                contiguous=self._backend.persistent_grad_buffers)
         inner_groups = []
         for gi, group in enumerate(self.param_groups):
@@ -391,6 +461,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             role: [b for b, layout in enumerate(self._layouts) if layout.key[2] == role]
             for role in ("replicated", "split")
         }
+        self._sequence_parallel_buckets = [b for b, layout in enumerate(self._layouts) if layout.key[3]]
         self._initialized = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -463,6 +534,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             # more pass; every rank must then have one, as every rank runs each backward.)
             grads.end_pass()
             shards = [grads.shard(b) for b in range(len(self._layouts))]
+            self._sum_over_model_parallel_groups(shards)  # (sums commute with the DP reduction)
         else:
             flats, spares = [], []
             for b, layout in enumerate(self._layouts):
@@ -472,10 +544,23 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 # a shard that arrives in another dtype may land in the consumed accumulation
                 spare = grads.buffers[b] if grads is not None and grads.contiguous else None
                 spares.append(spare if spare is not None and spare.dtype == self._masters.shards[b].dtype else None)
+            self._sum_over_model_parallel_groups(flats)
             shards = self._backend.reduce_scatter(flats, into=spares)
         if grads is not None:
             grads.start_new_accumulation()
         return [s if s.dtype == m.dtype else s.to(m.dtype) for s, m in zip(shards, self._masters.shards)]
+
+    def _sum_over_model_parallel_groups(self, per_bucket: list[torch.Tensor]) -> None:
+        """NxD's trainer wrapper's reductions, in its order, in place on each bucket's gradient
+        (whole, or this rank's shard): every bucket summed over the context-parallel groups (the
+        mean's 1/CP is folded into the gradient coefficient, with the DP mean's 1/N), then the
+        sequence-parallel buckets over the tensor-parallel group."""
+        for group in self._context_backends:
+            for tensor in per_bucket:
+                group.all_reduce_(tensor)
+        for b in self._sequence_parallel_buckets:
+            for group in self._norm_backends:
+                group.all_reduce_(per_bucket[b])
 
     def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm of the mean gradient over the whole model (times the loss scale, if any),
@@ -483,21 +568,22 @@ class Zero1Optimizer(torch.optim.Optimizer):
         compiled = self._compiled is not None and self._compiled.enabled  # compiling works here
         device = self._backend.device
         replicated, split = ([grads[b] for b in self._norm_buckets[role]] for role in ("replicated", "split"))
+        dtype = self._backend.fp32
         norm = global_norm(
-            sum_of_squares(replicated, device, compiled),
-            sum_of_squares(split, device, compiled) if split else None,
+            sum_of_squares(replicated, device, compiled, dtype=dtype),
+            sum_of_squares(split, device, compiled, dtype=dtype) if split else None,
             tensor_parallel=self._norm_backends,
             data_parallel=self._backend,
             pipeline_parallel=self._pipeline_backends,
         )
-        return norm / self._backend.world_size if self._backend.world_size > 1 else norm  # sums -> means
+        return norm / self._mean_over if self._mean_over > 1 else norm  # sums -> means
 
     def _gradient_coefficient(self, norm: torch.Tensor) -> torch.Tensor | float | None:
         """What the summed shard gradients are multiplied by: the clip coefficient of the
         (unscaled) ``norm``, divided by the world size and the loss scale (None: 1)."""
         scale = None if self._scaler is None else self._scaler.scale
         coef: torch.Tensor | float | None = clip_coefficient(norm, self._config.grad_clipping, self._config.max_grad_norm)
-        for divisor in (self._backend.world_size if self._backend.world_size > 1 else None, scale):
+        for divisor in (self._mean_over if self._mean_over > 1 else None, scale):
             if divisor is not None:
                 coef = 1.0 / divisor if coef is None else coef / divisor
         return coef
@@ -647,20 +733,31 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
 class NeuronZero1Optimizer(Zero1Optimizer):
     """torch_xla's / NxD's ``ZeroRedundancyOptimizer`` signature mapped onto
-    ``Zero1Optimizer``.
+    ``Zero1Optimizer``, with the protocol NxD's and optimum-neuron's own code use.
 
-    ``optimizer_dtype`` is the master/state dtype (None, fp32 or fp64: fp32 masters;
+    ``optimizer_dtype`` is the master/state dtype (None, fp32 or fp64: fp32 masters, which
+    under ``XLA_DOWNCAST_BF16=1`` are torch float64, as NxD asks with ``torch.double``;
     bf16/fp16: none); ``use_grad_acc_hook`` turns on fp32 gradient accumulation;
     ``higher_cc_precision`` reduces gradients in the master dtype instead of the
     parameter dtype; ``save_master_weights`` puts master weights in the state dict;
     ``max_norm=None`` means 1.0; ``sharding_groups`` / ``grad_norm_groups`` are replica
     groups or process groups. Where NxD's parallel state is initialised, groups left None
     come from it as NxD's own optimizer takes them: sharding over the data-parallel replica
-    groups, the norm over the tensor- and pipeline-parallel groups. The bucket caps are MB per collective as in
-    torch_xla (0: one collective per parameter). ``zero_grad`` keeps gradients
-    allocated by default, as torch_xla does. Beyond torch_xla's signature, the keyword
-    ``pipeline_groups`` spans the norm over pipeline stages (NxD does that through its
-    parallel state).
+    groups (the ZeRO-1 sharding groups with context parallelism), the norm over the tensor-
+    and pipeline-parallel groups. The bucket caps are MB per collective as in torch_xla (0: one
+    collective per parameter). ``zero_grad`` keeps gradients allocated by default, as torch_xla
+    does. ``grad_clipping`` and ``max_norm`` can be set between steps, and ``_grad_norm`` is
+    the last step's norm (optimum-neuron sets and reads them around each step).
+
+    Beyond torch_xla's signature (keywords): ``pipeline_groups`` spans the norm over pipeline
+    stages (NxD does that through its parallel state); ``sequence_parallel`` and
+    ``context_parallel_groups`` are ``Zero1Optimizer``'s. Their default (None) does what no
+    caller can do instead: with ``use_grad_acc_hook`` the hooks take each ``.grad`` into the
+    fp32 accumulation, where the sequence-parallel sum of NxD's and optimum-neuron's own code
+    (which read ``.grad``) cannot see it, so this optimizer sums the marked parameters over
+    ``grad_norm_groups`` itself (refused if no tensor-parallel group is known), and averages
+    over NxD's context-parallel groups where its parallel state has them. Without the hook,
+    ``.grad`` stays where those callers sum it, and this optimizer leaves it alone, as NxD's.
     """
 
     def __init__(
@@ -681,6 +778,8 @@ class NeuronZero1Optimizer(Zero1Optimizer):
         higher_cc_precision: bool = False,
         *,
         pipeline_groups: NormGroupSpec = None,
+        sequence_parallel: bool | None = None,
+        context_parallel_groups: NormGroupSpec = None,
         **defaults: Any,
     ):
         if optimizer_dtype in (None, torch.float32, torch.float64):
@@ -692,22 +791,28 @@ class NeuronZero1Optimizer(Zero1Optimizer):
                 f"optimizer_dtype must be None, torch.float32, torch.float64, torch.bfloat16 "
                 f"or torch.float16, got {optimizer_dtype!r}."
             )
-        if optimizer_dtype is torch.float64:
-            warnings.warn("optimizer_dtype=torch.float64: nxd_smp keeps fp32 master weights.", stacklevel=2)
         for name, value in (("save_master_weights", save_master_weights),
                             ("use_grad_acc_hook", use_grad_acc_hook),
                             ("higher_cc_precision", higher_cc_precision)):
             require_bool("NeuronZero1Optimizer", name, value)
+        if sequence_parallel is not None:
+            require_bool("NeuronZero1Optimizer", "sequence_parallel", sequence_parallel)
         if save_master_weights and not use_master_weights:
             raise ConfigError(
                 f"save_master_weights=True needs fp32 master weights, but optimizer_dtype="
                 f"{optimizer_dtype} keeps none; use optimizer_dtype=torch.float32."
             )
+        if sequence_parallel is None:
+            sequence_parallel = use_grad_acc_hook
         nxd = nxd_parallel_groups()  # NxD's parallel state, where it is initialised: its defaults
         if nxd is not None:
-            sharding_groups = nxd.data if sharding_groups is None else sharding_groups
+            sharding_groups = nxd.sharding if sharding_groups is None else sharding_groups
             grad_norm_groups = nxd.tensor if grad_norm_groups is None else grad_norm_groups
             pipeline_groups = nxd.pipeline if pipeline_groups is None else pipeline_groups
+            if context_parallel_groups is None and use_grad_acc_hook:
+                context_parallel_groups = nxd.context
+            if grad_norm_groups is None:  # NxD's tensor-parallel size is 1: nothing to sum over
+                sequence_parallel = False
         self._higher_cc_precision = higher_cc_precision
         super().__init__(
             params,
@@ -723,10 +828,16 @@ class NeuronZero1Optimizer(Zero1Optimizer):
             bucket_cap_mb=_torch_xla_bucket_cap(bucket_cap_mb_reduce_scatter, bucket_cap_mb_all_gather),
             grad_norm_groups=grad_norm_groups,
             pipeline_groups=pipeline_groups,
+            sequence_parallel=sequence_parallel,
+            context_parallel_groups=context_parallel_groups,
             pin_layout=pin_layout,
             lazy_init=lazy_init,
             **defaults,
         )
+        if optimizer_dtype is torch.float64 and self._backend.fp32 is not torch.float64:
+            warnings.warn(
+                "optimizer_dtype=torch.float64: nxd_smp keeps fp32 master weights (NxD asks for float64 "
+                "under XLA_DOWNCAST_BF16=1, where the device stores float64 as fp32).", stacklevel=2)
 
     def _wire_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         # torch_xla: the gradient travels in the parameter dtype unless
@@ -750,3 +861,15 @@ def _torch_xla_bucket_cap(reduce_scatter_mb: float, all_gather_mb: float) -> flo
     if reduce_scatter_mb == 0 or all_gather_mb == 0:
         return 0.0
     return float(min(reduce_scatter_mb, all_gather_mb))
+
+
+def zero1_optimizer_of(optimizer: Any) -> Zero1Optimizer | None:
+    """The ``Zero1Optimizer`` that ``optimizer`` is or holds: NxD's trainer wrapper
+    (``initialize_parallel_optimizer``'s), accelerate's ``AcceleratedOptimizer`` and
+    optimum-neuron's keep the optimizer they wrap in ``.optimizer``, possibly wrapped again.
+    None when there is none (a plain torch optimizer, or nothing)."""
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        if optimizer is None or isinstance(optimizer, Zero1Optimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+    return None

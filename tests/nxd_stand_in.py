@@ -34,7 +34,9 @@ def install(world: int, tp: int = 1, pp: int = 1, initialized: bool = True, rank
     ps.get_pipeline_model_parallel_size = lambda: pp
     ps.get_data_parallel_size = lambda: world // (tp * pp)
     ps.get_context_model_parallel_size = lambda: 1
+    ps.get_context_model_parallel_replica_groups = lambda: [[r] for r in range(world)]
     ps.get_zero1_sharding_groups = lambda: [list(g) for g in groups["dp"]]
+    ps.get_data_parallel_rank = lambda: next(g.index(rank) for g in groups["dp"] if rank in g)
     ps.get_tensor_model_parallel_rank = lambda: next(g.index(rank) for g in groups["tp"] if rank in g)
     ps.get_pipeline_model_parallel_rank = lambda: next(g.index(rank) for g in groups["pp"] if rank in g)
     for name in ("neuronx_distributed", "neuronx_distributed.parallel_layers"):

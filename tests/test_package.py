@@ -133,7 +133,7 @@ DOCUMENTED = {
     "nxd_smp.checkpoint": ["save_checkpoint", "load_checkpoint", "inspect_checkpoint", "consolidate"],
     "nxd_smp.trainer": ["neuronx_distributed_config", "initialize_parallel_optimizer", "ClippedOptimizer",
                         "configs_from_nxd_dict"],
-    "nxd_smp.runtime_env": ["check_no_xla_downcast", "set_stochastic_rounding"],
+    "nxd_smp.runtime_env": ["check_master_weights_storage", "xla_bf16_variable", "set_stochastic_rounding"],
     "nxd_smp.xla_state_dict": ["export_xla", "import_xla"],
     "nxd_smp.hf_trainer": ["Zero1TrainerCallback"],
 }

@@ -1,5 +1,5 @@
-"""runtime_env: the one room that reads or sets environment variables (the XLA downcast
-check, Neuron's stochastic-rounding switch) and knows whether the XLA runtime started."""
+"""runtime_env: the one room that reads or sets environment variables (torch_xla's bf16
+switches, Neuron's stochastic-rounding switch) and knows whether the XLA runtime started."""
 
 from __future__ import annotations
 
@@ -12,37 +12,50 @@ import pytest
 import torch
 
 from nxd_smp import ConfigError, MixedPrecisionConfig, Zero1Optimizer
-from nxd_smp import precision_ops
-from nxd_smp.runtime_env import SR_VARIABLE, check_no_xla_downcast, set_stochastic_rounding
+from nxd_smp.runtime_env import SR_VARIABLE, check_master_weights_storage, set_stochastic_rounding, xla_bf16_variable
 from tests.oracle import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("variable", ["XLA_USE_BF16", "XLA_DOWNCAST_BF16"])
-@pytest.mark.parametrize("value, refused", [("1", True), ("true", True), (" 1 ", True), ("0", False), ("", False)])
-def test_xla_downcast_variables_are_refused(variable, value, refused):
-    env = {variable: value}
+@pytest.mark.parametrize("value, on", [("1", True), ("true", True), (" 1 ", True), ("0", False), ("", False)])
+def test_the_bf16_variables_are_read_as_torch_xla_reads_them(value, on):
+    assert xla_bf16_variable({"XLA_DOWNCAST_BF16": value}) == ("XLA_DOWNCAST_BF16" if on else None)
+    assert xla_bf16_variable({"XLA_USE_BF16": value}) == ("XLA_USE_BF16" if on else None)
+    # XLA_USE_BF16 makes float64 bf16 too: it wins when both are set
+    assert xla_bf16_variable({"XLA_USE_BF16": "1", "XLA_DOWNCAST_BF16": "1"}) == "XLA_USE_BF16"
+    assert xla_bf16_variable({}) is None
+
+
+@pytest.mark.parametrize("value, refused", [("1", True), ("true", True), ("0", False), ("", False)])
+def test_xla_use_bf16_is_refused_with_master_weights_and_downcast_is_not(value, refused):
+    check_master_weights_storage({"XLA_DOWNCAST_BF16": value})  # NxD's mixed precision: masters in float64
     if refused:
-        with pytest.raises(ConfigError, match=variable) as info:
-            check_no_xla_downcast(env)
-        assert "model.to(torch.bfloat16)" in str(info.value)
+        with pytest.raises(ConfigError, match="XLA_USE_BF16") as info:
+            check_master_weights_storage({"XLA_USE_BF16": value})
+        assert "model.to(torch.bfloat16)" in str(info.value) and "XLA_DOWNCAST_BF16" in str(info.value)
     else:
-        check_no_xla_downcast(env)
-    check_no_xla_downcast({})
+        check_master_weights_storage({"XLA_USE_BF16": value})
 
 
-def test_xla_downcast_variable_is_refused_when_the_optimizer_is_built(monkeypatch):
+def test_xla_use_bf16_is_refused_when_the_optimizer_is_built_and_nothing_changes(monkeypatch):
     config = MixedPrecisionConfig()  # a config is a value: building it reads nothing
-    monkeypatch.setenv("XLA_DOWNCAST_BF16", "1")
-    with pytest.raises(ConfigError, match="XLA_DOWNCAST_BF16"):
-        Zero1Optimizer(make_model().parameters(), torch.optim.AdamW, mixed_precision=config)
+    monkeypatch.setenv("XLA_USE_BF16", "1")
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ConfigError, match="XLA_USE_BF16"):
+        Zero1Optimizer(model.parameters(), torch.optim.AdamW, mixed_precision=config)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     legacy = MixedPrecisionConfig(use_master_weights=False, use_fp32_grad_acc=False)
     Zero1Optimizer(make_model().parameters(), torch.optim.AdamW, mixed_precision=legacy)
+    # on a CPU device XLA_DOWNCAST_BF16 changes nothing: fp32 masters as usual
+    monkeypatch.delenv("XLA_USE_BF16")
+    monkeypatch.setenv("XLA_DOWNCAST_BF16", "1")
+    opt = Zero1Optimizer(make_model().parameters(), torch.optim.AdamW, mixed_precision=config)
+    assert all(m.dtype == torch.float32 for m in opt.master_shards)
 
 
-def test_set_stochastic_rounding_is_also_reachable_from_precision_ops():
-    assert precision_ops.set_stochastic_rounding is set_stochastic_rounding
+def test_the_sr_variable_is_neurons():
     assert SR_VARIABLE == "NEURON_RT_STOCHASTIC_ROUNDING_EN"
 
 

@@ -125,18 +125,23 @@ def test_master_weights_in_checkpoint_need_master_weights():
         MixedPrecisionConfig(use_master_weights=False, use_master_weights_in_ckpt=True)
 
 
-@pytest.mark.parametrize("variable", ["XLA_USE_BF16", "XLA_DOWNCAST_BF16"])
 @pytest.mark.parametrize("value, refused", [("1", True), ("true", True), ("0", False), ("", False)])
-def test_xla_downcast_variables_refused_with_master_weights(monkeypatch, variable, value, refused):
-    monkeypatch.setenv(variable, value)
+def test_xla_use_bf16_is_refused_with_master_weights(monkeypatch, value, refused):
+    monkeypatch.setenv("XLA_USE_BF16", value)
     if refused:
         with pytest.raises(ConfigError) as info:
             neuronx_distributed_config(optimizer_config=ON)
-        assert variable in str(info.value) and "model.to(torch.bfloat16)" in str(info.value)
+        assert "XLA_USE_BF16" in str(info.value) and "model.to(torch.bfloat16)" in str(info.value)
     else:
         neuronx_distributed_config(optimizer_config=ON)
-    # without master weights the variables do not matter to us
+    # without master weights the variable does not matter to us
     neuronx_distributed_config(optimizer_config=ON, mixed_precision_config={"use_master_weights": False})
+
+
+def test_xla_downcast_bf16_is_nxd_trainings_default_precision_and_accepted(monkeypatch):
+    monkeypatch.setenv("XLA_DOWNCAST_BF16", "1")  # precision.type: mixed_precision
+    cfg = neuronx_distributed_config(optimizer_config=ON)
+    assert cfg["mixed_precision_config"]["use_master_weights"] is True
 
 
 # ---------------------------------------------------------------- ZeRO-1 off

@@ -123,6 +123,9 @@ class Backend(ABC):
             step's graph, so the inner optimizer keeps its ``step`` on the device.
         param_shard_is_storage: ``param_shard(b)`` is a writable view of the parameters'
             own memory (so bf16 shards can be updated in place without master weights).
+        fp32: the torch dtype this device stores as fp32, for master weights, optimizer
+            states, fp32 accumulation and norms: ``torch.float32``, or ``torch.float64`` on an
+            XLA device under ``XLA_DOWNCAST_BF16=1`` (which stores float32 as bf16).
     """
 
     device: torch.device
@@ -133,6 +136,17 @@ class Backend(ABC):
     has_fused_kernels: bool
     step_counter_on_device: bool
     param_shard_is_storage: bool
+    fp32: torch.dtype = torch.float32
+
+    def device_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the device holds a tensor of torch dtype ``dtype`` in (what checkpoints
+        record): ``dtype`` itself, except on an XLA device under torch_xla's bf16 switches."""
+        return dtype
+
+    @property
+    @abstractmethod
+    def global_ranks(self) -> list[int]:
+        """The group's members as global ranks (XLA ordinals on an XLA device), in rank order."""
 
     # ---------------------------------------------------------------- collectives (sums)
     def begin_step(self) -> None:
@@ -156,6 +170,31 @@ class Backend(ABC):
     @abstractmethod
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         """``tensor = sum over ranks of tensor``, in place."""
+
+    def all_reduce_many_(self, tensors: Sequence[torch.Tensor], bucket_cap_bytes: int = 512 << 20) -> None:
+        """``all_reduce_`` of each of ``tensors``, bucketed: consecutive tensors of one dtype
+        are joined into flat buckets of at most ``bucket_cap_bytes`` (a larger tensor goes
+        alone), one collective each, as NxD buckets its data-parallel all-reduce (512 MB)."""
+        buckets: dict[torch.dtype, list[torch.Tensor]] = {}
+        filled: dict[torch.dtype, int] = {}
+
+        def flush(dtype: torch.dtype) -> None:
+            bucket = buckets.pop(dtype, [])
+            filled.pop(dtype, None)
+            if not bucket:
+                return
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            self.all_reduce_(flat)
+            torch._foreach_copy_(bucket, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in bucket]), bucket)])
+
+        for t in tensors:
+            size = t.numel() * t.element_size()
+            if buckets.get(t.dtype) and filled[t.dtype] + size > bucket_cap_bytes:
+                flush(t.dtype)
+            buckets.setdefault(t.dtype, []).append(t)
+            filled[t.dtype] = filled.get(t.dtype, 0) + size
+        for dtype in list(buckets):
+            flush(dtype)
 
     @abstractmethod
     def local_shard(self, flat: torch.Tensor) -> torch.Tensor:

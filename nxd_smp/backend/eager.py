@@ -108,6 +108,12 @@ class EagerBackend(Backend):
     def process_group(self) -> dist.ProcessGroup | None:
         return self.group
 
+    @property
+    def global_ranks(self) -> list[int]:
+        if not _dist_active():
+            return [0]
+        return dist.get_process_group_ranks(self.group or dist.group.WORLD)
+
     # ---------------------------------------------------------------- collectives
     def _shard(self, flat: torch.Tensor) -> torch.Tensor:
         size = flat.numel() // self.world_size

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import BucketLayout
+from ..runtime_env import XLA_DOWNCAST_BF16, XLA_USE_BF16, xla_bf16_variable
 from .base import Backend, GroupSpec, PendingShard, check_replica_groups, is_replica_groups, replica_partition
 from .coordination import (
     Coordinator,
@@ -128,6 +129,10 @@ class XlaBackend(Backend):
     collective, and runs after the previous one; ``pin_layout`` and coalescing do not apply
     there. Elsewhere (Neuron) no channel id is added.
 
+    Under ``XLA_DOWNCAST_BF16=1`` torch_xla stores float32 as bf16 and float64 as fp32: ``fp32``
+    is then ``torch.float64`` (NxD's masters under that mode) and ``device_dtype`` says what the
+    device holds; under ``XLA_USE_BF16=1`` both are bf16.
+
     torch_xla orders its collectives through a numeric token: each one's input gets
     ``+ token`` and the token becomes ``token * result[0]``. An inf at the start of one
     result (an fp16 overflow) makes the token NaN and every later collective's input NaN,
@@ -167,12 +172,26 @@ class XlaBackend(Backend):
         self.members = mine[0]
         self.rank, self.world_size = mine[0].index(me), len(mine[0])
         self.pin_layout = bool(pin_layout)
+        self._bf16_variable = xla_bf16_variable()
+        if self._bf16_variable == XLA_DOWNCAST_BF16:
+            self.fp32 = torch.float64
         self._cpu = xr.device_type() == "CPU"
         self._threads = xr.addressable_device_count() == world  # every replica a thread here
         self._rank_index: torch.Tensor | None = None
         self._params: list[torch.Tensor] = []
         self._layouts: list[BucketLayout] = []
         self._coordinator: Coordinator | None = None
+
+    def device_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        if self._bf16_variable is None or not dtype.is_floating_point:
+            return dtype
+        if dtype == torch.float32 or (dtype == torch.float64 and self._bf16_variable == XLA_USE_BF16):
+            return torch.bfloat16
+        return torch.float32 if dtype == torch.float64 else dtype
+
+    @property
+    def global_ranks(self) -> list[int]:
+        return list(self.members)
 
     # ---------------------------------------------------------------- collectives
     def local_shard(self, flat: torch.Tensor) -> torch.Tensor:

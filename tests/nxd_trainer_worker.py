@@ -1,0 +1,151 @@
+"""What the gloo ranks of tests/test_nxd_trainer.py run, and the plain fp32 reference they are
+compared with.
+
+The model is a transformer block's parameters as NxD's layers mark them: a LayerNorm weight
+and bias marked ``sequence_parallel_enabled`` (under sequence parallelism each tensor-parallel
+rank computes their gradient from its part of the sequence: a partial sum), a weight split over
+the tensor-parallel ranks (``tensor_model_parallel``: each rank its own slice and gradient) and
+an unmarked replicated bias (the same gradient on every tensor-parallel rank). Gradients are
+fixed (the loss ``sum(p * g)`` has gradient ``g``), drawn per data-parallel rank, tensor-
+parallel rank, step and micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+SHAPES = {"norm.weight": (16,), "norm.bias": (16,), "proj.weight": (8, 16), "head.bias": (5,)}
+MARKED = ("norm.weight", "norm.bias")
+SPLIT = ("proj.weight",)
+STEPS, MICRO = 3, 2
+SGD = {"lr": 0.05, "momentum": 0.9}
+
+
+class Block(nn.Module):
+    """The parameters of one NxD transformer block, marked as NxD marks them."""
+
+    def __init__(self, tp_rank: int, dtype: torch.dtype):
+        super().__init__()
+        self.norm = nn.Module()
+        self.proj = nn.Module()
+        self.head = nn.Module()
+        for name, shape in SHAPES.items():
+            owner, attr = name.split(".")
+            # replicated parameters start equal on every tensor-parallel rank, split ones differ
+            seed = 17 * (list(SHAPES).index(name) + 1) + (100 * tp_rank if name in SPLIT else 0)
+            p = nn.Parameter((torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.5).to(dtype))
+            if name in MARKED:
+                p.sequence_parallel_enabled = True
+            if name in SPLIT:
+                p.tensor_model_parallel = True
+            setattr(getattr(self, owner), attr, p)
+
+
+def grad(name: str, dp: int, tp: int, step: int, micro: int, dtype: torch.dtype) -> torch.Tensor:
+    """The gradient rank (dp, tp) computes for ``name``: a partial one for the marked parameters,
+    its own for the split one, and for the replicated one the same on every tensor-parallel rank."""
+    tp_key = tp if (name in MARKED or name in SPLIT) else 0
+    seed = 1_000_003 * (list(SHAPES).index(name) + 1) + 10_007 * dp + 1_009 * tp_key + 101 * step + micro
+    return (torch.randn(SHAPES[name], generator=torch.Generator().manual_seed(seed)) * 0.3).to(dtype)
+
+
+def backward(model: nn.Module, dp: int, tp: int, step: int, micro: int) -> None:
+    params = dict(model.named_parameters())
+    loss = sum((p.float() * grad(n, dp, tp, step, micro, p.dtype).float()).sum() for n, p in params.items())
+    loss.backward()
+
+
+def reference(*, dp_size: int, tp_size: int, cp_size: int = 1, sequence_parallel: bool, max_norm: float,
+              dtype: torch.dtype, optimizer=torch.optim.SGD, opt_kwargs=SGD) -> dict[int, dict[str, torch.Tensor]]:
+    """NxD's semantics written out in one process, in fp32, for every tensor-parallel rank:
+    per step the gradients summed over micro-batches, averaged over data (and context) parallel
+    ranks, the marked ones summed over tensor-parallel ranks (when ``sequence_parallel``), the
+    norm over the whole model (a split parameter counted on each tensor-parallel rank, the
+    others once), clipped, one stock ``optimizer`` step on fp32 masters, cast to ``dtype``.
+    Context-parallel ranks are more data ranks here: the ones after the data-parallel ones.
+    Returns the parameters by name, per tensor-parallel rank."""
+    models = {t: Block(t, dtype) for t in range(tp_size)}
+    masters = {t: {n: p.detach().float().clone() for n, p in models[t].named_parameters()} for t in range(tp_size)}
+    optimizers = {t: optimizer([masters[t][n] for n in SHAPES], **opt_kwargs) for t in range(tp_size)}
+    ranks = dp_size * cp_size
+    for step in range(STEPS):
+        local = {t: {n: sum(grad(n, d, t, step, m, dtype).float() for d in range(ranks) for m in range(MICRO)) / ranks
+                     for n in SHAPES} for t in range(tp_size)}
+        reduced = {t: {n: (sum(local[u][n] for u in range(tp_size)) if sequence_parallel and n in MARKED
+                           else local[t][n]) for n in SHAPES} for t in range(tp_size)}
+        sq = sum(float(g.pow(2).sum()) for n, g in reduced[0].items() if n not in SPLIT)
+        sq += sum(float(reduced[t][n].pow(2).sum()) for t in range(tp_size) for n in SPLIT)
+        coef = min(1.0, max_norm / (math.sqrt(sq) + 1e-6))
+        for t in range(tp_size):
+            for n in SHAPES:
+                masters[t][n].grad = reduced[t][n] * coef
+            optimizers[t].step()
+    return {t: {n: masters[t][n].to(dtype) for n in SHAPES} for t in range(tp_size)}
+
+
+# ---------------------------------------------------------------- 4 ranks: TP 2 x DP 2
+def nxd_layout() -> dict[str, list[list[int]]]:
+    from tests import nxd_stand_in
+
+    return nxd_stand_in.layout(4, tp=2, pp=1)  # tp [[0, 1], [2, 3]], dp [[0, 2], [1, 3]]
+
+
+SP_CASES = {
+    # name: (ZeRO-1, mixed precision config, model dtype, NxD's parallel state installed)
+    "zero1": (True, {}, torch.bfloat16, False),
+    "zero1_nxd_state": (True, {}, torch.bfloat16, True),
+    "sharded_acc": (True, {"use_sharded_grad_acc": True}, torch.bfloat16, False),
+    "zero1_off": (False, None, torch.float32, False),
+    "neuron_direct": (True, None, torch.bfloat16, False),  # optimum-neuron's build, SP left to nxd_smp
+    "sp_off_in_config": (True, {}, torch.bfloat16, False),  # the control: nothing summed
+}
+SP_MAX_NORM = {"clip_active": 0.2, "clip_inactive": 1e6}
+
+
+def _build(case: str, model: nn.Module, groups: dict, max_norm: float):
+    import nxd_smp
+
+    zero1, mixed, _, from_state = SP_CASES[case]
+    params = list(model.parameters())
+    if case == "neuron_direct":
+        return nxd_smp.NeuronZero1Optimizer(params, torch.optim.SGD, optimizer_dtype=torch.float32, pin_layout=False,
+                                            sharding_groups=groups["dp"], grad_norm_groups=groups["tp"],
+                                            use_grad_acc_hook=True, higher_cc_precision=True, max_norm=max_norm,
+                                            bucket_cap_mb_all_gather=130, bucket_cap_mb_reduce_scatter=130, **SGD)
+    cfg = nxd_smp.neuronx_distributed_config(
+        tensor_parallel_size=2, sequence_parallel=case != "sp_off_in_config",
+        optimizer_config={"zero_one_enabled": zero1, "grad_clipping": True, "max_grad_norm": max_norm},
+        mixed_precision_config=mixed,
+    )
+    explicit = {} if from_state else {"process_group": groups["dp"], "grad_norm_groups": groups["tp"]}
+    return nxd_smp.initialize_parallel_optimizer(cfg, torch.optim.SGD, params, **explicit, **SGD)
+
+
+def sequence_parallel_ranks(rank: int, world: int) -> dict[tuple[str, str], Any]:
+    """Every SP case at TP 2 x DP 2, with clipping active and inactive: this rank's parameters."""
+    from tests import nxd_stand_in
+
+    groups = nxd_layout()
+    tp, dp = rank % 2, rank // 2
+    out = {}
+    for case, (_, _, dtype, from_state) in SP_CASES.items():
+        for clip, max_norm in SP_MAX_NORM.items():
+            if from_state:
+                nxd_stand_in.install(world, tp=2, rank=rank)
+            try:
+                model = Block(tp, dtype)
+                opt = _build(case, model, groups, max_norm)
+                for step in range(STEPS):
+                    for micro in range(MICRO):
+                        backward(model, dp, tp, step, micro)
+                    opt.step()
+                    opt.zero_grad()
+            finally:
+                nxd_stand_in.uninstall()
+            out[(case, clip)] = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                                 "norm": float(opt.grad_norm), "tp": tp, "dp": dp}
+    return out
