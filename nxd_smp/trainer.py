@@ -245,6 +245,7 @@ class NxDOptimizer(torch.optim.Optimizer):
         self._sequence_parallel = _sequence_parallel_on(nxd_config)
         groups_given = any(g is not None for g in (process_group, grad_norm_groups, pipeline_groups,
                                                     context_parallel_groups))
+        self._zero1 = opt_cfg.zero_one_enabled
         if opt_cfg.zero_one_enabled:
             if not isinstance(optimizer, Zero1Optimizer):
                 raise ConfigError(
@@ -316,8 +317,33 @@ class NxDOptimizer(torch.optim.Optimizer):
     @property
     def grad_norm(self) -> torch.Tensor | None:
         """The last step's gradient norm before clipping (a tensor; None before the first
-        step, and with ZeRO-1 off while nothing was measured)."""
+        step)."""
         return self._grad_norm
+
+    @property
+    def grad_clipping(self) -> bool:
+        """Whether the step clips at ``max_norm``; settable between steps, validated."""
+        return self.optimizer.grad_clipping if self._zero1 else self._grad_clipping
+
+    @grad_clipping.setter
+    def grad_clipping(self, value: bool) -> None:
+        self._set_clipping(value, self.max_norm)
+
+    @property
+    def max_norm(self) -> float | None:
+        """The clipping threshold (the config's ``max_grad_norm``); settable between steps."""
+        return self.optimizer.max_norm if self._zero1 else self._max_norm
+
+    @max_norm.setter
+    def max_norm(self, value: float) -> None:
+        self._set_clipping(self.grad_clipping, value)
+
+    def _set_clipping(self, grad_clipping: bool, max_norm: float | None) -> None:
+        if self._zero1:
+            self.optimizer.set_clipping(grad_clipping, max_norm)
+        else:
+            checked = OptimizerConfig(False, grad_clipping, max_norm)
+            self._grad_clipping, self._max_norm = checked.grad_clipping, checked.max_grad_norm
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)

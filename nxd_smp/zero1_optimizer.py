@@ -411,9 +411,13 @@ class Zero1Optimizer(torch.optim.Optimizer):
         """Build the layout, flat buffers, master shards, hooks and inner optimizer.
 
         Called by the constructor unless ``lazy_init=True``; then call it once before
-        the first backward pass.
+        the first backward pass. Called again (NxD's Llama scripts call
+        ``optimizer.optimizer.init_zero()`` after loading pretrained weights), it rebuilds every
+        master weight from the current parameters, so the next step starts from those weights
+        however they were written (``.data`` included); the optimizer state is kept.
         """
         if self._initialized:
+            self.rebuild_master_from_params()
             return
         params = self._managed  # in param-group order, as the layout wants them
         pipeline = bool(self._pipeline_backends)

@@ -149,3 +149,72 @@ def sequence_parallel_ranks(rank: int, world: int) -> dict[tuple[str, str], Any]
             out[(case, clip)] = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                                  "norm": float(opt.grad_norm), "tp": tp, "dp": dp}
     return out
+
+
+# ---------------------------------------------------------------- 2 ranks: DP 2, or CP 2
+ADAMW = {"lr": 1e-3}
+DP_OPTIMIZERS = {"sgd": (torch.optim.SGD, SGD), "adamw": (torch.optim.AdamW, ADAMW)}
+CP_CASES = {
+    # name: (ZeRO-1, data-parallel (sharding) groups, model dtype)
+    "cp_zero1_off": (False, [[0], [1]], torch.float32),
+    "cp_zero1_dp_only": (True, [[0], [1]], torch.bfloat16),  # the CP mean is an all-reduce of its own
+    "cp_zero1_nxd_sharding": (True, [[0, 1]], torch.bfloat16),  # NxD's DP x CP sharding: in the DP mean
+}
+
+
+def _train(model: nn.Module, opt, data_rank: int, step_fn=None) -> None:
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            backward(model, data_rank, 0, step, micro)
+        (step_fn or opt.step)()
+        opt.zero_grad()
+
+
+def _snapshot(model: nn.Module, opt) -> dict[str, Any]:
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norm": float(opt.grad_norm)}
+
+
+def optimum_neuron_step(opt, max_norm: float) -> torch.Tensor:
+    """optimum-neuron's ``NeuronAcceleratedOptimizer.step`` around a ZeRO-1 optimizer, as it
+    reads: clipping switched on with the caller's norm, the step, the norm read from
+    ``_grad_norm``, clipping switched off again."""
+    opt.grad_clipping = True
+    opt.max_norm = max_norm
+    opt.step(closure=None)
+    norm = opt._grad_norm
+    opt.grad_clipping = False
+    return norm
+
+
+def two_ranks(rank: int, world: int) -> dict[Any, Any]:
+    """Every 2-rank case: this rank's parameters and last norm."""
+    import nxd_smp
+
+    out = {}
+    for name, (cls, kwargs) in DP_OPTIMIZERS.items():  # ZeRO-1 off at DP 2
+        for clip, max_norm in SP_MAX_NORM.items():
+            model = Block(0, torch.float32)
+            cfg = nxd_smp.neuronx_distributed_config(optimizer_config={"zero_one_enabled": False,
+                                                                       "max_grad_norm": max_norm})
+            opt = nxd_smp.initialize_parallel_optimizer(cfg, cls, model.parameters(), **kwargs)
+            _train(model, opt, rank)
+            out[("dp_mean", name, clip)] = _snapshot(model, opt)
+    for case, (zero1, dp_groups, dtype) in CP_CASES.items():  # context parallelism of 2 ranks
+        model = Block(0, dtype)
+        cfg = nxd_smp.neuronx_distributed_config(context_parallel_size=2, optimizer_config={
+            "zero_one_enabled": zero1, "max_grad_norm": SP_MAX_NORM["clip_active"]})
+        opt = nxd_smp.initialize_parallel_optimizer(cfg, torch.optim.SGD, model.parameters(), process_group=dp_groups,
+                                                    context_parallel_groups=[[0, 1]], **SGD)
+        _train(model, opt, rank)
+        out[case] = _snapshot(model, opt)
+    for clip, max_norm in SP_MAX_NORM.items():  # optimum-neuron's ZeRO-1 build and step at DP 2
+        model = Block(0, torch.bfloat16)
+        user_optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)  # what accelerator.prepare is given
+        opt = nxd_smp.NeuronZero1Optimizer(
+            user_optimizer.param_groups, user_optimizer.__class__, pin_layout=False, sharding_groups=[[0, 1]],
+            grad_norm_groups=[[0], [1]], bucket_cap_mb_all_gather=65, bucket_cap_mb_reduce_scatter=130,
+            optimizer_dtype=torch.float32, use_grad_acc_hook=True, higher_cc_precision=True, save_master_weights=True)
+        norms = []
+        _train(model, opt, rank, lambda: norms.append(float(optimum_neuron_step(opt, max_norm))))
+        out[("optimum_neuron", clip)] = {**_snapshot(model, opt), "norms": norms, "clipping_after": opt.grad_clipping}
+    return out

@@ -12,6 +12,9 @@ import nxd_smp
 from nxd_smp import ConfigError
 from tests.distributed import run_ranks
 from tests.nxd_trainer_worker import (
+    ADAMW,
+    CP_CASES,
+    DP_OPTIMIZERS,
     MARKED,
     SHAPES,
     SP_CASES,
@@ -19,6 +22,7 @@ from tests.nxd_trainer_worker import (
     SPLIT,
     reference,
     sequence_parallel_ranks,
+    two_ranks,
 )
 from tests.oracle import assert_params_close
 
@@ -117,3 +121,175 @@ def test_a_zero1_optimizer_built_without_the_configs_sequence_parallelism_is_ref
     assert nxd_smp.trainer.NxDOptimizer(plain, cfg).optimizer is plain  # no tensor-parallel group: nothing to sum
     with pytest.raises(ConfigError, match="ZeRO-1 on"):
         nxd_smp.trainer.NxDOptimizer(torch.optim.AdamW(_marked_model().parameters()), cfg)
+
+
+# ---------------------------------------------------------------- 2 ranks
+@pytest.fixture(scope="module")
+def pair():
+    """One pair of gloo ranks runs every 2-rank case."""
+    return run_ranks(2, two_ranks)
+
+
+@pytest.mark.parametrize("clip", sorted(SP_MAX_NORM))
+@pytest.mark.parametrize("optimizer", sorted(DP_OPTIMIZERS))
+def test_zero1_off_averages_over_data_parallel_ranks_then_clips(pair, optimizer, clip):
+    """NxD's wrapper with ZeRO-1 off at DP 2 trains as one process stepping on the mean gradient,
+    clipped; both ranks end equal (a rank stepping on its own gradient would not)."""
+    cls, kwargs = DP_OPTIMIZERS[optimizer]
+    want = reference(dp_size=2, tp_size=1, sequence_parallel=False, max_norm=SP_MAX_NORM[clip], dtype=torch.float32,
+                     optimizer=cls, opt_kwargs=kwargs)[0]
+    for rank in pair:
+        _close(rank[("dp_mean", optimizer, clip)]["params"], want)
+    own = reference(dp_size=1, tp_size=1, sequence_parallel=False, max_norm=SP_MAX_NORM[clip], dtype=torch.float32,
+                    optimizer=cls, opt_kwargs=kwargs)[0]
+    assert not all(torch.allclose(own[n], want[n]) for n in want)
+
+
+@pytest.mark.parametrize("case", sorted(CP_CASES))
+def test_context_parallel_ranks_average_their_gradients(pair, case):
+    """Context parallelism of 2 ranks: every gradient averaged over them first (ZeRO-1 off; ZeRO-1
+    sharded over data parallelism only, where the mean is an all-reduce of its own; and NxD's
+    data x context sharding groups, where the data-parallel mean already covers it)."""
+    dtype = CP_CASES[case][2]
+    want = reference(dp_size=1, tp_size=1, cp_size=2, sequence_parallel=False, max_norm=SP_MAX_NORM["clip_active"],
+                     dtype=dtype)[0]
+    for rank in pair:
+        _close(rank[case]["params"], want)
+    alone = reference(dp_size=1, tp_size=1, sequence_parallel=False, max_norm=SP_MAX_NORM["clip_active"], dtype=dtype)[0]
+    assert not all(torch.equal(alone[n], want[n]) for n in want)  # rank 0's data alone differs
+
+
+@pytest.mark.parametrize("clip", sorted(SP_MAX_NORM))
+def test_optimum_neurons_zero1_build_and_step(pair, clip):
+    """optimum-neuron builds NeuronZero1Optimizer from the user's optimizer's param groups and
+    class, sets grad_clipping and max_norm before each step, reads _grad_norm after it and
+    switches clipping off: that trains as SMP AdamW at DP 2 with its max_norm."""
+    want = reference(dp_size=2, tp_size=1, sequence_parallel=False, max_norm=SP_MAX_NORM[clip], dtype=torch.bfloat16,
+                     optimizer=torch.optim.AdamW, opt_kwargs=ADAMW)[0]
+    for rank in pair:
+        got = rank[("optimum_neuron", clip)]
+        _close(got["params"], want)
+        assert got["clipping_after"] is False and len(got["norms"]) == 3 and got["norms"][-1] == got["norm"]
+
+
+# ---------------------------------------------------------------- the wrapper's surface
+ON = {"zero_one_enabled": True}
+
+
+def _lin(seed: int = 0, dtype=torch.bfloat16) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).to(dtype)
+
+
+def _steps(model, opt, n: int = 2, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        model(torch.randn(4, 8, generator=g).to(next(model.parameters()).dtype)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_the_wrapper_has_nxds_surface_and_forwards_the_rest():
+    model = _lin()
+    cfg = nxd_smp.neuronx_distributed_config(optimizer_config=ON)
+    opt = nxd_smp.initialize_parallel_optimizer(cfg, torch.optim.AdamW, model.parameters(), lr=1e-3)
+    inner = opt.optimizer
+    assert isinstance(opt, nxd_smp.trainer.NxDOptimizer) and isinstance(opt, torch.optim.Optimizer)
+    assert isinstance(inner, nxd_smp.Zero1Optimizer) and opt.nxd_config is cfg
+    assert opt.params == list(model.parameters()) and opt.grad_norm is None
+    assert opt.state is inner.state and opt.param_groups is inner.param_groups and opt.defaults is inner.defaults
+    # what code written against the Zero1Optimizer reads goes through
+    for name in ("master_shards", "inner_optimizer", "bucket_layouts", "loss_scaler", "backend", "world_size",
+                 "mixed_precision", "config", "managed_params"):
+        got, want = getattr(opt, name), getattr(inner, name)
+        assert got == want or got is want, name
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # acts on the inner groups
+    _steps(model, opt, 1)
+    scheduler.step()
+    assert inner.param_groups[0]["lr"] == 5e-4
+    assert torch.equal(opt.grad_norm, inner.grad_norm)
+    saved = opt.state_dict()
+    assert saved["format"] == inner.state_dict()["format"]
+    with pytest.warns(UserWarning, match="no master weights"):
+        opt.load_state_dict(saved)
+    with pytest.raises(RuntimeError, match="cannot add a param group"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    opt.param_groups = opt.param_groups  # settable, as NxD's
+    assert "NxDOptimizer(" in repr(opt) and opt.__getstate__()["param_groups"] is inner.param_groups
+
+
+def test_zero_grad_keeps_gradients_allocated_by_default_as_nxds_wrapper():
+    model = _lin(dtype=torch.float32)
+    cfg = nxd_smp.neuronx_distributed_config(optimizer_config={"zero_one_enabled": False})
+    opt = nxd_smp.initialize_parallel_optimizer(cfg, torch.optim.SGD, model.parameters(), lr=0.1)
+    assert isinstance(opt, nxd_smp.ClippedOptimizer) and isinstance(opt.optimizer, torch.optim.SGD)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.zero_grad()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+def test_init_zero_after_loading_weights_starts_the_next_step_from_them():
+    """NxD's Llama scripts build the optimizer, load pretrained weights into the model and call
+    ``optimizer.optimizer.init_zero()``. Weights written through ``.data`` are invisible to
+    torch's version counter: without it the stale masters would be written back."""
+    model, pretrained = _lin(0), _lin(1)
+    cfg = nxd_smp.neuronx_distributed_config(optimizer_config={**ON, "max_grad_norm": 1e6})
+    opt = nxd_smp.initialize_parallel_optimizer(cfg, torch.optim.SGD, model.parameters(), lr=0.0)
+    for p, q in zip(model.parameters(), pretrained.parameters()):
+        p.data.copy_(q.data)
+    opt.optimizer.init_zero()
+    _steps(model, opt, 1)  # lr 0: the parameters are the masters
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), pretrained.parameters()))
+
+
+def test_nxd_trainings_call_with_adamw_defaults_trains_as_the_plain_call():
+    """NxD Training: ``initialize_parallel_optimizer(cfg, cls, groups, **torch_optimizer.defaults)``.
+    torch 2.9's AdamW.defaults holds decoupled_weight_decay (dropped, as NxD drops it) and the
+    kernel options at their defaults (no choice: the fused kernel and the compiled CPU update
+    stay on); it trains bit for bit as the same hyperparameters passed plainly."""
+    cfg = nxd_smp.neuronx_distributed_config(optimizer_config=ON)
+    a, b = _lin(), _lin()
+    torch_optimizer = torch.optim.AdamW(a.parameters(), lr=2e-3, weight_decay=0.05)
+    assert {"decoupled_weight_decay", "fused", "foreach", "capturable", "differentiable"} <= set(torch_optimizer.defaults)
+    nxdt = nxd_smp.initialize_parallel_optimizer(cfg, torch.optim.AdamW, a.parameters(), **torch_optimizer.defaults)
+    plain = nxd_smp.initialize_parallel_optimizer(cfg, torch.optim.AdamW, b.parameters(), lr=2e-3, weight_decay=0.05)
+    assert nxdt.inner_optimizer.defaults["fused"] is True and nxdt.optimizer._compiled is not None
+    _steps(a, nxdt, 3)
+    _steps(b, plain, 3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    with pytest.raises(TypeError, match="decoupled_wight_decay"):  # a misspelt name stays an error
+        nxd_smp.initialize_parallel_optimizer(cfg, torch.optim.AdamW, _lin().parameters(), decoupled_wight_decay=True)
+    # Adam takes it: kept
+    adam = nxd_smp.initialize_parallel_optimizer(cfg, torch.optim.Adam, _lin().parameters(), decoupled_weight_decay=True)
+    assert adam.inner_optimizer.param_groups[0]["decoupled_weight_decay"] is True
+    off = nxd_smp.neuronx_distributed_config(optimizer_config={"zero_one_enabled": False})
+    plain_off = nxd_smp.initialize_parallel_optimizer(off, torch.optim.AdamW, _lin(dtype=torch.float32).parameters(),
+                                                      **torch_optimizer.defaults)
+    assert isinstance(plain_off.optimizer, torch.optim.AdamW)
+
+
+def test_a_null_gradient_clip_value_measures_the_norm_and_clips_nothing():
+    """NxD Training's ``gradient_clip_val: null``: grad_clipping False, max_grad_norm None."""
+    cfg = nxd_smp.neuronx_distributed_config(optimizer_config={**ON, "grad_clipping": False, "max_grad_norm": None})
+    assert cfg["optimizer_config"] == {"zero_one_enabled": True, "grad_clipping": False, "max_grad_norm": None}
+    a, b = _lin(), _lin()
+    opt = nxd_smp.initialize_parallel_optimizer(cfg, torch.optim.SGD, a.parameters(), lr=1.0)
+    unclipped = nxd_smp.Zero1Optimizer(b.parameters(), torch.optim.SGD, lr=1.0, max_norm=float("inf"))
+    _steps(a, opt, 2)
+    _steps(b, unclipped, 2)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert opt.max_norm is None and float(opt.grad_norm) > 0
+    with pytest.raises(ConfigError, match="grad_clipping=True"):
+        nxd_smp.neuronx_distributed_config(optimizer_config={**ON, "grad_clipping": True, "max_grad_norm": None})
+    with pytest.raises(ConfigError, match="max_norm"):  # switching clipping on needs a threshold
+        opt.grad_clipping = True
+    opt.max_norm  # (unchanged by the refusal)
+    assert opt.grad_clipping is False
+
+
+def test_sequence_parallel_as_nxds_scripts_pass_it():
+    """run_llama_nxd.py passes ``--use_sequence_parallel`` as an int (default 1)."""
+    assert nxd_smp.neuronx_distributed_config(sequence_parallel=1)["sequence_parallel"] is True
+    assert nxd_smp.neuronx_distributed_config(sequence_parallel=0)["sequence_parallel"] is False
+    with pytest.raises(ConfigError, match="sequence_parallel"):
+        nxd_smp.neuronx_distributed_config(sequence_parallel="False")
