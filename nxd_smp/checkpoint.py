@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +31,13 @@ import torch.nn as nn
 
 from .backend import Backend, select_backend, this_replica
 from .checkpoint_format import CheckpointError, check_args, managed_param_names, param_group_names, stateful_objects
-from .checkpoint_links import checkpoint_links, resolve
+from .checkpoint_links import checkpoint_links, replaceable_folder, resolve
 from .checkpoint_load import load, load_full_optimizer_state
 from .checkpoint_save import save
 from .checkpoint_tools import consolidate, inspect_checkpoint, read_checkpoint
 from .checkpoint_writer import finalize_checkpoint, finish_save_in_flight
-from .nxd_checkpoint import DONE_FILE, is_nxd_checkpoint, load_nxd, nxd_tags
-from .zero1_optimizer import Zero1Optimizer
+from .nxd_checkpoint import DONE_FILE, is_nxd_checkpoint, load_nxd, load_state_dicts, nxd_tags, save_state_dicts
+from .zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
 
 __all__ = [
     "CheckpointError",
@@ -60,18 +60,43 @@ __all__ = [
 _model_backends: dict[tuple[str, object, int], Backend] = {}
 
 
+def _device_backend(device: torch.device) -> Backend:
+    """The default backend of ``device``, made once per device, rank of this process and default
+    process group."""
+    world = id(dist.group.WORLD) if dist.is_available() and dist.is_initialized() else 0
+    key = (str(device), this_replica(), world)
+    if key not in _model_backends:
+        _model_backends[key] = select_backend(device)
+    return _model_backends[key]
+
+
 def _backend(model: nn.Module, optimizer: Zero1Optimizer | None) -> Backend:
     """The optimizer's backend, or (a model alone) the default one for the model's device:
     where rank, world and coordination come from."""
     if optimizer is not None:
         return optimizer.backend
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
-    device = first.device if first is not None else torch.device("cpu")
-    world = id(dist.group.WORLD) if dist.is_available() and dist.is_initialized() else 0
-    key = (str(device), this_replica(), world)
-    if key not in _model_backends:
-        _model_backends[key] = select_backend(device)
-    return _model_backends[key]
+    return _device_backend(first.device if first is not None else torch.device("cpu"))
+
+
+def _state_dicts_backend(*values: Any) -> Backend:
+    """Where rank, world and coordination come from for state dicts (NxD Training's call shape):
+    the default backend of the device of their first tensor; with none (the empty dicts of a
+    load), the XLA device of a replica thread, else the CPU."""
+    for value in values:
+        zero1 = zero1_optimizer_of(value) if not isinstance(value, (Mapping, nn.Module)) else None
+        if zero1 is not None:
+            return zero1.backend
+        tensors = (value.values() if isinstance(value, Mapping)
+                   else itertools.chain(value.parameters(), value.buffers()) if isinstance(value, nn.Module) else ())
+        first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+        if first is not None:
+            return _device_backend(first.device)
+    if this_replica() is not None:
+        import torch_xla
+
+        return _device_backend(torch_xla.device())
+    return _device_backend(torch.device("cpu"))
 
 
 def _tagged(path: str | os.PathLike, tag: Any) -> Path:
@@ -170,10 +195,12 @@ def save_checkpoint(
     if (path is None) == (checkpoint_dir_str is None):
         raise TypeError("pass the checkpoint's path once: as path (the first argument) or as NxD's checkpoint_dir_str=.")
     path = _tagged(path if checkpoint_dir_str is None else checkpoint_dir_str, tag)
-    if model is None:
+    state_dicts = isinstance(model, Mapping) or isinstance(optimizer, Mapping)
+    if model is None and not state_dicts:
         raise TypeError("save_checkpoint needs model=...: nxd_smp names the optimizer's state by the model's "
                         "parameters.")
-    optimizer = check_args(model, optimizer)
+    if not state_dicts:
+        optimizer = check_args(model, optimizer)
     objects = stateful_objects(scheduler, stateful)
     _check_nxd_only_args(num_workers, use_xser=use_xser, async_save=async_save, zero1_optimizer=zero1_optimizer,
                          use_zero1_dcp=use_zero1_dcp,
@@ -186,6 +213,10 @@ def save_checkpoint(
     if num_kept_ckpts is not None and (isinstance(num_kept_ckpts, bool) or not isinstance(num_kept_ckpts, int)
                                        or num_kept_ckpts < 1):
         raise ValueError(f"num_kept_ckpts must be a positive int, -1 or None, got {num_kept_ckpts!r}.")
+    if state_dicts:
+        return _save_state_dicts(path, model, optimizer, scheduler, extra, stateful=stateful,
+                                 save_master_weights=save_master_weights, async_save=async_save,
+                                 num_kept_ckpts=num_kept_ckpts)
     masters_on = optimizer is not None and optimizer.mixed_precision.use_master_weights
     if save_master_weights is None:
         save_master_weights = optimizer is not None and optimizer.mixed_precision.use_master_weights_in_ckpt
@@ -195,13 +226,30 @@ def save_checkpoint(
             "(use_master_weights=False); pass save_master_weights=None or False."
         )
     finish_save_in_flight(raise_error=True)  # at most one in flight; its failure surfaces here
-    if path.exists() and not path.is_symlink() and not (path.is_dir() and not any(path.iterdir())):
+    if os.path.lexists(path) and not path.is_symlink() and not replaceable_folder(path):
         raise CheckpointError(
             f"{path} exists and is not an nxd_smp checkpoint link; pass a new path (or tag) or remove it."
         )
     return save(path, model, optimizer, _backend(model, optimizer), objects=objects, extra=extra,
                 save_master_weights=bool(save_master_weights), async_save=async_save,
                 num_kept_ckpts=num_kept_ckpts, progress=progress)
+
+
+def _save_state_dicts(path: Path, model: Any, optimizer: Any, scheduler: Any, extra: Any, *, stateful: Any,
+                      save_master_weights: Any, async_save: bool, num_kept_ckpts: int | None) -> Path:
+    """``save_checkpoint`` with state dicts (NxD Training's call shape); arguments already checked."""
+    if stateful or save_master_weights is not None:
+        raise TypeError("with state dicts, the dicts hold everything: stateful= and save_master_weights= do not apply.")
+    values = {}
+    for name, value in (("model", model), ("optimizer", optimizer)):
+        if value is not None and not isinstance(value, Mapping) and not callable(getattr(value, "state_dict", None)):
+            raise TypeError(f"{name} must be a state dict, an object with state_dict(), or None; got "
+                            f"{type(value).__name__}.")
+        values[name] = value if value is None or isinstance(value, Mapping) else value.state_dict()
+    finish_save_in_flight(raise_error=True)  # at most one in flight; its failure surfaces here
+    return save_state_dicts(path, model=values["model"], optimizer=values["optimizer"], scheduler=scheduler,
+                            user_content=extra, backend=_state_dicts_backend(model, optimizer),
+                            async_save=async_save, num_kept=num_kept_ckpts)
 
 
 def load_checkpoint(
@@ -246,21 +294,39 @@ def load_checkpoint(
             dtypes or saved objects that do not fit, each named.
     """
     path = _tagged(path, tag)
+    state_dicts = isinstance(model, MutableMapping) or isinstance(optimizer, MutableMapping)
     if model is None:
-        raise TypeError("load_checkpoint needs model=...: the optimizer's state is named by the model's parameters.")
-    optimizer = check_args(model, optimizer)
+        raise TypeError("load_checkpoint needs model=...: the optimizer's state is named by the model's parameters "
+                        "(or, in NxD Training's call shape, a dict to fill).")
+    if not state_dicts:
+        optimizer = check_args(model, optimizer)
+    elif stateful:
+        raise TypeError("with state dicts to fill, stateful= does not apply.")
     objects = stateful_objects(scheduler, stateful)
     _check_nxd_only_args(num_workers, strict=strict, use_zero1_dcp=use_zero1_dcp)
     finish_save_in_flight(raise_error=False)
-    coordinator = _backend(model, optimizer).coordinator
-    nxd_tag = _nxd_tag(path) if coordinator.rank == 0 else None
-    nxd_tag = coordinator.broadcast(None if nxd_tag is None else str(nxd_tag))  # rank 0's choice for all
+    coordinator = (_state_dicts_backend(model, optimizer) if state_dicts else _backend(model, optimizer)).coordinator
+    found: Any = None
+    if coordinator.rank == 0:
+        nxd_tag = _nxd_tag(path)
+        found = str(nxd_tag) if nxd_tag is not None else {"missing": str(path)} if not os.path.lexists(path) else None
+    found = coordinator.broadcast(found)  # rank 0's choice for all
+    nxd_tag = found if isinstance(found, str) else None
+    if state_dicts:
+        if isinstance(found, dict):
+            raise FileNotFoundError(f"no checkpoint at {path}: the path does not exist.")
+        if nxd_tag is None:
+            raise CheckpointError(
+                f"{path} holds nxd_smp's own format, which loads into the model and optimizer themselves, not into "
+                f"state dicts: pass model=<module> and optimizer=<optimizer>.")
+        return load_state_dicts(Path(nxd_tag), model=model, optimizer=optimizer, scheduler=scheduler, strict=strict,
+                                coordinator=coordinator)
     if nxd_tag is not None:
         if stateful:
             raise CheckpointError(f"{nxd_tag} is an NxD checkpoint, which holds no stateful objects; pass none.")
         return load_nxd(Path(nxd_tag), model=model, optimizer=optimizer, scheduler=scheduler, strict=strict,
                         coordinator=coordinator)
-    return load(path, model, optimizer, coordinator, objects=objects,
+    return load(path, model, optimizer, _backend(model, optimizer), objects=objects,
                 verify_checksums=verify_checksums, progress=progress, strict=strict)
 
 

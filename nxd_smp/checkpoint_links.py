@@ -18,7 +18,8 @@ from pathlib import Path
 
 from .checkpoint_format import COMPLETE_FILE, CheckpointError
 
-__all__ = ["version_prefix", "fsync_dir", "publish", "checkpoint_links", "retain", "resolve"]
+__all__ = ["version_prefix", "fsync_dir", "publish", "checkpoint_links", "retain", "resolve", "replaceable_folder",
+           "clear_folder", "unpublish"]
 
 
 def version_prefix(path: Path) -> str:
@@ -34,8 +35,47 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+#: NxD's marker files: ``checkpoint`` when a tag folder's save begins, ``done`` when it is
+#: complete. A folder holding only these, empty (optimum-neuron touches ``done`` in the tag folder
+#: before each asynchronous save), holds nothing a save may not replace.
+MARKER_FILE, DONE_FILE = "checkpoint", "done"
+NXD_MARKERS = (MARKER_FILE, DONE_FILE)
+
+
+def replaceable_folder(path: Path) -> bool:
+    """Whether ``path`` is a folder a new checkpoint link may take the place of: empty, or
+    holding nothing but NxD's empty marker files."""
+    if not path.is_dir() or path.is_symlink():
+        return False
+    return all(entry.name in NXD_MARKERS and entry.is_file() and not entry.is_symlink() and entry.stat().st_size <= 2
+               for entry in path.iterdir())
+
+
+def clear_folder(path: Path) -> None:
+    """Remove the ``replaceable_folder`` at ``path`` (its markers, then itself)."""
+    for entry in path.iterdir():
+        entry.unlink()
+    path.rmdir()
+
+
+def _adopt_folder(path: Path, target: Path) -> None:
+    """A folder made at ``path`` while its save was in flight (optimum-neuron writes its
+    consolidation metadata into the tag folder as soon as ``save_checkpoint`` returns) joins the
+    new version ``target``: its files move there, so the link can take its place. A name the
+    checkpoint holds itself is refused, never overwritten."""
+    clashes = sorted(entry.name for entry in path.iterdir() if os.path.lexists(target / entry.name))
+    if clashes:
+        raise CheckpointError(f"{path} was made while the checkpoint was being written, holding {clashes}, which "
+                              f"the checkpoint writes too; move them away and save again.")
+    for entry in path.iterdir():
+        os.rename(entry, target / entry.name)
+    path.rmdir()
+
+
 def publish(path: Path, version: str) -> None:
     """Point ``path`` at ``version`` atomically and remove the version it replaced."""
+    if path.is_dir() and not path.is_symlink():
+        _adopt_folder(path, path.parent / version)
     old = os.readlink(path) if path.is_symlink() else None
     link = path.parent / f".{path.name}.link-{uuid.uuid4().hex[:12]}"
     os.symlink(version, link)
@@ -68,15 +108,23 @@ def checkpoint_links(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found, key=lambda item: (item[0], item[1].name), reverse=True)
 
 
+def unpublish(link: Path) -> None:
+    """Remove the checkpoint ``link`` names: the link first (the name then means no checkpoint,
+    never a half-removed one), then its version directory."""
+    version = link.parent / os.readlink(link)
+    link.unlink()
+    fsync_dir(link.parent)
+    if version.name.startswith(version_prefix(link)):
+        shutil.rmtree(version, ignore_errors=True)
+
+
 def retain(directory: Path, keep: int, newest: Path) -> None:
     """Remove all but the newest ``keep`` complete checkpoints of ``directory`` (never
     ``newest``, the one just written), then every version directory no link points to: those
     of saves killed before their swap, or after an unlink here. Only this save is in flight."""
     for _, link in checkpoint_links(directory)[keep:]:
         if link != newest:
-            version = directory / os.readlink(link)
-            link.unlink()
-            shutil.rmtree(version, ignore_errors=True)
+            unpublish(link)
     pointed = {os.readlink(entry) for entry in directory.iterdir() if entry.is_symlink()}
     for entry in directory.iterdir():
         if entry.name.startswith(".") and ".v-" in entry.name and entry.is_dir() and entry.name not in pointed:

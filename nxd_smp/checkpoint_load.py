@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .backend import Coordinator
+from .backend import Backend, Coordinator
 from .checkpoint_format import (
     EXTRA_FILE,
     FORMAT,
@@ -57,7 +57,7 @@ def load(
     path: Path,
     model: nn.Module,
     optimizer: Zero1Optimizer | None,
-    coordinator: Coordinator,
+    backend: Backend,
     *,
     objects: Mapping[str, Any],
     verify_checksums: bool,
@@ -66,7 +66,9 @@ def load(
 ) -> Any:
     """``load_checkpoint`` once its arguments are checked: rank 0 finds and checks the
     checkpoint, every rank plans and reads its part, all agree, then commit. Returns the
-    saved ``extra``."""
+    saved ``extra``. ``backend``: the optimizer's (or the model's device's), which coordinates
+    the ranks and says what dtype the device holds each tensor in."""
+    coordinator = backend.coordinator
     rank = coordinator.rank
     with phases(progress, rank, ["verify", "read", "commit"], f"load {path.name}", log) as advance:
         found: Any = None
@@ -97,7 +99,7 @@ def load(
                     f"Load without them, or from a checkpoint saved with them."
                 )
             advance("verify")
-            plan = plan_load(meta, model, optimizer, strict=strict)
+            plan = plan_load(meta, model, optimizer, strict=strict, device_dtype=backend.device_dtype)
             read_entries(plan.staging, target, verify_checksums)
             plan.assemble()
         except (CheckpointError, OSError) as e:
@@ -153,7 +155,8 @@ def name_differences(wanted, given, missing: str, extra: str) -> list[str]:
     return ([f"{missing}: {lacking}"] if lacking else []) + ([f"{extra}: {surplus}"] if surplus else [])
 
 
-def _check_model(meta: Mapping[str, Any], model: nn.Module, strict: bool) -> None:
+def _check_model(meta: Mapping[str, Any], model: nn.Module, strict: bool,
+                 device_dtype: Callable[[torch.dtype], torch.dtype]) -> None:
     if meta.get("format") not in (FORMAT, FORMAT_V1):
         raise CheckpointError(f"unknown checkpoint format {meta.get('format')!r}; expected {FORMAT!r}.")
     live = model.state_dict()
@@ -162,7 +165,7 @@ def _check_model(meta: Mapping[str, Any], model: nn.Module, strict: bool) -> Non
     if strict:
         problems = name_differences(live, saved, "missing from the checkpoint", "in the checkpoint but not in the model")
     for key in sorted(set(live) & set(saved)):
-        shape, dtype = tuple(live[key].shape), str(live[key].dtype)
+        shape, dtype = tuple(live[key].shape), str(device_dtype(live[key].dtype))
         if tuple(saved[key]["shape"]) != shape:
             problems.append(f"{key}: shape {tuple(saved[key]['shape'])} in the checkpoint, {shape} in the model")
         elif saved[key]["dtype"] != dtype:
@@ -190,16 +193,19 @@ def _check_optimizer(saved_opt: Mapping[str, Any] | None, names: list[str], opti
 
 
 def plan_load(
-    meta: Mapping[str, Any], model: nn.Module, optimizer: Zero1Optimizer | None, strict: bool = True
+    meta: Mapping[str, Any], model: nn.Module, optimizer: Zero1Optimizer | None, strict: bool = True,
+    device_dtype: Callable[[torch.dtype], torch.dtype] = lambda dtype: dtype,
 ) -> LoadPlan:
     """Check the checkpoint (its metadata ``meta``) against the live objects and allocate
     this rank's staging buffers. ``strict=False``: model entries on one side only are left
-    alone (the optimizer must fit all the same).
+    alone (the optimizer must fit all the same). ``device_dtype``: the dtype the device holds
+    a live tensor's dtype in (what checkpoints record: bf16 for a float32 parameter under
+    ``XLA_DOWNCAST_BF16``); the commit casts back.
 
     Raises:
         CheckpointError: names, shapes, dtypes or groups that do not fit, each named.
     """
-    _check_model(meta, model, strict)
+    _check_model(meta, model, strict, device_dtype)
     live = model.state_dict()
     plan = LoadPlan({
         model_key(key): torch.empty(info["shape"], dtype=getattr(torch, info["dtype"].split(".")[-1]))
@@ -218,7 +224,7 @@ def plan_load(
     for kind, key in kinds:
         buffers = []
         for layout, shard in zip(layouts, shards):
-            buffer = torch.empty(layout.shard_numel, dtype=torch.float32 if kind == "master" else shard.dtype)
+            buffer = torch.empty(layout.shard_numel, dtype=torch.float32 if kind == "master" else device_dtype(shard.dtype))
             covered = sum(piece.numel for piece in layout.pieces(optimizer.rank))
             buffer[covered:].zero_()  # padding: the pieces fill a prefix of the shard
             buffers.append(buffer)

@@ -41,14 +41,14 @@ from .checkpoint_format import (
     scaler_key,
     state_key,
 )
-from .checkpoint_links import fsync_dir, publish, retain, version_prefix
-from .checkpoint_storage import IO_THREADS, METADATA_FILE, write_metadata, write_tensors
+from .checkpoint_links import clear_folder, fsync_dir, publish, replaceable_folder, retain, version_prefix
+from .checkpoint_storage import IO_THREADS, METADATA_FILE, write_bytes, write_metadata, write_tensors
 from .checkpoint_writer import stage, start_save
 from .progress import phases
 from .resharding import named_pieces, saved_pieces
 from .zero1_optimizer import Zero1Optimizer
 
-__all__ = ["save", "state_to_save", "write_and_publish"]
+__all__ = ["save", "state_to_save", "write_and_publish", "check_async_save"]
 
 log = logging.getLogger("nxd_smp.checkpoint")
 
@@ -70,21 +70,16 @@ def save(
     flight: agree on a new version, write this rank's part (now, or staged and in the
     background), publish. Returns the version directory."""
     coordinator = backend.coordinator
-    if async_save and not coordinator.works_off_thread:
-        raise CheckpointError(
-            "async_save=True needs a coordination that a background thread can use, and these XLA "
-            "replicas coordinate through xm.rendezvous, which only their own threads may call. Launch "
-            "with torchrun and init_process_group('xla') (a gloo group then coordinates), or save "
-            "with async_save=False."
-        )
+    if async_save:
+        check_async_save(coordinator)
     rank = coordinator.rank
 
     version = coordinator.broadcast(f"{version_prefix(path)}{uuid.uuid4().hex[:12]}")
     target = path.parent / version
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if path.is_dir() and not path.is_symlink():
-            path.rmdir()  # an empty directory made for us: the link takes its place
+        if replaceable_folder(path):
+            clear_folder(path)  # an empty folder made for us (or with NxD's markers only): the link takes its place
         target.mkdir()
     coordinator.barrier()
 
@@ -107,6 +102,21 @@ def save(
 
     start_save(str(path), work)
     return target
+
+
+def check_async_save(coordinator: Coordinator) -> None:
+    """Refuse an asynchronous save that the background writer could not coordinate.
+
+    Raises:
+        CheckpointError: naming the fix.
+    """
+    if not coordinator.works_off_thread:
+        raise CheckpointError(
+            "async_save=True needs a coordination that a background thread can use, and these XLA "
+            "replicas coordinate through xm.rendezvous, which only their own threads may call. Launch "
+            "with torchrun and init_process_group('xla') (a gloo group then coordinates), or save "
+            "with async_save=False."
+        )
 
 
 def serialize_small_files(meta: dict[str, Any], extra: Any, objects: Mapping[str, Any]) -> dict[str, bytes]:
@@ -171,10 +181,7 @@ def complete_and_publish(
     num_kept: int | None,
 ) -> None:
     for name, data in small_files.items():
-        with open(target / name, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write_bytes(target / name, data)
         files[name] = [len(data), zlib.crc32(data)]
     with open(target / COMPLETE_FILE, "w") as f:
         json.dump({"format": FORMAT, "files": files, "saved_at_ns": time.time_ns()}, f)
@@ -209,7 +216,7 @@ def state_to_save(
     for key, value in model_state.items():
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(f"model state '{key}' is not a tensor; nxd_smp saves tensors only.")
-        model_keys[key] = {"shape": tuple(value.shape), "dtype": str(value.dtype)}
+        model_keys[key] = {"shape": tuple(value.shape), "dtype": str(backend.device_dtype(value.dtype))}
     mine = model_keys_of(backend.rank, backend.world_size, model_state)
     host, copied = backend.to_host([model_state[key] for key in mine])
     state: dict[str, torch.Tensor] = {model_key(key): value for key, value in zip(mine, host)}
@@ -261,7 +268,7 @@ def state_to_save(
         state.update({scaler_key(key): value for key, value in zip(scaler_state, values)})
 
     params = {
-        name: {"shape": tuple(p.shape), "dtype": str(p.dtype)}
+        name: {"shape": tuple(p.shape), "dtype": str(backend.device_dtype(p.dtype))}
         for name, p in zip(names, optimizer.managed_params)
     }
     meta["optimizer"] = {

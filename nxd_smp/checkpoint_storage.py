@@ -151,6 +151,14 @@ def _first_line(error: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------------- writing
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """``data`` as the file ``path``, on disk (fsynced) when this returns."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     flat = tensor.detach().reshape(-1)

@@ -21,33 +21,51 @@ runs. Everything is read and checked before the model or the optimizer changes. 
 or pipeline parallelism each (TP, PP) coordinate reads its own files (its coordinate comes
 from NxD's parallel state); resharding is over DP only, and expert-parallel files
 (``ep_rank``) are refused.
+
+NxD Training passes state dicts instead of objects (``save_checkpoint(dir, tag, model=<model
+state dict>, optimizer=<optimizer state dict>, user_content=...)``, and on resume empty dicts that
+NxD fills in place for Lightning to load). ``save_state_dicts`` writes them in NxD's layout, each
+rank its own optimizer file whatever ``zero1_optimizer`` says (nxd_smp's state dict is this rank's
+shard), under a hidden name renamed into place once complete; ``load_state_dicts`` fills them back,
+at the DP size they were saved at (a state dict is rank-local), or loads them into live objects.
 """
 
 from __future__ import annotations
 
-import importlib
+import io
+import json
+import os
 import re
+import shutil
 import threading
-from collections.abc import Mapping
+import uuid
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from .backend import Coordinator
-from .checkpoint_format import CheckpointError, load_small_file, param_group_names
+from .backend import Backend, Coordinator
+from .checkpoint_format import CheckpointError, error_text, load_small_file, param_group_names
+from .checkpoint_links import DONE_FILE, MARKER_FILE, fsync_dir
 from .checkpoint_load import agree, check_full_optimizer_state, install_full_optimizer_state, name_differences
+from .checkpoint_save import check_async_save
+from .checkpoint_storage import write_bytes
+from .checkpoint_writer import start_save
+from .parallel_state import Coordinate, nxd_coordinate
 from .xla_state_dict import full_state
-from .zero1_optimizer import Zero1Optimizer
+from .zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
 
-__all__ = ["is_nxd_checkpoint", "nxd_tags", "load_nxd", "DONE_FILE"]
+__all__ = ["is_nxd_checkpoint", "nxd_tags", "load_nxd", "save_state_dicts", "load_state_dicts", "remove_tag",
+           "DONE_FILE"]
 
-DONE_FILE = "done"
-MARKER_FILE = "checkpoint"
 USER_CONTENT_FILE = "user_content.pt"
 SCHEDULER_FILE = "scheduler.pt"
 XSER_REFERENCE = "torch_xla.utils.serialization.TensorReference"
+#: Written into a tag saved from state dicts: the format and the sizes it was saved at.
+STATE_DICTS_FILE = "nxd_smp_state_dicts.json"
+STATE_DICTS_FORMAT = "nxd_smp.state_dicts/1"
 _RANK_FILE = re.compile(r"dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt")
 _XSER_ADMISSION = threading.Lock()
 
@@ -59,8 +77,9 @@ class _TensorReference:
 
 
 def is_nxd_checkpoint(path: Path) -> bool:
-    """Whether ``path`` is a tag folder written by NxD's ``save_checkpoint`` (complete or not)."""
-    if not path.is_dir():
+    """Whether ``path`` is a tag folder written by NxD's ``save_checkpoint``, or from state dicts
+    by nxd_smp (complete or not; not one being written under a hidden name)."""
+    if not path.is_dir() or path.is_symlink() or path.name.startswith("."):
         return False
     return (path / MARKER_FILE).is_file() or any(
         (path / sub).is_dir() and any(f.name.startswith("dp_rank_") for f in (path / sub).iterdir())
@@ -78,13 +97,18 @@ def nxd_tags(directory: Path) -> list[Path]:
 
 def _coordinate() -> tuple[int, int]:
     """This process's (TP rank, PP rank) in NxD's parallel state; (0, 0) without it."""
-    try:
-        ps = importlib.import_module("neuronx_distributed.parallel_layers.parallel_state")
-    except ImportError:
-        return 0, 0
-    if not ps.model_parallel_is_initialized():
-        return 0, 0
-    return ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    here = nxd_coordinate()
+    return (0, 0) if here is None else (here.tensor, here.pipeline)
+
+
+def _here(coordinator: Coordinator) -> Coordinate:
+    """This rank's place: NxD's parallel state, or without it a rank of one data-parallel group."""
+    here = nxd_coordinate()
+    return Coordinate(coordinator.rank, coordinator.size, 0, 0) if here is None else here
+
+
+def _rank_file(kind: str, dp: int, tp: int, pp: int) -> str:
+    return f"{kind}/dp_rank_{dp:02d}_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
 
 
 def _read(path: Path) -> Any:
@@ -193,6 +217,9 @@ def load_nxd(
         CheckpointError: an incomplete tag, missing or unsafe files, or state that does not
             fit the model or the optimizer, each named; nothing is changed then.
     """
+    if (tag / STATE_DICTS_FILE).is_file():  # saved from state dicts (NxD Training): rank-local, as saved
+        return load_state_dicts(tag, model=model, optimizer=optimizer, scheduler=scheduler, strict=strict,
+                                coordinator=coordinator)
     error, read = None, None
     try:
         read = _read_and_check(tag, model, optimizer, scheduler, strict)
@@ -213,22 +240,11 @@ def load_nxd(
 def _read_and_check(tag: Path, model: nn.Module, optimizer: Zero1Optimizer | None, scheduler: Any, strict: bool):
     """This rank's files of ``tag``, read and checked against the live objects: (model
     weights, whole optimizer state or None, scheduler state or None, user content)."""
-    if (tag / MARKER_FILE).is_file() and not (tag / DONE_FILE).is_file():
-        raise CheckpointError(f"the NxD checkpoint {tag} is incomplete (no '{DONE_FILE}' file): its save was cut off.")
+    _check_complete(tag)
     tp, pp = _coordinate()
-    model_file = tag / "model" / f"dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
+    model_file = tag / _rank_file("model", 0, tp, pp)
     weights = _read(model_file)
-    if not isinstance(weights, Mapping):
-        raise CheckpointError(f"{model_file} is not a state dict.")
-    live = model.state_dict()
-    problems = name_differences(live, weights, "missing from the checkpoint",
-                                "in the checkpoint but not in the model") if strict else []
-    for key in sorted(set(live) & set(weights)):
-        if not isinstance(weights[key], torch.Tensor) or weights[key].shape != live[key].shape:
-            problems.append(f"{key}: {getattr(weights[key], 'shape', type(weights[key]).__name__)} in the "
-                            f"checkpoint, {tuple(live[key].shape)} in the model")
-    if problems:
-        raise CheckpointError(f"{model_file} does not fit the model: " + "; ".join(problems) + ".")
+    _check_weights(weights, model, strict, model_file)
 
     full = None
     if optimizer is not None:
@@ -242,6 +258,26 @@ def _read_and_check(tag: Path, model: nn.Module, optimizer: Zero1Optimizer | Non
     scheduler_state = _read(tag / SCHEDULER_FILE) if scheduler is not None else None
     user_content = _read(tag / USER_CONTENT_FILE) if (tag / USER_CONTENT_FILE).is_file() else None
     return weights, full, scheduler_state, user_content
+
+
+def _check_complete(tag: Path) -> None:
+    if (tag / MARKER_FILE).is_file() and not (tag / DONE_FILE).is_file():
+        raise CheckpointError(f"the NxD checkpoint {tag} is incomplete (no '{DONE_FILE}' file): its save was cut off.")
+
+
+def _check_weights(weights: Any, model: nn.Module, strict: bool, source: Path) -> None:
+    """Raise unless ``weights`` (read from ``source``) is a state dict that fits ``model``."""
+    if not isinstance(weights, Mapping):
+        raise CheckpointError(f"{source} is not a state dict.")
+    live = model.state_dict()
+    problems = name_differences(live, weights, "missing from the checkpoint",
+                                "in the checkpoint but not in the model") if strict else []
+    for key in sorted(set(live) & set(weights)):
+        if not isinstance(weights[key], torch.Tensor) or weights[key].shape != live[key].shape:
+            problems.append(f"{key}: {getattr(weights[key], 'shape', type(weights[key]).__name__)} in the "
+                            f"checkpoint, {tuple(live[key].shape)} in the model")
+    if problems:
+        raise CheckpointError(f"{source} does not fit the model: " + "; ".join(problems) + ".")
 
 
 def _check_masters_match_weights(masters: Mapping[str, torch.Tensor] | None, weights: Mapping[str, Any],
@@ -259,3 +295,240 @@ def _check_masters_match_weights(masters: Mapping[str, torch.Tensor] | None, wei
             f"number the parameters in param-group order, and this optimizer's groups list them in another "
             f"order than the run that saved them. Build the param groups as that run did."
         )
+
+
+# ---------------------------------------------------------------- NxD Training's state dicts
+def _map_tensors(value: Any, fn) -> Any:
+    """``value`` with ``fn`` applied to every tensor inside it (dicts, lists, tuples); a dict keeps
+    its type and attributes (a model state dict's ``_metadata``)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        out = type(value)((k, _map_tensors(v, fn)) for k, v in value.items())
+        if hasattr(value, "__dict__"):  # (a plain dict has none)
+            out.__dict__.update(value.__dict__)
+        return out
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    return value
+
+
+def _serialized(value: Any, backend: Backend) -> bytes:
+    """``value``'s bytes as ``torch.save`` writes them, every tensor on the host in the dtype the
+    device holds it in: taken now, so an asynchronous save writes what the state was at the call."""
+    tensors: list[torch.Tensor] = []
+    _map_tensors(value, tensors.append)
+    host = iter(backend.to_host(tensors)[0])
+    buffer = io.BytesIO()
+    torch.save(_map_tensors(value, lambda _: next(host)), buffer)
+    return buffer.getvalue()
+
+
+def save_state_dicts(
+    tag: Path,
+    *,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    user_content: Any,
+    backend: Backend,
+    async_save: bool,
+    num_kept: int | None,
+) -> Path:
+    """Write the state dicts NxD Training passes (or ``state_dict()`` of objects given with them)
+    into the tag folder ``tag``, in NxD's layout; every rank calls it.
+
+    ``model/dp_rank_00_tp_rank_TT_pp_rank_PP.pt`` comes from data-parallel rank 0 of each
+    tensor/pipeline coordinate (the model is replicated over data parallelism), ``optim/
+    dp_rank_DD_tp_rank_TT_pp_rank_PP.pt`` from every rank (a ZeRO-1 state dict is this rank's
+    shard), ``scheduler.pt``, ``user_content.pt`` and ``nxd_smp_state_dicts.json`` (the DP size)
+    from rank 0, ``done`` last. The folder is written under a hidden name and renamed into place
+    once complete; a tag saved again replaces the old folder, whose ``done`` goes first. Returns
+    ``tag``.
+
+    Raises:
+        CheckpointError: ``tag`` is something else than a tag folder, or a rank failed to write.
+    """
+    coordinator = backend.coordinator
+    if async_save:
+        check_async_save(coordinator)
+    here = _here(coordinator)
+    files: dict[str, bytes] = {}
+    if model is not None and here.data == 0:
+        files[_rank_file("model", 0, here.tensor, here.pipeline)] = _serialized(model, backend)
+    if optimizer is not None:
+        files[_rank_file("optim", here.data, here.tensor, here.pipeline)] = _serialized(optimizer, backend)
+    if coordinator.rank == 0:
+        if scheduler is not None:
+            files[SCHEDULER_FILE] = _serialized(scheduler.state_dict(), backend)
+        if user_content is not None:
+            files[USER_CONTENT_FILE] = _serialized(user_content, backend)
+        record = {"format": STATE_DICTS_FORMAT, "data_parallel_size": here.data_size, "world_size": coordinator.size}
+        files[STATE_DICTS_FILE] = json.dumps(record).encode()
+    staging = tag.parent / coordinator.broadcast(f".{tag.name}.partial-{uuid.uuid4().hex[:12]}")
+    refusal = None
+    if coordinator.rank == 0:
+        try:
+            if os.path.lexists(tag) and not (is_nxd_checkpoint(tag) or (tag.is_dir() and not tag.is_symlink()
+                                                                         and not any(tag.iterdir()))):
+                raise CheckpointError(f"{tag} exists and is not a checkpoint tag folder; pass another tag or remove it.")
+            staging.mkdir(parents=True)
+            (staging / MARKER_FILE).write_text("1")
+        except (CheckpointError, OSError) as e:
+            refusal = error_text(e)
+    refusal = coordinator.broadcast(refusal)
+    if refusal is not None:
+        raise CheckpointError(f"the save of {tag} was refused: {refusal}")
+
+    def work() -> None:
+        _write_and_publish(tag, staging, files, coordinator, num_kept)
+
+    if async_save:
+        start_save(str(tag), work)
+    else:
+        work()
+    return tag
+
+
+def _write_and_publish(tag: Path, staging: Path, files: Mapping[str, bytes], coordinator: Coordinator,
+                       num_kept: int | None) -> None:
+    """Every rank writes its files into ``staging``; once all have, rank 0 writes ``done`` and
+    renames it to ``tag``, then applies the retention. One outcome on every rank."""
+    error = None
+    try:
+        for name, data in files.items():
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            write_bytes(staging / name, data)
+    except OSError as e:
+        error = f"rank {coordinator.rank}: {error_text(e)}"
+    failures = [f for f in coordinator.all_gather(error) if f]
+    outcome = None
+    if coordinator.rank == 0:
+        try:
+            if failures:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise CheckpointError("; ".join(failures))
+            for folder in (staging / "model", staging / "optim", staging):
+                if folder.is_dir():
+                    fsync_dir(folder)
+            write_bytes(staging / DONE_FILE, b"1")
+            fsync_dir(staging)
+            _publish_tag(staging, tag)
+            if num_kept is not None:
+                for old in nxd_tags(tag.parent)[:-num_kept]:
+                    if old.name != tag.name:
+                        remove_tag(old)
+        except (CheckpointError, OSError) as e:
+            outcome = error_text(e)
+    outcome = coordinator.broadcast(outcome)
+    if outcome is not None:
+        raise CheckpointError(f"the save of {tag} failed: {outcome}")
+
+
+def _publish_tag(staging: Path, tag: Path) -> None:
+    """Rename the complete ``staging`` folder to ``tag``; an older folder there goes, its ``done``
+    first, so a tag that looks complete always is."""
+    if os.path.lexists(tag):
+        old = tag.parent / f".{tag.name}.old-{uuid.uuid4().hex[:12]}"
+        (tag / DONE_FILE).unlink(missing_ok=True)
+        fsync_dir(tag)
+        os.rename(tag, old)
+        os.rename(staging, tag)
+        fsync_dir(tag.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(staging, tag)
+        fsync_dir(tag.parent)
+
+
+def remove_tag(tag: Path) -> None:
+    """Remove an NxD tag folder: its ``done`` first (an interrupted removal leaves a tag that
+    looks incomplete, never one that looks complete), then the rest."""
+    (tag / DONE_FILE).unlink(missing_ok=True)
+    fsync_dir(tag)
+    shutil.rmtree(tag, ignore_errors=True)
+
+
+def load_state_dicts(
+    tag: Path,
+    *,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    strict: bool,
+    coordinator: Coordinator,
+) -> Any:
+    """Read the tag folder ``tag`` into state dicts (filled in place, as NxD fills those NxD
+    Training passes) or into live objects (a module, an optimizer, which get
+    ``load_state_dict``); ``optimizer=None`` loads the model only. Returns the user content.
+    Every rank reads its own files (an optimizer file is a data-parallel rank's shard, so the DP
+    size must be the one saved), all agree, then all fill or none does.
+
+    Raises:
+        CheckpointError: incomplete, at another DP size, missing or unsafe files, or state that
+            does not fit a live object, each named; nothing is changed then.
+    """
+    error, read = None, None
+    try:
+        read = _read_state_dicts(tag, model, optimizer, scheduler, strict, coordinator)
+    except (CheckpointError, OSError) as e:
+        error = e
+    agree(coordinator, error)
+    weights, optimizer_state, scheduler_state, user_content = read
+    for target, value in ((model, weights), (optimizer, optimizer_state)):
+        if value is None:
+            continue
+        if isinstance(target, MutableMapping):
+            target.update(value)  # NxD's way: every saved entry set, in place
+        elif isinstance(target, nn.Module):
+            with torch.no_grad():
+                target.load_state_dict(value, strict=strict)
+        else:
+            target.load_state_dict(value)
+    if scheduler_state is not None:
+        scheduler.load_state_dict(scheduler_state)
+    return user_content
+
+
+def _read_state_dicts(tag: Path, model: Any, optimizer: Any, scheduler: Any, strict: bool, coordinator: Coordinator):
+    """This rank's files of ``tag``, read and checked: (model state, optimizer state or None,
+    scheduler state or None, user content)."""
+    if not (tag / DONE_FILE).is_file():
+        raise CheckpointError(f"{tag} is not a complete checkpoint tag (no '{DONE_FILE}' file).")
+    here = _here(coordinator)
+    weights = optimizer_state = scheduler_state = None
+    if model is not None:
+        model_file = tag / _rank_file("model", 0, here.tensor, here.pipeline)
+        weights = _read(model_file)
+        if isinstance(model, nn.Module):
+            _check_weights(weights, model, strict, model_file)
+        elif not isinstance(weights, Mapping):
+            raise CheckpointError(f"{model_file} is not a state dict.")
+    if optimizer is not None:
+        files = _optimizer_files(tag, here.tensor, here.pipeline)
+        if not files:
+            raise CheckpointError(f"{tag} holds no optimizer files for tp {here.tensor} pp {here.pipeline}; load it "
+                                  f"with optimizer=None.")
+        saved_size = len(files)
+        if (tag / STATE_DICTS_FILE).is_file():
+            saved_size = json.loads((tag / STATE_DICTS_FILE).read_text()).get("data_parallel_size", saved_size)
+        if saved_size != here.data_size and not (saved_size == 1 and len(files) == 1):
+            raise CheckpointError(
+                f"{tag} was saved from state dicts at DP size {saved_size}; a state dict is a data-parallel rank's "
+                f"own, so it loads at DP size {saved_size} only (this run: {here.data_size}). Resume at DP size "
+                f"{saved_size}, or save with the model and optimizer objects, whose checkpoints load at any DP size."
+            )
+        source = files[here.data if len(files) > 1 else 0]
+        optimizer_state = _read(source)
+        if not isinstance(optimizer_state, Mapping):
+            raise CheckpointError(f"{source} is not an optimizer state dict.")
+        zero1 = zero1_optimizer_of(optimizer) if not isinstance(optimizer, Mapping) else None
+        if zero1 is not None:
+            try:
+                zero1.check_state_dict(optimizer_state)
+            except ValueError as e:
+                raise CheckpointError(f"{source}: {e}") from None
+    if scheduler is not None:
+        scheduler_state = _read(tag / SCHEDULER_FILE)
+    user_content = _read(tag / USER_CONTENT_FILE) if (tag / USER_CONTENT_FILE).is_file() else None
+    return weights, optimizer_state, scheduler_state, user_content

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-__all__ = ["ParallelGroups", "nxd_parallel_groups", "nxd_coordinate"]
+__all__ = ["Coordinate", "ParallelGroups", "nxd_parallel_groups", "nxd_coordinate"]
 
 _MODULE = "neuronx_distributed.parallel_layers.parallel_state"
 
@@ -63,15 +63,25 @@ def nxd_parallel_groups() -> ParallelGroups | None:
     return ParallelGroups(sharding, data, tensor and _groups(tensor), pipeline and _groups(pipeline), context)
 
 
-def nxd_coordinate() -> tuple[int, int, int] | None:
-    """This process's (data-parallel, tensor-parallel, pipeline-parallel) rank in NxD's parallel
-    state, which name NxD's checkpoint files (``dp_rank_DD_tp_rank_TT_pp_rank_PP.pt``); None
-    when NxD is not installed or its parallel state not initialised."""
+@dataclass(frozen=True)
+class Coordinate:
+    """Where this process sits in NxD's parallel state: the ranks that name NxD's checkpoint
+    files (``dp_rank_DD_tp_rank_TT_pp_rank_PP.pt``) and the data-parallel size."""
+
+    data: int
+    data_size: int
+    tensor: int
+    pipeline: int
+
+
+def nxd_coordinate() -> Coordinate | None:
+    """This process's ``Coordinate`` in NxD's parallel state; None when NxD is not installed
+    or its parallel state not initialised."""
     try:
         ps = importlib.import_module(_MODULE)
     except ImportError:
         return None
     if not ps.model_parallel_is_initialized():
         return None
-    return (ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank(),
-            ps.get_pipeline_model_parallel_rank())
+    return Coordinate(ps.get_data_parallel_rank(), ps.get_data_parallel_size(),
+                      ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())

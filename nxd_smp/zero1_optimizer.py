@@ -645,6 +645,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 "dtype": str(layout.key[1]),
                 "tensor_model_parallel": layout.key[2] == "split",
                 **({"pipeline_shared": True} if layout.key[2] == "shared" else {}),
+                **({"sequence_parallel": True} if layout.key[3] else {}),
                 "numels": list(layout.numels),
                 "padded_numel": layout.padded_numel,
             }
@@ -676,14 +677,12 @@ class Zero1Optimizer(torch.optim.Optimizer):
             state["loss_scaler"] = self._scaler.state_dict()
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what ``state_dict()`` returned on the same rank at the same DP size.
+    def check_state_dict(self, state_dict: Any) -> None:
+        """Raise if ``state_dict`` is not what ``state_dict()`` returns on this rank of this
+        optimizer (same model, layout, DP size and rank); change nothing.
 
-        With master weights in it, the parameters become ``master.to(param dtype)``.
-        Without them, the master weights stay those of the current parameters, and the
-        model's weights loaded before or after this call are taken up at the next
-        ``step()`` (precision below the parameter dtype is lost; a warning says so when
-        the state comes from training). Everything is checked before anything changes.
+        Raises:
+            ValueError: naming every way it does not fit, and the fix.
         """
         self._require_initialized()
         if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_DICT_FORMAT:
@@ -714,6 +713,19 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 "Rank-local state dicts load only into the same model, DP size and rank; "
                 "use nxd_smp.checkpoint to change the DP size."
             )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what ``state_dict()`` returned on the same rank at the same DP size.
+
+        With master weights in it, the parameters become ``master.to(param dtype)``.
+        Without them, the master weights stay those of the current parameters, and the
+        model's weights loaded before or after this call are taken up at the next
+        ``step()`` (precision below the parameter dtype is lost; a warning says so when
+        the state comes from training). Everything is checked before anything changes
+        (``check_state_dict``).
+        """
+        self.check_state_dict(state_dict)
+        masters = state_dict.get("master_weights")
         if self._scaler is not None and "loss_scaler" in state_dict:
             self._scaler.load_state_dict(state_dict["loss_scaler"])
         # torch.optim keeps the given tensors where dtype and device already match; copy

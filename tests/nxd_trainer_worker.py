@@ -186,11 +186,128 @@ def optimum_neuron_step(opt, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def two_ranks(rank: int, world: int) -> dict[Any, Any]:
+def nxd_training_checkpoints(rank: int, directory: str, async_save: bool) -> dict[str, Any]:
+    """NxD Training's checkpoint IO (``NLPCheckpointIO``) around a ZeRO-1 run at DP 2: Lightning's
+    checkpoint dict split into the model's state dict, the optimizer's and the rest, saved with
+    ``save_checkpoint(dir, tag, model=, optimizer=, user_content=, use_xser=, async_save=,
+    zero1_optimizer=)``; then fresh dicts filled by ``load_checkpoint(dir, tag, model={},
+    optimizer={})`` and loaded into a fresh model and optimizer as Lightning does. Returns the
+    parameters a run that did not stop reached, the resumed run's, and what came back."""
+    import nxd_smp
+
+    def build(seed: int):
+        model = Block(0, torch.bfloat16)
+        if seed:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(-1)
+        cfg = nxd_smp.neuronx_distributed_config(
+            optimizer_config={"zero_one_enabled": True, "grad_clipping": True, "max_grad_norm": 0.5},
+            mixed_precision_config={"use_master_weights": True, "use_fp32_grad_acc": True,
+                                    "use_master_weights_in_ckpt": True})
+        defaults = torch.optim.AdamW(model.parameters(), **ADAMW).defaults  # NeMo built the optimizer first
+        return model, nxd_smp.initialize_parallel_optimizer(cfg, torch.optim.AdamW, model.parameters(), **defaults)
+
+    def train(model, opt, steps) -> None:
+        for step in steps:
+            for micro in range(MICRO):
+                backward(model, rank, 0, step, micro)
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = build(0)
+    train(model, opt, range(2))
+    checkpoint = {"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], "global_step": 2,
+                  "loops": {"fit_loop": {"epoch_progress": {"current": {"completed": 0}}}}}
+    nxd_smp.save_checkpoint(directory, "step=2", model=checkpoint.pop("state_dict"),
+                            optimizer=checkpoint.pop("optimizer_states")[0], user_content=checkpoint,
+                            use_xser=False, async_save=async_save, zero1_optimizer=False)
+    train(model, opt, range(2, 3))
+    nxd_smp.finalize_checkpoint()
+    reached = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    fresh, fresh_opt = build(1)
+    model_state, optimizer_state = {}, {}
+    user_content = nxd_smp.load_checkpoint(directory, "step=2", model=model_state, optimizer=optimizer_state)
+    fresh.load_state_dict(model_state)  # what Lightning does with the filled dicts
+    fresh_opt.load_state_dict(optimizer_state)
+    train(fresh, fresh_opt, range(2, 3))
+    weights_only = {}
+    nxd_smp.load_checkpoint(directory, "step=2", model=weights_only, optimizer=None)  # weight_init_only
+    return {"reached": reached, "resumed": {n: p.detach().clone() for n, p in fresh.named_parameters()},
+            "user_content": user_content, "weights_only": sorted(weights_only), "filled": sorted(optimizer_state)}
+
+
+class AcceleratedOptimizer:
+    """What ``save_checkpoint`` sees of optimum-neuron's ``NeuronAcceleratedOptimizer``: the
+    ZeRO-1 optimizer it wraps, in ``.optimizer``."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+
+def optimum_neuron_checkpoints(rank: int, directory: str, async_save: bool) -> dict[str, Any]:
+    """optimum-neuron's ``save_pretrained`` of a ZeRO-1 run at DP 2: before an asynchronous save its
+    wait touches ``shards/done``; ``save_checkpoint(dir, tag="shards", model=, optimizer=<its
+    wrapper>, use_xser=, async_save=, num_workers=)``; then rank 0 writes its consolidation metadata
+    into the tag folder at once. Resumed into a fresh model and optimizer, training goes on bit for
+    bit."""
+    import os
+    from pathlib import Path
+
+    import nxd_smp
+
+    def build(seed: int):
+        model = Block(0, torch.bfloat16)
+        if seed:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(-1)
+        user_optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+        opt = nxd_smp.NeuronZero1Optimizer(
+            user_optimizer.param_groups, user_optimizer.__class__, pin_layout=False, sharding_groups=[[0, 1]],
+            grad_norm_groups=[[0], [1]], bucket_cap_mb_all_gather=65, bucket_cap_mb_reduce_scatter=130,
+            optimizer_dtype=torch.float32, use_grad_acc_hook=True, higher_cc_precision=True, save_master_weights=True)
+        return model, opt
+
+    def train(model, opt, steps) -> None:
+        for step in steps:
+            for micro in range(MICRO):
+                backward(model, rank, 0, step, micro)
+            optimum_neuron_step(opt, 0.5)
+            opt.zero_grad()
+
+    model, opt = build(0)
+    train(model, opt, range(2))
+    shards = Path(directory) / "shards"
+    if async_save and rank == 0:  # optimum-neuron's wait before an asynchronous save
+        shards.mkdir(parents=True, exist_ok=True)
+        (shards / "done").touch()
+    nxd_smp.save_checkpoint(directory, tag="shards", model=model, optimizer=AcceleratedOptimizer(opt),
+                            use_xser=False, async_save=async_save, num_workers=8)
+    if rank == 0:  # its consolidation metadata, written into the tag folder right away
+        shards.mkdir(parents=True, exist_ok=True)
+        (shards / "mp_metadata_pp_rank_0.json").write_text('{"tp_size": 1}')
+    train(model, opt, range(2, 3))
+    nxd_smp.finalize_checkpoint()
+    reached = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fresh, fresh_opt = build(1)
+    nxd_smp.load_checkpoint(directory, "shards", model=fresh, optimizer=AcceleratedOptimizer(fresh_opt))
+    train(fresh, fresh_opt, range(2, 3))
+    return {"reached": reached, "resumed": {n: p.detach().clone() for n, p in fresh.named_parameters()},
+            "metadata_kept": os.path.isfile(shards / "mp_metadata_pp_rank_0.json"), "is_link": shards.is_symlink()}
+
+
+def two_ranks(rank: int, world: int, directory: str | None = None) -> dict[Any, Any]:
     """Every 2-rank case: this rank's parameters and last norm."""
     import nxd_smp
 
     out = {}
+    if directory is not None:
+        for async_save in (False, True):
+            out[("nxd_training", async_save)] = nxd_training_checkpoints(rank, f"{directory}/{async_save}", async_save)
+            out[("optimum_save", async_save)] = optimum_neuron_checkpoints(
+                rank, f"{directory}/optimum_{async_save}", async_save)
     for name, (cls, kwargs) in DP_OPTIMIZERS.items():  # ZeRO-1 off at DP 2
         for clip, max_norm in SP_MAX_NORM.items():
             model = Block(0, torch.float32)

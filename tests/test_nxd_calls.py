@@ -107,6 +107,46 @@ def test_nxd_arguments_are_checked(tmp_path):
     assert (tmp_path / "7").is_symlink()
 
 
+def test_a_tag_folder_holding_only_nxds_markers_is_replaced(tmp_path):
+    """optimum-neuron's wait before an asynchronous save touches ``<tag>/done`` (when NxD's io
+    state exists): that folder holds nothing to keep, so the save takes its place. Anything
+    else in it is refused, and stays."""
+    model, opt, _ = build()
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "done").touch()
+    save_checkpoint(tmp_path, "shards", model, opt)
+    assert (tmp_path / "shards").is_symlink() and not (tmp_path / "shards" / "done").exists()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "done").touch()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="exists and is not an nxd_smp checkpoint"):
+        save_checkpoint(tmp_path, "other", model, opt)
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+def test_a_folder_made_at_the_tag_during_a_background_save_joins_the_checkpoint(tmp_path, monkeypatch):
+    """optimum-neuron writes its consolidation metadata into the tag folder as soon as
+    ``save_checkpoint`` returns, before a background save has published the folder: the file is
+    kept, inside the checkpoint, and the link takes the folder's place."""
+    import threading
+
+    from nxd_smp import checkpoint_save
+
+    gate, write = threading.Event(), checkpoint_save.write_tensors
+    monkeypatch.setattr(checkpoint_save, "write_tensors", lambda *a, **k: (gate.wait(60), write(*a, **k))[1])
+    model, opt, scheduler = build()
+    train(model, opt, scheduler, range(1))
+    save_checkpoint(tmp_path, "shards", model, opt, async_save=True)
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "mp_metadata_pp_rank_0.json").write_text("{}")
+    gate.set()
+    finalize_checkpoint()
+    assert (tmp_path / "shards").is_symlink() and (tmp_path / "shards" / "mp_metadata_pp_rank_0.json").read_text() == "{}"
+    fresh, fresh_opt, _ = build(seed=5)
+    load_checkpoint(tmp_path, "shards", fresh, fresh_opt)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+
+
 def test_strict_false_leaves_what_only_one_side_has(tmp_path):
     model, opt, scheduler = build()
     save_checkpoint(tmp_path, "t", model)

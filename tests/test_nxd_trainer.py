@@ -13,6 +13,7 @@ from nxd_smp import ConfigError
 from tests.distributed import run_ranks
 from tests.nxd_trainer_worker import (
     ADAMW,
+    SHAPES,
     CP_CASES,
     DP_OPTIMIZERS,
     MARKED,
@@ -125,9 +126,10 @@ def test_a_zero1_optimizer_built_without_the_configs_sequence_parallelism_is_ref
 
 # ---------------------------------------------------------------- 2 ranks
 @pytest.fixture(scope="module")
-def pair():
-    """One pair of gloo ranks runs every 2-rank case."""
-    return run_ranks(2, two_ranks)
+def pair(tmp_path_factory):
+    """One pair of gloo ranks runs every 2-rank case; NxD Training's checkpoints go here."""
+    directory = tmp_path_factory.mktemp("nxd_training")
+    return directory, run_ranks(2, two_ranks, str(directory))
 
 
 @pytest.mark.parametrize("clip", sorted(SP_MAX_NORM))
@@ -138,7 +140,7 @@ def test_zero1_off_averages_over_data_parallel_ranks_then_clips(pair, optimizer,
     cls, kwargs = DP_OPTIMIZERS[optimizer]
     want = reference(dp_size=2, tp_size=1, sequence_parallel=False, max_norm=SP_MAX_NORM[clip], dtype=torch.float32,
                      optimizer=cls, opt_kwargs=kwargs)[0]
-    for rank in pair:
+    for rank in pair[1]:
         _close(rank[("dp_mean", optimizer, clip)]["params"], want)
     own = reference(dp_size=1, tp_size=1, sequence_parallel=False, max_norm=SP_MAX_NORM[clip], dtype=torch.float32,
                     optimizer=cls, opt_kwargs=kwargs)[0]
@@ -153,7 +155,7 @@ def test_context_parallel_ranks_average_their_gradients(pair, case):
     dtype = CP_CASES[case][2]
     want = reference(dp_size=1, tp_size=1, cp_size=2, sequence_parallel=False, max_norm=SP_MAX_NORM["clip_active"],
                      dtype=dtype)[0]
-    for rank in pair:
+    for rank in pair[1]:
         _close(rank[case]["params"], want)
     alone = reference(dp_size=1, tp_size=1, sequence_parallel=False, max_norm=SP_MAX_NORM["clip_active"], dtype=dtype)[0]
     assert not all(torch.equal(alone[n], want[n]) for n in want)  # rank 0's data alone differs
@@ -166,7 +168,7 @@ def test_optimum_neurons_zero1_build_and_step(pair, clip):
     switches clipping off: that trains as SMP AdamW at DP 2 with its max_norm."""
     want = reference(dp_size=2, tp_size=1, sequence_parallel=False, max_norm=SP_MAX_NORM[clip], dtype=torch.bfloat16,
                      optimizer=torch.optim.AdamW, opt_kwargs=ADAMW)[0]
-    for rank in pair:
+    for rank in pair[1]:
         got = rank[("optimum_neuron", clip)]
         _close(got["params"], want)
         assert got["clipping_after"] is False and len(got["norms"]) == 3 and got["norms"][-1] == got["norm"]
@@ -293,3 +295,41 @@ def test_sequence_parallel_as_nxds_scripts_pass_it():
     assert nxd_smp.neuronx_distributed_config(sequence_parallel=0)["sequence_parallel"] is False
     with pytest.raises(ConfigError, match="sequence_parallel"):
         nxd_smp.neuronx_distributed_config(sequence_parallel="False")
+
+
+# ---------------------------------------------------------------- NxD Training's checkpoint IO
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_nxd_trainings_state_dicts_save_fill_and_resume_bit_for_bit(pair, async_save):
+    directory, ranks = pair
+    for rank in ranks:
+        got = rank[("nxd_training", async_save)]
+        assert got["user_content"]["global_step"] == 2 and "loops" in got["user_content"]
+        assert all(torch.equal(got["resumed"][n], got["reached"][n]) for n in got["reached"])
+        assert got["weights_only"] == sorted(SHAPES) and got["filled"]
+    tag = directory / str(async_save) / "step=2"
+    names = sorted(str(f.relative_to(tag)) for f in tag.rglob("*") if f.is_file())
+    assert names == ["checkpoint", "done", "model/dp_rank_00_tp_rank_00_pp_rank_00.pt", "nxd_smp_state_dicts.json",
+                     "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt", "optim/dp_rank_01_tp_rank_00_pp_rank_00.pt",
+                     "user_content.pt"]  # NxD's layout, one folder per tag, every rank's optimizer file
+    assert nxd_smp.has_checkpoint(directory / str(async_save))
+
+
+def test_state_dicts_saved_at_dp2_are_refused_at_dp1_and_nothing_is_filled(pair):
+    directory, _ = pair
+    model_state, optimizer_state = {"kept": 1}, {}
+    with pytest.raises(nxd_smp.CheckpointError, match="DP size 2.*this run: 1"):
+        nxd_smp.load_checkpoint(directory / "False", "step=2", model=model_state, optimizer=optimizer_state)
+    assert model_state == {"kept": 1} and optimizer_state == {}
+    nxd_smp.load_checkpoint(directory / "False", model=model_state, optimizer=None)  # the weights load anywhere
+    assert set(model_state) == set(SHAPES) | {"kept"}
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_optimum_neurons_wrapped_save_resumes_bit_for_bit(pair, async_save):
+    """optimum-neuron saves with its optimizer wrapper (ours in ``.optimizer``) into the tag
+    ``shards``, touching ``done`` there first when asynchronous and writing its metadata into it
+    right after: the checkpoint takes both, and resumes bit for bit."""
+    for rank in pair[1]:
+        got = rank[("optimum_save", async_save)]
+        assert all(torch.equal(got["resumed"][n], got["reached"][n]) for n in got["reached"])
+        assert got["metadata_kept"] and got["is_link"]

@@ -228,8 +228,9 @@ class Backend(ABC):
 
     @abstractmethod
     def to_host(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
-        """CPU tensors with the values of ``tensors`` and whether they are copies (False:
-        some may be the live tensors themselves)."""
+        """CPU tensors with the values of ``tensors``, each in the dtype the device holds it in
+        (``device_dtype``), and whether they are copies (False: some may be the live tensors
+        themselves)."""
 
     @property
     @abstractmethod

@@ -306,12 +306,14 @@ class XlaBackend(Backend):
     def to_host(self, tensors):
         # Host tensors come back from the transfer as themselves (AdamW keeps its ``step``
         # on the CPU for an XLA parameter): they are cloned, or an asynchronous save would
-        # write the counter the steps after it go on incrementing.
+        # write the counter the steps after it go on incrementing. Device tensors come back in
+        # the dtype the device holds them in (under XLA_DOWNCAST_BF16 a float32 parameter as
+        # bf16, a float64 master as fp32): the cast is exact, and checkpoints record that.
         on_device = [i for i, t in enumerate(tensors) if t.device.type != "cpu"]
         moved = self._xlac._xla_get_cpu_tensors([tensors[i].detach() for i in on_device]) if on_device else []
         host = [t.detach().clone() if t.device.type == "cpu" else None for t in tensors]
         for i, t in zip(on_device, moved):
-            host[i] = t
+            host[i] = t.to(self.device_dtype(t.dtype))
         return host, True
 
     @property
