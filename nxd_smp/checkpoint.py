@@ -31,12 +31,12 @@ import torch.nn as nn
 
 from .backend import Backend, select_backend, this_replica
 from .checkpoint_format import CheckpointError, check_args, managed_param_names, param_group_names, stateful_objects
-from .checkpoint_links import checkpoint_links, replaceable_folder, resolve
+from .checkpoint_links import checkpoint_links, replaceable_folder, resolve, unpublish, version_prefix
 from .checkpoint_load import load, load_full_optimizer_state
 from .checkpoint_save import save
 from .checkpoint_tools import consolidate, inspect_checkpoint, read_checkpoint
-from .checkpoint_writer import finalize_checkpoint, finish_save_in_flight
-from .nxd_checkpoint import DONE_FILE, is_nxd_checkpoint, load_nxd, load_state_dicts, nxd_tags, save_state_dicts
+from .checkpoint_writer import finalize_checkpoint, finish_save_in_flight, save_in_flight
+from .nxd_checkpoint import DONE_FILE, is_nxd_checkpoint, load_nxd, load_state_dicts, nxd_tags, remove_tag, save_state_dicts
 from .zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
 
 __all__ = [
@@ -45,6 +45,8 @@ __all__ = [
     "load_checkpoint",
     "finalize_checkpoint",
     "has_checkpoint",
+    "remove_checkpoint",
+    "last_tag_directory",
     "inspect_checkpoint",
     "consolidate",
     "read_checkpoint",
@@ -58,6 +60,9 @@ __all__ = [
 # per device, rank of this process (XLA CPU replicas are its threads) and default process
 # group (its coordinator may make a gloo group at first use).
 _model_backends: dict[tuple[str, object, int], Backend] = {}
+# The directory of each rank's last save in NxD's call shape (a folder per tag), for callers that
+# remove tags by name (NxD Training, through NxD's io state: ``nxd_patch``).
+_tag_directories: dict[Any, Path] = {}
 
 
 def _device_backend(device: torch.device) -> Backend:
@@ -213,6 +218,8 @@ def save_checkpoint(
     if num_kept_ckpts is not None and (isinstance(num_kept_ckpts, bool) or not isinstance(num_kept_ckpts, int)
                                        or num_kept_ckpts < 1):
         raise ValueError(f"num_kept_ckpts must be a positive int, -1 or None, got {num_kept_ckpts!r}.")
+    if tag is not None:
+        _tag_directories[this_replica()] = path.parent
     if state_dicts:
         return _save_state_dicts(path, model, optimizer, scheduler, extra, stateful=stateful,
                                  save_master_weights=save_master_weights, async_save=async_save,
@@ -356,3 +363,30 @@ def has_checkpoint(path: str | os.PathLike) -> bool:
         return path.is_dir() and not path.is_symlink() and bool(nxd_tags(path))
     return True
 
+
+
+def last_tag_directory() -> Path | None:
+    """The directory this rank last saved a tag into (``save_checkpoint(dir, tag, ...)``), or None."""
+    return _tag_directories.get(this_replica())
+
+
+def remove_checkpoint(path: str | os.PathLike) -> None:
+    """Remove the checkpoint at ``path``: an nxd_smp checkpoint (its link first, then its version
+    directory) or an NxD tag folder (its ``done`` first): an interrupted removal never leaves
+    something that looks complete. Nothing there: nothing to do. Process-local (no collective):
+    call it from one rank. This rank's background save of ``path``, if one is in flight, is
+    waited for first.
+
+    Raises:
+        CheckpointError: ``path`` is something else than a checkpoint; it is left alone.
+    """
+    path = _tagged(path, None)
+    if save_in_flight() == str(path):
+        finish_save_in_flight(raise_error=False)
+    if path.is_symlink() and Path(os.readlink(path)).name.startswith(version_prefix(path)):
+        unpublish(path)
+    elif is_nxd_checkpoint(path):
+        remove_tag(path)
+    elif os.path.lexists(path):
+        raise CheckpointError(f"{path} is not a checkpoint (an nxd_smp checkpoint link or an NxD tag folder); "
+                              f"nothing was removed.")

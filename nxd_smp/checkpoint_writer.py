@@ -18,7 +18,7 @@ import torch
 from .backend import this_replica
 from .checkpoint_format import CheckpointError
 
-__all__ = ["finalize_checkpoint", "finish_save_in_flight", "start_save", "stage"]
+__all__ = ["finalize_checkpoint", "finish_save_in_flight", "save_in_flight", "start_save", "stage"]
 
 log = logging.getLogger("nxd_smp.checkpoint")
 
@@ -53,6 +53,14 @@ def start_save(name: str, work: Callable[[], None]) -> None:
     in flight; the previous one must be finished (``finish_save_in_flight``)."""
     with _in_flight_lock:
         _in_flight[this_replica()] = _SaveInFlight(name, work)
+
+
+def save_in_flight() -> str | None:
+    """The name of this rank's save in flight (still being written, or finished with an error not
+    yet raised), or None."""
+    with _in_flight_lock:
+        save = _in_flight.get(this_replica())
+    return None if save is None else save.name
 
 
 def finalize_checkpoint() -> None:
