@@ -230,6 +230,14 @@ def test_model_parallel_configs_need_their_groups():
 
 
 # ---------------------------------------------------------------- the norm over TP x PP
+TP_PP_CASES = [(True, True), (True, False), (False, True)]  # (with the pipeline groups, ZeRO-1)
+
+
+def _tp_pp_ranks(rank: int, world_size: int) -> dict:
+    """Every case of ``_tp_pp_worker`` on one set of ranks."""
+    return {case: _tp_pp_worker(rank, world_size, *case) for case in TP_PP_CASES}
+
+
 def _tp_pp_worker(rank: int, world_size: int, with_pipeline: bool, zero_one: bool) -> dict:
     """4 ranks: 2 pipeline stages x 2 tensor-parallel ranks, DP size 1. Each stage has a
     replicated and a split parameter; the tied embedding lives on both stages, marked
@@ -272,11 +280,18 @@ def _tp_pp_worker(rank: int, world_size: int, with_pipeline: bool, zero_one: boo
     }
 
 
-@pytest.mark.parametrize("zero_one", [True, False], ids=["zero1", "zero1_off"])
-def test_the_norm_spans_tensor_and_pipeline_parallel_ranks_counting_tied_weights_once(zero_one):
+@pytest.fixture(scope="module")
+def tp_pp_ranks():
+    """4 gloo ranks (2 pipeline stages x 2 tensor-parallel ranks) run every case once."""
     from tests.distributed import run_ranks
 
-    ranks = run_ranks(4, _tp_pp_worker, True, zero_one)
+    ranks = run_ranks(4, _tp_pp_ranks)
+    return {case: [r[case] for r in ranks] for case in TP_PP_CASES}
+
+
+@pytest.mark.parametrize("zero_one", [True, False], ids=["zero1", "zero1_off"])
+def test_the_norm_spans_tensor_and_pipeline_parallel_ranks_counting_tied_weights_once(tp_pp_ranks, zero_one):
+    ranks = tp_pp_ranks[(True, zero_one)]
     by_stage = {s: [r for r in ranks if r["stage"] == s] for s in (0, 1)}
     expected_sq = sum(
         by_stage[s][0]["sq"]["replicated"] + sum(r["sq"]["split"] for r in by_stage[s]) for s in (0, 1)
@@ -291,10 +306,8 @@ def test_the_norm_spans_tensor_and_pipeline_parallel_ranks_counting_tied_weights
     assert update_sq ** 0.5 == pytest.approx(0.1, rel=1e-4)
 
 
-def test_without_pipeline_groups_the_norm_covers_one_stage():
+def test_without_pipeline_groups_the_norm_covers_one_stage(tp_pp_ranks):
     """What the pipeline groups fix: one stage's norm is smaller, so the clipped update of
     the whole model exceeds max_grad_norm."""
-    from tests.distributed import run_ranks
-
-    ranks = run_ranks(4, _tp_pp_worker, False, True)
+    ranks = tp_pp_ranks[(False, True)]
     assert ranks[0]["norm"] != pytest.approx(ranks[2]["norm"], rel=1e-3)
