@@ -1,7 +1,8 @@
-"""The documentation's snippets (the README's quick start, every loop of
-docs/training_loops.md) run as they stand, each in a fresh interpreter, and what they compute
-is checked: a check written for each snippet runs after it in the same interpreter, against
-an independent reference (tests/snippet_reference.py) where the snippet trains."""
+"""The documentation's snippets (the README's quick start and NxD section, every loop of
+docs/training_loops.md, the setups of docs/trainium.md) run as they stand, each in a fresh
+interpreter (under torchrun where it says so), and what they compute is checked: a check written
+for each snippet runs after it in the same interpreter, against an independent reference
+(tests/snippet_reference.py) where the snippet trains."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ torch.manual_seed(0)
 initial = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)).to(torch.bfloat16)
 assert not all(torch.equal(a, b.cpu()) for a, b in zip(initial.parameters(), model.parameters())), "nothing trained"
 expected, norms = smp_reference(initial, [list(mb) for mb in STEPS], LOSS, lr=1e-3, max_norm=1.0)
-got = {{n: p.detach().cpu() for n, p in {model}.named_parameters()}}
+got = {{n: p.detach().cpu().to(expected[n].dtype) for n, p in {model}.named_parameters()}}
 assert_params_close(got, expected, max_ulp={ulp}, max_flip_fraction={flips})
 assert abs(float({norm}) - norms[-1]) <= {rel} * norms[-1], (float({norm}), norms[-1])
 print("checked")
@@ -136,6 +137,29 @@ for i, n in enumerate(names):
         assert torch.equal(native[i][key], saved["optimizer"]["state"][n][key]), (n, key)
     assert torch.equal(weights[n], saved["model"][n]), n
 '''),
+    # 4 ranks under torchrun (LAUNCHED): each checks its tensor-parallel pair
+    "An NxD Llama-style setup: tensor and sequence parallelism with ZeRO-1": '''
+parts = [torch.empty_like(model.norm) for _ in range(TP)]
+dist.all_gather(parts, model.norm.detach().contiguous(), group=tp_group)
+assert torch.equal(parts[0], parts[1]), "the sequence-parallel weight differs across the TP pair"
+assert not torch.equal(model.norm.detach(), torch.ones(64)), "nothing trained"
+rows = [torch.empty_like(model.proj) for _ in range(TP)]
+dist.all_gather(rows, model.proj.detach().contiguous(), group=tp_group)
+assert not torch.equal(rows[0], rows[1])
+assert opt.optimizer.sequence_parallel and opt.world_size == 2 and opt.optimizer.tensor_parallel_size == 2
+print("checked")
+''',
+    "XLA_DOWNCAST_BF16 on the XLA CPU device": '''
+from nxd_smp.checkpoint import read_checkpoint
+assert {m.dtype for m in opt.master_shards} == {torch.float64}
+assert {p.dtype for p in model.parameters()} == {torch.float32}
+saved = read_checkpoint("ckpt")
+assert {t.dtype for t in saved["model"].values()} == {torch.bfloat16}
+masters = saved["optimizer"]["master_weights"]
+assert {t.dtype for t in masters.values()} == {torch.float32}
+for n, p in model.named_parameters():  # the parameters are the masters rounded to bf16
+    assert torch.equal(p.detach().cpu(), masters[n].bfloat16().float()), n
+''' + trained_like_the_reference("data", MEAN_OVER_4, ulp=64, flips=1.0, rel=2e-2),
     "InternEvo's NaiveAMPModel": '''
 import torch.nn.functional as F
 x = torch.randn(4, 8)
@@ -160,16 +184,21 @@ def snippets() -> list[tuple[str, str]]:
     for heading, body in re.findall(r"^### (.+?)\n(.*?)(?=^### |\Z)", nxd, re.S | re.M):
         for code in re.findall(r"```python\n(.*?)```", body, re.S):
             found.append((heading.strip().replace("`", ""), code))
-    loops = (ROOT / "docs" / "training_loops.md").read_text()
-    for heading, body in re.findall(r"^## (.+?)\n(.*?)(?=^## |\Z)", loops, re.S | re.M):
-        for code in re.findall(r"```python\n(.*?)```", body, re.S):
-            found.append((heading.strip().replace("`", ""), code))
+    for page in ("training_loops.md", "trainium.md"):
+        text = (ROOT / "docs" / page).read_text()
+        for heading, body in re.findall(r"^## (.+?)\n(.*?)(?=^## |\Z)", text, re.S | re.M):
+            for code in re.findall(r"```python\n(.*?)```", body, re.S):
+                found.append((heading.strip().replace("`", ""), code))
     return found
+
+
+# Snippets run as a launcher runs them, with how many ranks: each rank prints its check.
+LAUNCHED = {"An NxD Llama-style setup: tensor and sequence parallelism with ZeRO-1": 4}
 
 
 def test_every_loop_has_a_snippet_and_a_check():
     headings = [h for h, _ in snippets()]
-    assert len(headings) == len(set(headings)) == 9 and set(headings) == set(CHECKS), headings
+    assert len(headings) == len(set(headings)) == 11 and set(headings) == set(CHECKS), headings
     assert set(SETUPS) <= set(headings)
 
 
@@ -181,8 +210,18 @@ def test_the_snippet_computes_what_it_says(tmp_path, heading, code):
         setup = f"readme_snippet = {readme_snippet(NXD_CALLS)!r}\n" + setup
         setup = "import os, sys\nsys.stdout = open(os.devnull, 'w')\n" + setup + "sys.stdout = sys.__stdout__\n"
     program = setup + "# ---- the snippet\n" + code + "\n# ---- the test's check\nimport torch\n" + CHECKS[heading]
-    out = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=600)
+    ranks = LAUNCHED.get(heading)
+    if ranks:
+        (tmp_path / "snippet.py").write_text(program)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                   "snippet.py"]
+        env["OMP_NUM_THREADS"] = "1"
+    else:
+        command = [sys.executable, "-c", program]
+    out = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    shown, checked = out.stdout.strip().splitlines()[:-1], out.stdout.strip().splitlines()[-1]
-    assert shown and checked == "checked", out.stdout
+    lines = out.stdout.strip().splitlines()
+    if ranks:
+        assert out.stdout.count("checked") == ranks and "grad norm" in out.stdout, out.stdout
+    else:
+        assert lines[:-1] and lines[-1] == "checked", out.stdout
