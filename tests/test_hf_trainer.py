@@ -52,3 +52,13 @@ def test_it_refuses_a_trainer_without_a_zero1_optimizer():
     plain = torch.optim.AdamW(make_model().parameters())
     with pytest.raises(TypeError, match="Zero1Optimizer"):
         begin(Zero1TrainerCallback(), Wrapped(plain), 1.0)
+
+
+def test_it_takes_nxds_wrapper_from_initialize_parallel_optimizer():
+    import nxd_smp
+
+    cfg = nxd_smp.neuronx_distributed_config(optimizer_config={"zero_one_enabled": True})
+    opt = nxd_smp.initialize_parallel_optimizer(cfg, torch.optim.AdamW, make_model().parameters())
+    with pytest.warns(UserWarning, match="clips as TrainingArguments says"):
+        begin(Zero1TrainerCallback(), Wrapped(opt), 0.25)  # accelerate's wrapper around NxD's
+    assert (opt.optimizer.grad_clipping, opt.optimizer.max_norm) == (True, 0.25)

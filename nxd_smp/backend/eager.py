@@ -31,13 +31,16 @@ def _dist_active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _from_replica_groups(groups: Sequence[Sequence[int]]) -> dist.ProcessGroup:
+def _from_replica_groups(groups: Sequence[Sequence[int]]) -> dist.ProcessGroup | None:
     """This rank's process group among replica ``groups`` (every rank creates all of them,
-    in order; made once per default group)."""
+    in order; made once per default group). Without torch.distributed, ``[[0]]`` (NxD's
+    groups in a process of its own) is this process alone: None."""
     if not _dist_active():
+        if [list(g) for g in groups] == [[0]]:
+            return None
         raise ValueError(
-            "replica groups (lists of ranks) were given but torch.distributed is not initialised; "
-            "call torch.distributed.init_process_group(...) first, or pass None."
+            f"replica groups {[list(g) for g in groups]} were given but torch.distributed is not initialised; "
+            f"call torch.distributed.init_process_group(...) first, or pass None."
         )
     groups = check_replica_groups(groups, dist.get_world_size())
     key = (id(dist.group.WORLD), tuple(tuple(g) for g in groups))
