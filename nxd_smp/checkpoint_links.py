@@ -72,14 +72,33 @@ def _adopt_folder(path: Path, target: Path) -> None:
     path.rmdir()
 
 
+def _swap_link(path: Path, link: Path) -> None:
+    """``os.replace(link, path)``, taking up a folder someone makes at ``path`` meanwhile (it may
+    appear, or gain a file, between the adoption and the swap: then both are tried again)."""
+    for attempt in range(100):
+        if path.is_dir() and not path.is_symlink():
+            try:
+                _adopt_folder(path, link.parent / os.readlink(link))
+            except OSError:  # (it gained a file after the listing: again)
+                continue
+        try:
+            os.replace(link, path)
+            return
+        except OSError:  # (a folder was made at ``path`` after the adoption: again)
+            if attempt == 99 or not (path.is_dir() and not path.is_symlink()):
+                raise
+
+
 def publish(path: Path, version: str) -> None:
     """Point ``path`` at ``version`` atomically and remove the version it replaced."""
-    if path.is_dir() and not path.is_symlink():
-        _adopt_folder(path, path.parent / version)
     old = os.readlink(path) if path.is_symlink() else None
     link = path.parent / f".{path.name}.link-{uuid.uuid4().hex[:12]}"
     os.symlink(version, link)
-    os.replace(link, path)
+    try:
+        _swap_link(path, link)
+    except BaseException:
+        link.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
     if old is not None and Path(old).name.startswith(version_prefix(path)) and old != version:
         shutil.rmtree(path.parent / old, ignore_errors=True)

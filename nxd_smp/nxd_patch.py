@@ -120,7 +120,7 @@ def patch_neuronx_distributed() -> None:
     for module in list(sys.modules.values()):
         _rebind(module)
     checkpoint_module = modules[_CHECKPOINT_MODULE]
-    if getattr(checkpoint_module, "g_iostate", None) is None or isinstance(checkpoint_module.g_iostate, CheckpointIOState):
+    if getattr(checkpoint_module, "g_iostate", None) is None:  # (NxD's own, if its save ran before, stays)
         checkpoint_module.g_iostate = CheckpointIOState()
 
 
@@ -133,6 +133,6 @@ def _rebind(module: Any) -> None:
     except TypeError:
         return
     for attribute, value in items:
-        original, replacement = _originals.get(id(value), (None, None))
-        if original is value:
-            setattr(module, attribute, replacement)
+        entry = _originals.get(id(value))
+        if entry is not None and entry[0] is value:
+            setattr(module, attribute, entry[1])

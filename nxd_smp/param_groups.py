@@ -18,6 +18,7 @@ __all__ = [
     "managed_params",
     "check_optimizer_class",
     "inner_hyperparameters",
+    "group_kernel_choices",
     "auto_fuse",
     "index_groups",
     "sequence_parallel_marked",
@@ -156,6 +157,25 @@ def inner_hyperparameters(optimizer_class: type, defaults: dict[str, Any]) -> di
             continue
         out[key] = value
     return out
+
+
+def group_kernel_choices(optimizer_class: type, groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], set[str]]:
+    """``groups`` without the kernel options they hold at the class's own default (optimum-neuron
+    builds from a torch optimizer's ``param_groups``, which carry every one), and the kernel
+    options some group chose (a value other than the default): those are kept, and respected."""
+    own, _ = _signature_defaults(optimizer_class)
+    chosen: set[str] = set()
+    out = []
+    for group in groups:
+        kept = {}
+        for key, value in group.items():
+            if key in KERNEL_OPTIONS and key in own and value is own[key]:
+                continue
+            if key in KERNEL_OPTIONS:
+                chosen.add(key)
+            kept[key] = value
+        out.append(kept)
+    return out, chosen
 
 
 def auto_fuse(

@@ -57,6 +57,7 @@ from .param_groups import (
     inner_hyperparameters,
     managed_params,
     check_sequence_parallel,
+    group_kernel_choices,
     normalize_param_groups,
     sequence_parallel_marked,
 )
@@ -176,7 +177,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         if config.mixed_precision.use_master_weights:
             check_master_weights_storage()
 
-        groups = normalize_param_groups(params)
+        groups, group_choices = group_kernel_choices(optimizer_class, normalize_param_groups(params))
         self._managed, device = managed_params(groups)
         self._backend = select_backend(device, process_group, pin_layout=config.pin_layout)
         self._norm_backends = norm_backends(grad_norm_groups, device, pin_layout=config.pin_layout)
@@ -203,11 +204,14 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._scaler = None if loss_scaler is None else loss_scaler.to(device)
         self._optimizer_class = optimizer_class
         chosen = inner_hyperparameters(optimizer_class, defaults)
-        self._inner_defaults = self._inner_kwargs(optimizer_class, dict(chosen), loss_scaler is not None)
+        self._inner_defaults = self._inner_kwargs(optimizer_class, dict(chosen), loss_scaler is not None,
+                                                  kernel_chosen=bool(group_choices))
         # The compiled one-pass update stands in for the fused kernel nxd_smp chose itself;
-        # a caller who picked a variant (fused=..., foreach=...) gets exactly that.
+        # a caller who picked a variant (fused=..., foreach=..., here or in a param group) gets
+        # exactly that.
         self._may_compile = config.compile_update is True or bool(
             config.compile_update is None and self._inner_defaults.get("fused") and "fused" not in chosen
+            and not group_choices
         )
         # Every hyperparameter the inner optimizer will see, with its class defaults, so
         # the wrapper's param_groups are complete (LR schedulers read them) before the
@@ -227,14 +231,18 @@ class Zero1Optimizer(torch.optim.Optimizer):
         if not config.lazy_init:
             self.init_zero()
 
-    def _inner_kwargs(self, optimizer_class: type, defaults: dict[str, Any], scaled: bool) -> dict[str, Any]:
+    def _inner_kwargs(self, optimizer_class: type, defaults: dict[str, Any], scaled: bool,
+                      kernel_chosen: bool) -> dict[str, Any]:
         """What the inner optimizer is built with: the caller's hyperparameters, the fused
-        kernel where the device has one, and ``capturable`` where a skipped fp16 step must be
-        undone inside the step's graph."""
+        kernel where the device has one and no kernel was chosen (``kernel_chosen``: in a param
+        group), and ``capturable`` where a skipped fp16 step must be undone inside the step's
+        graph."""
         if (scaled and self._backend.step_counter_on_device and "capturable" not in defaults
                 and "capturable" in inspect.signature(optimizer_class.__init__).parameters):
             defaults["capturable"] = True  # keep the step counter on the device
         all_fp32 = all(self._shard_dtype(p.dtype) == self._backend.fp32 for p in self._managed)
+        if kernel_chosen:
+            return defaults
         return auto_fuse(optimizer_class, defaults, has_fused_kernels=self._backend.has_fused_kernels,
                          all_fp32=all_fp32 and not self._config.stochastic_rounding)
 

@@ -333,3 +333,17 @@ def test_optimum_neurons_wrapped_save_resumes_bit_for_bit(pair, async_save):
         got = rank[("optimum_save", async_save)]
         assert all(torch.equal(got["resumed"][n], got["reached"][n]) for n in got["reached"])
         assert got["metadata_kept"] and got["is_link"]
+
+
+def test_optimum_neurons_param_groups_choose_no_kernel_unless_the_user_did():
+    """optimum-neuron builds from a torch optimizer's ``param_groups``, which carry every kernel
+    option: at the class default they choose nothing (the fused kernel and the compiled CPU
+    update stay), a user's own choice in them is kept."""
+    for chosen, compiled in (({}, True), ({"foreach": True}, False), ({"fused": False}, False)):
+        model = _lin()
+        user_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **chosen)
+        opt = nxd_smp.NeuronZero1Optimizer(user_optimizer.param_groups, user_optimizer.__class__,
+                                           use_grad_acc_hook=True, higher_cc_precision=True)
+        assert (opt._compiled is not None) is compiled, chosen
+        assert all(group.get(k) == v for group in opt.inner_optimizer.param_groups for k, v in chosen.items())
+        _steps(model, opt, 1)

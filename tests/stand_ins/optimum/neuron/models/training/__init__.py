@@ -1,0 +1,2 @@
+"""Stand-in for ``optimum.neuron.models.training`` (optimum-neuron 0.4.6.dev4). optimum-neuron
+cannot be installed here."""
