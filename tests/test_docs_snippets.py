@@ -24,7 +24,7 @@ from tests.snippet_reference import smp_reference
 torch.manual_seed(0)
 initial = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)).to(torch.bfloat16)
 assert not all(torch.equal(a, b.cpu()) for a, b in zip(initial.parameters(), model.parameters())), "nothing trained"
-expected, norms = smp_reference(initial, [list(mb) for mb in STEPS], LOSS, lr=1e-3, max_norm=1.0)
+expected, norms = smp_reference(initial, [list(mb) for mb in STEPS], LOSS, lr=1e-3, max_norm={max_norm})
 got = {{n: p.detach().cpu().to(expected[n].dtype) for n, p in {model}.named_parameters()}}
 assert_params_close(got, expected, max_ulp={ulp}, max_flip_fraction={flips})
 assert abs(float({norm}) - norms[-1]) <= {rel} * norms[-1], (float({norm}), norms[-1])
@@ -33,9 +33,9 @@ print("checked")
 
 
 def trained_like_the_reference(steps: str, loss: str, model: str = "model", norm: str = "opt.grad_norm",
-                               ulp: int = 1, flips: float = 0.05, rel: float = 1e-4) -> str:
-    return (f"STEPS = {steps}\nLOSS = {loss}\n"
-            + _TRAINED_LIKE_THE_REFERENCE.format(model=model, norm=norm, ulp=ulp, flips=flips, rel=rel))
+                               ulp: int = 1, flips: float = 0.05, rel: float = 1e-4, max_norm: str = "1.0") -> str:
+    return (f"STEPS = {steps}\nLOSS = {loss}\n" + _TRAINED_LIKE_THE_REFERENCE.format(
+        model=model, norm=norm, ulp=ulp, flips=flips, rel=rel, max_norm=max_norm))
 
 
 MEAN_OVER_4 = "lambda m, x: m(x.bfloat16()).float().pow(2).mean() / 4"
@@ -160,6 +160,20 @@ assert {t.dtype for t in masters.values()} == {torch.float32}
 for n, p in model.named_parameters():  # the parameters are the masters rounded to bf16
     assert torch.equal(p.detach().cpu(), masters[n].bfloat16().float()), n
 ''' + trained_like_the_reference("data", MEAN_OVER_4, ulp=64, flips=1.0, rel=2e-2),
+    # against the stand-ins (STAND_INS): NxD's own optimizer and checkpoint functions raise there
+    "NxD Training, with nxd_smp under it": trained_like_the_reference("data", MEAN_OVER_4, max_norm="float('inf')")
+    + '''
+import os
+assert type(opt) is nxd_smp.NxDOptimizer and nxd.initialize_parallel_optimizer is nxd_smp.initialize_parallel_optimizer
+assert user_content == {"global_step": 3} and sorted(os.listdir("ckpt/step=3/optim")) == ["dp_rank_00_tp_rank_00_pp_rank_00.pt"]
+assert opt.max_norm is None and not opt.grad_clipping
+''',
+    "optimum-neuron, with nxd_smp under it": trained_like_the_reference("data", MEAN_OVER_4, norm="grad_norm") + '''
+from nxd_smp.checkpoint import read_checkpoint
+assert type(opt) is nxd_smp.NeuronZero1Optimizer
+masters = read_checkpoint("checkpoint-3/shards")["optimizer"]["master_weights"]
+assert all(torch.equal(p, masters[n].bfloat16()) for n, p in model.named_parameters())
+''',
     "InternEvo's NaiveAMPModel": '''
 import torch.nn.functional as F
 x = torch.randn(4, 8)
@@ -192,19 +206,22 @@ def snippets() -> list[tuple[str, str]]:
     return found
 
 
+# Snippets that call NxD's names, run with the stand-in packages on the path (tests/stand_ins).
+STAND_INS = {"NxD Training, with nxd_smp under it", "optimum-neuron, with nxd_smp under it"}
 # Snippets run as a launcher runs them, with how many ranks: each rank prints its check.
 LAUNCHED = {"An NxD Llama-style setup: tensor and sequence parallelism with ZeRO-1": 4}
 
 
 def test_every_loop_has_a_snippet_and_a_check():
     headings = [h for h, _ in snippets()]
-    assert len(headings) == len(set(headings)) == 11 and set(headings) == set(CHECKS), headings
+    assert len(headings) == len(set(headings)) == 13 and set(headings) == set(CHECKS), headings
     assert set(SETUPS) <= set(headings)
 
 
 @pytest.mark.parametrize("heading, code", snippets(), ids=[h for h, _ in snippets()])
 def test_the_snippet_computes_what_it_says(tmp_path, heading, code):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "USE_TORCH_XLA": "0"}
+    path = f"{ROOT / 'tests' / 'stand_ins'}:{ROOT}" if heading in STAND_INS else str(ROOT)
+    env = {**os.environ, "PYTHONPATH": path, "USE_TORCH_XLA": "0"}
     setup = SETUPS.get(heading, "")
     if setup:
         setup = f"readme_snippet = {readme_snippet(NXD_CALLS)!r}\n" + setup
