@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["Coordinate", "ParallelGroups", "nxd_parallel_groups", "nxd_coordinate"]
 
@@ -43,14 +44,21 @@ def _groups(groups) -> list[list[int]]:
     return [[int(r) for r in g] for g in groups]
 
 
-def nxd_parallel_groups() -> ParallelGroups | None:
-    """The groups of NxD's initialised parallel state, or None (NxD not installed, or its
-    model parallelism not initialised)."""
+def _initialized_state() -> Any:
+    """NxD's parallel-state module, where NxD is installed and its model parallelism initialised;
+    else None."""
     try:
         ps = importlib.import_module(_MODULE)
     except ImportError:
         return None
-    if not ps.model_parallel_is_initialized():
+    return ps if ps.model_parallel_is_initialized() else None
+
+
+def nxd_parallel_groups() -> ParallelGroups | None:
+    """The groups of NxD's initialised parallel state, or None (NxD not installed, or its
+    model parallelism not initialised)."""
+    ps = _initialized_state()
+    if ps is None:
         return None
     data = _groups(ps.get_data_parallel_replica_groups())
     sharding, context = data, None
@@ -77,11 +85,8 @@ class Coordinate:
 def nxd_coordinate() -> Coordinate | None:
     """This process's ``Coordinate`` in NxD's parallel state; None when NxD is not installed
     or its parallel state not initialised."""
-    try:
-        ps = importlib.import_module(_MODULE)
-    except ImportError:
-        return None
-    if not ps.model_parallel_is_initialized():
+    ps = _initialized_state()
+    if ps is None:
         return None
     return Coordinate(ps.get_data_parallel_rank(), ps.get_data_parallel_size(),
                       ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())

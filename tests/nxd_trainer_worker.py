@@ -186,6 +186,17 @@ def optimum_neuron_step(opt, max_norm: float) -> torch.Tensor:
     return norm
 
 
+def _start(seed: int) -> Block:
+    """A bf16 block to train from: seed 0 the usual start, another a different one (a fresh run
+    that a load must overwrite)."""
+    model = Block(0, torch.bfloat16)
+    if seed:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-1)
+    return model
+
+
 def nxd_training_checkpoints(rank: int, directory: str, async_save: bool) -> dict[str, Any]:
     """NxD Training's checkpoint IO (``NLPCheckpointIO``) around a ZeRO-1 run at DP 2: Lightning's
     checkpoint dict split into the model's state dict, the optimizer's and the rest, saved with
@@ -196,11 +207,7 @@ def nxd_training_checkpoints(rank: int, directory: str, async_save: bool) -> dic
     import nxd_smp
 
     def build(seed: int):
-        model = Block(0, torch.bfloat16)
-        if seed:
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.mul_(-1)
+        model = _start(seed)
         cfg = nxd_smp.neuronx_distributed_config(
             optimizer_config={"zero_one_enabled": True, "grad_clipping": True, "max_grad_norm": 0.5},
             mixed_precision_config={"use_master_weights": True, "use_fp32_grad_acc": True,
@@ -258,11 +265,7 @@ def optimum_neuron_checkpoints(rank: int, directory: str, async_save: bool) -> d
     import nxd_smp
 
     def build(seed: int):
-        model = Block(0, torch.bfloat16)
-        if seed:
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.mul_(-1)
+        model = _start(seed)
         user_optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
         opt = nxd_smp.NeuronZero1Optimizer(
             user_optimizer.param_groups, user_optimizer.__class__, pin_layout=False, sharding_groups=[[0, 1]],
