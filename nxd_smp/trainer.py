@@ -277,6 +277,8 @@ class NxDOptimizer(torch.optim.Optimizer):
         if nxd_config.get("context_parallel_size", 1) > 1 and not self._context:
             raise ConfigError(_missing_groups(["context_parallel_groups=<the context-parallel groups> "
                                                f"(context_parallel_size={nxd_config['context_parallel_size']})"]))
+        if self._sequence_parallel and not self._tensor and nxd_config.get("tensor_parallel_size") == 1:
+            self._sequence_parallel = False  # an NxD config at tensor-parallel size 1: nothing to sum over
         if self._sequence_parallel:
             check_sequence_parallel(self.params, tensor_parallel_known=bool(self._tensor), owner="NxDOptimizer")
 

@@ -5,15 +5,16 @@ packed into flat buckets (see ``layout``); each data-parallel rank owns one cont
 shard of every bucket and keeps, for its shard only, the master weights and the inner
 optimizer's states. One ``step()``:
 
-1. reduce: per bucket, reduce-scatter the accumulated gradient (a sum; the 1/world_size of
-   the mean is folded into step 3); with context parallelism the gradient is first summed over
+1. reduce: per bucket, reduce-scatter the accumulated gradient (a sum; the 1/N of the mean is
+   folded into step 3); with context parallelism the gradient is first summed over
    the context-parallel group, and with sequence parallelism the gradient of the parameters
    NxD marks ``sequence_parallel_enabled`` over the tensor-parallel group (NxD's trainer
    wrapper does both on ``.grad``; here they act on the accumulated gradient),
 2. norm: the global gradient norm in fp32 (shards, then ``grad_norm_groups``, DP and
    ``pipeline_groups``),
-3. clip: the coefficient ``min(1, max_norm / (norm + 1e-6)) / world_size`` (and 1/loss
-   scale), applied while the inner step reads the gradient,
+3. clip: the coefficient ``min(1, max_norm / (norm + 1e-6)) / N`` (N: the data-parallel size,
+   times the context-parallel size where that is summed here; and 1/loss scale), applied while
+   the inner step reads the gradient,
 4. inner step: the inner optimizer's step on the master shards (``inner_step``),
 5. publish: cast each shard to the parameter dtype and all-gather it into the parameters.
 
@@ -22,7 +23,7 @@ construction; the options are one validated ``Zero1Config``; the master shards a
 the parameters still agree with are ``master_weights``'.
 
 ``NeuronZero1Optimizer`` keeps torch_xla's / NxD's signature and maps it onto this.
-NxD's trainer API (``initialize_parallel_optimizer``, ``ClippedOptimizer``) is in
+NxD's trainer API (``initialize_parallel_optimizer`` and NxD's wrapper, ``NxDOptimizer``) is in
 ``nxd_smp.trainer``.
 """
 
@@ -53,11 +54,11 @@ from .mixed_precision_config import ConfigError, MixedPrecisionConfig, Zero1Conf
 from .param_groups import (
     auto_fuse,
     check_optimizer_class,
+    check_sequence_parallel,
+    group_kernel_choices,
     index_groups,
     inner_hyperparameters,
     managed_params,
-    check_sequence_parallel,
-    group_kernel_choices,
     normalize_param_groups,
     sequence_parallel_marked,
 )
