@@ -262,6 +262,12 @@ class NxDOptimizer(torch.optim.Optimizer):
                     "tensor-parallel group. Build it with initialize_parallel_optimizer, or with "
                     "Zero1Optimizer(..., sequence_parallel=True, grad_norm_groups=...)."
                 )
+            if nxd_config.get("context_parallel_size", 1) > 1 and optimizer.context_parallel_size == 1:
+                raise ConfigError(
+                    f"the config has context_parallel_size={nxd_config['context_parallel_size']}, but the "
+                    f"Zero1Optimizer averages over no context-parallel group. Build it with "
+                    f"initialize_parallel_optimizer, or with Zero1Optimizer(..., context_parallel_groups=...)."
+                )
             return
         if isinstance(optimizer, Zero1Optimizer):
             raise ConfigError(

@@ -183,9 +183,10 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._backend = select_backend(device, process_group, pin_layout=config.pin_layout)
         self._norm_backends = norm_backends(grad_norm_groups, device, pin_layout=config.pin_layout)
         self._pipeline_backends = norm_backends(pipeline_groups, device, pin_layout=config.pin_layout)
-        self._context_backends = [
-            cp for cp in norm_backends(context_parallel_groups, device, pin_layout=config.pin_layout)
-            if not set(cp.global_ranks) <= set(self._backend.global_ranks)  # (else the DP mean covers it)
+        context = norm_backends(context_parallel_groups, device, pin_layout=config.pin_layout)
+        self._context_parallel_size = math.prod(cp.world_size for cp in context)
+        self._context_backends = [  # (a group inside the DP group: the DP mean covers it)
+            cp for cp in context if not set(cp.global_ranks) <= set(self._backend.global_ranks)
         ]
         # The mean is over data x context parallelism (CP groups inside the DP group: over DP alone).
         self._mean_over = self._backend.world_size * math.prod(cp.world_size for cp in self._context_backends)
@@ -319,6 +320,11 @@ class Zero1Optimizer(torch.optim.Optimizer):
         """Whether ``step()`` sums the gradients of the parameters marked
         ``sequence_parallel_enabled`` over the tensor-parallel group (``grad_norm_groups``)."""
         return self._sequence_parallel
+
+    @property
+    def context_parallel_size(self) -> int:
+        """The size of the context-parallel group the gradients are averaged over (1 without one)."""
+        return self._context_parallel_size
 
     @property
     def tensor_parallel_size(self) -> int:

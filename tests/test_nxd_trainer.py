@@ -122,6 +122,9 @@ def test_a_zero1_optimizer_built_without_the_configs_sequence_parallelism_is_ref
     assert nxd_smp.trainer.NxDOptimizer(plain, cfg).optimizer is plain  # no tensor-parallel group: nothing to sum
     with pytest.raises(ConfigError, match="ZeRO-1 on"):
         nxd_smp.trainer.NxDOptimizer(torch.optim.AdamW(_marked_model().parameters()), cfg)
+    cp = nxd_smp.neuronx_distributed_config(context_parallel_size=2, optimizer_config={"zero_one_enabled": True})
+    with pytest.raises(ConfigError, match="context-parallel group"):
+        nxd_smp.trainer.NxDOptimizer(nxd_smp.Zero1Optimizer(_marked_model().parameters(), torch.optim.AdamW), cp)
 
 
 # ---------------------------------------------------------------- 2 ranks
