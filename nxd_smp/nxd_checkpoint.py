@@ -490,6 +490,20 @@ def load_state_dicts(
     return user_content
 
 
+def _saved_data_parallel_size(tag: Path) -> int | None:
+    """The DP size a tag saved from state dicts by nxd_smp was saved at (None: not such a tag)."""
+    record = tag / STATE_DICTS_FILE
+    if not record.is_file():
+        return None
+    try:
+        size = json.loads(record.read_text()).get("data_parallel_size")
+    except (ValueError, AttributeError):
+        size = None
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise CheckpointError(f"{record} is damaged (no data_parallel_size); the tag cannot be read.")
+    return size
+
+
 def _read_state_dicts(tag: Path, model: Any, optimizer: Any, scheduler: Any, strict: bool, coordinator: Coordinator):
     """This rank's files of ``tag``, read and checked: (model state, optimizer state or None,
     scheduler state or None, user content)."""
@@ -509,10 +523,10 @@ def _read_state_dicts(tag: Path, model: Any, optimizer: Any, scheduler: Any, str
         if not files:
             raise CheckpointError(f"{tag} holds no optimizer files for tp {here.tensor} pp {here.pipeline}; load it "
                                   f"with optimizer=None.")
-        saved_size = len(files)
-        if (tag / STATE_DICTS_FILE).is_file():
-            saved_size = json.loads((tag / STATE_DICTS_FILE).read_text()).get("data_parallel_size", saved_size)
-        if saved_size != here.data_size and not (saved_size == 1 and len(files) == 1):
+        # Saved from state dicts by nxd_smp: at the DP size its record says. By NxD itself: one file per
+        # DP rank for ZeRO-1, or a single replicated one (a plain optimizer), which any DP size reads.
+        saved_size = _saved_data_parallel_size(tag) or len(files)
+        if saved_size != here.data_size and not (len(files) == 1 and not (tag / STATE_DICTS_FILE).is_file()):
             raise CheckpointError(
                 f"{tag} was saved from state dicts at DP size {saved_size}; a state dict is a data-parallel rank's "
                 f"own, so it loads at DP size {saved_size} only (this run: {here.data_size}). Resume at DP size "
