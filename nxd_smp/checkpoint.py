@@ -152,7 +152,9 @@ def save_checkpoint(
 
     Two call shapes write the same format: nxd_smp's ``save_checkpoint(path, model=...,
     optimizer=...)`` and NxD's ``save_checkpoint(checkpoint_dir, tag, model, optimizer,
-    scheduler, user_content, ...)``, which saves into the folder ``checkpoint_dir/tag``.
+    scheduler, user_content, ...)``, which saves into the folder ``checkpoint_dir/tag``. With
+    state dicts (NxD Training's ``model=<state dict>, optimizer=<state dict>``) the tag folder is
+    written in NxD's layout, each rank's dicts as they are (``nxd_checkpoint.save_state_dicts``).
 
     Args:
         path: the checkpoint's name: a symbolic link that is swapped atomically to the
@@ -160,8 +162,11 @@ def save_checkpoint(
             existing empty directory at ``path`` is replaced, anything else is refused.
             With ``tag``: the directory that holds one checkpoint per tag.
         tag: NxD's tag (``"step_100"``, or an int): the checkpoint is ``path/tag``.
-        model: the model; its ``state_dict()`` is written once (it is replicated).
-        optimizer: a ``Zero1Optimizer``; each rank writes only the pieces it owns.
+        model: the model; its ``state_dict()`` is written once (it is replicated). Or its state
+            dict (NxD Training's call shape).
+        optimizer: a ``Zero1Optimizer``, or anything holding one in ``.optimizer`` (NxD's
+            wrapper, accelerate's, optimum-neuron's); each rank writes only the pieces it owns.
+            Or this rank's optimizer state dict (NxD Training's call shape).
         scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``), saved
             with the optimizer and restored by ``load_checkpoint(..., scheduler=...)``.
         user_content: anything ``torch.load(weights_only=True)`` reads back (step counter,
@@ -176,7 +181,7 @@ def save_checkpoint(
             swap of ``path`` happen in the background. At most one save is in flight: the
             next save (or ``finalize_checkpoint()``) waits for it and raises its error.
         zero1_optimizer: NxD's hint for an optimizer passed as a dict; accepted, without
-            effect (the optimizer here is always a ``Zero1Optimizer``).
+            effect (every rank writes its own optimizer state dict whatever it says).
         use_zero1_dcp, avoid_saving_lower_precision_weights: NxD 2.28's options, accepted
             without effect: the optimizer's shards are always written as raw tensors under a
             DCP index, and the model's weights are always written too.
@@ -289,7 +294,14 @@ def load_checkpoint(
     CRC-32 of every tensor read) before anything changes. An asynchronous save of this
     process still in flight is waited for first.
 
+    NxD Training's call shape passes dicts to fill, ``model={}, optimizer={} or None``: an NxD
+    tag folder's files are read into them in place, at the DP size they were saved at
+    (``nxd_checkpoint.load_state_dicts``); ``optimizer=None`` reads the model only.
+
     Args:
+        model: the model (or, in NxD Training's call shape, a dict to fill).
+        optimizer: a ``Zero1Optimizer``, anything holding one in ``.optimizer``, a dict to fill,
+            or None (the model only).
         strict: as ``nn.Module.load_state_dict``: with False, model entries that only the
             checkpoint or only the model has are left alone (the optimizer must still fit).
         num_workers, use_zero1_dcp: NxD's settings, accepted and checked but without effect
