@@ -374,7 +374,7 @@ def save_state_dicts(
                 raise CheckpointError(f"{tag} exists and is not a checkpoint tag folder; pass another tag or remove it.")
             staging.mkdir(parents=True)
             (staging / MARKER_FILE).write_text("1")
-        except (CheckpointError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - every rank learns of it below
             refusal = error_text(e)
     refusal = coordinator.broadcast(refusal)
     if refusal is not None:
@@ -399,7 +399,7 @@ def _write_and_publish(tag: Path, staging: Path, files: Mapping[str, bytes], coo
         for name, data in files.items():
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
             write_bytes(staging / name, data)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below
         error = f"rank {coordinator.rank}: {error_text(e)}"
     failures = [f for f in coordinator.all_gather(error) if f]
     outcome = None
@@ -418,7 +418,7 @@ def _write_and_publish(tag: Path, staging: Path, files: Mapping[str, bytes], coo
                 for old in nxd_tags(tag.parent)[:-num_kept]:
                     if old.name != tag.name:
                         remove_tag(old)
-        except (CheckpointError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - every rank raises it below
             outcome = error_text(e)
     outcome = coordinator.broadcast(outcome)
     if outcome is not None:

@@ -376,7 +376,7 @@ class NxDOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """NxD's step (the class docstring); every rank calls it. ``closure`` and ``kwargs`` go
         to the inner optimizer's ``step``."""
-        if isinstance(self.optimizer, Zero1Optimizer):
+        if self._zero1:
             loss = self.optimizer.step(closure, **kwargs)
             self._grad_norm = self.optimizer.grad_norm
             return loss
@@ -458,7 +458,6 @@ class ClippedOptimizer(NxDOptimizer):
                 raise ConfigError(f"sequence_parallel must be True or False, got {sequence_parallel!r}.")
             nxd_config = {
                 "optimizer_config": OptimizerConfig(False, grad_clipping, max_norm).to_dict(),
-                "mixed_precision_config": MixedPrecisionConfig.from_dict(None, zero_one_enabled=False).to_dict(),
                 "sequence_parallel": sequence_parallel,
             }
         elif (grad_clipping, max_norm, sequence_parallel) != (True, 1.0, False):

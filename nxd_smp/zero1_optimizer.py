@@ -242,9 +242,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
         if (scaled and self._backend.step_counter_on_device and "capturable" not in defaults
                 and "capturable" in inspect.signature(optimizer_class.__init__).parameters):
             defaults["capturable"] = True  # keep the step counter on the device
-        all_fp32 = all(self._shard_dtype(p.dtype) == self._backend.fp32 for p in self._managed)
         if kernel_chosen:
             return defaults
+        all_fp32 = all(self._shard_dtype(p.dtype) == self._backend.fp32 for p in self._managed)
         return auto_fuse(optimizer_class, defaults, has_fused_kernels=self._backend.has_fused_kernels,
                          all_fp32=all_fp32 and not self._config.stochastic_rounding)
 

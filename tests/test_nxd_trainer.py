@@ -70,6 +70,8 @@ def test_without_sequence_parallel_in_the_config_nothing_is_summed(sp_ranks, cli
     for rank in sp_ranks:
         got = rank[("sp_off_in_config", clip)]
         _close(got["params"], want[got["tp"]])
+    pair = [r[("sp_off_in_config", clip)]["params"] for r in sp_ranks if r[("sp_off_in_config", clip)]["dp"] == 0]
+    assert not any(torch.equal(pair[0][n], pair[1][n]) for n in MARKED)  # each TP rank its own
 
 
 def test_every_rank_clips_with_the_same_norm(sp_ranks):
