@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .backend import Backend, select_backend, this_replica
-from .checkpoint_format import CheckpointError, check_args, managed_param_names, param_group_names, stateful_objects
+from .checkpoint_format import CheckpointError, check_args, error_text, managed_param_names, param_group_names, stateful_objects
 from .checkpoint_links import checkpoint_links, replaceable_folder, resolve, unpublish, version_prefix
 from .checkpoint_load import load, load_full_optimizer_state
 from .checkpoint_save import save
@@ -327,9 +327,14 @@ def load_checkpoint(
     coordinator = (_state_dicts_backend(model, optimizer) if state_dicts else _backend(model, optimizer)).coordinator
     found: Any = None
     if coordinator.rank == 0:
-        nxd_tag = _nxd_tag(path)
-        found = str(nxd_tag) if nxd_tag is not None else {"missing": str(path)} if not os.path.lexists(path) else None
+        try:
+            nxd_tag = _nxd_tag(path)
+            found = str(nxd_tag) if nxd_tag is not None else {"missing": str(path)} if not os.path.lexists(path) else None
+        except Exception as e:  # noqa: BLE001 - every rank learns of it
+            found = {"refused": f"{path}: {error_text(e)}"}
     found = coordinator.broadcast(found)  # rank 0's choice for all
+    if isinstance(found, dict) and "refused" in found:
+        raise CheckpointError(found["refused"])
     nxd_tag = found if isinstance(found, str) else None
     if state_dicts:
         if isinstance(found, dict):

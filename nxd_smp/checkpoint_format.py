@@ -27,6 +27,7 @@ state) loads once allowed with ``torch.serialization.add_safe_globals``.
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,7 +36,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .checkpoint_storage import IO_THREADS, ChecksumError, StoredTensor, UnsafeFileError, read_tensors, safe_load
+from .checkpoint_checks import CheckpointError, inside, open_regular
+from .checkpoint_storage import IO_THREADS, StoredTensor, read_tensors, safe_load
 from .checkpoint_storage import read_index as storage_index
 from .param_groups import index_groups
 from .zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
@@ -62,6 +64,7 @@ __all__ = [
     "completion_record",
     "verify_files",
     "load_small_file",
+    "check_meta",
     "read_index",
     "read_entries",
     "error_text",
@@ -74,11 +77,6 @@ EXTRA_FILE = "extra.pt"
 COMPLETE_FILE = "COMPLETE.json"
 SCHEDULER = "scheduler"  # the name the scheduler's state is saved under
 _CRC_BLOCK = 16 << 20
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is incomplete, damaged, refused (it asks to run code), or does not
-    fit the model/optimizer; the message names the file or the tensors and the fix."""
 
 
 # ---------------------------------------------------------------------------- keys
@@ -202,19 +200,39 @@ def stateful_objects(scheduler: Any, stateful: Mapping[str, Any] | None) -> dict
 # ---------------------------------------------------------------------------- files
 def crc32(path: Path) -> int:
     crc = 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while block := f.read(_CRC_BLOCK):
             crc = zlib.crc32(block, crc)
     return crc
 
 
 def completion_record(target: Path) -> dict[str, Any]:
-    with open(target / COMPLETE_FILE) as f:
-        record = json.load(f)
-    if record.get("format") not in (FORMAT, FORMAT_V1):
-        raise CheckpointError(
-            f"{target} has format {record.get('format')!r}; this nxd_smp reads {FORMAT!r} and {FORMAT_V1!r}."
-        )
+    """The completion record of the checkpoint version ``target``, checked to be one: its
+    format, and per file a name inside ``target`` with its size and CRC-32.
+
+    Raises:
+        FileNotFoundError: there is none (the save did not complete).
+        CheckpointError: it is damaged or refused.
+    """
+    path = target / COMPLETE_FILE
+    if not os.path.lexists(path):
+        raise FileNotFoundError(f"{path} is missing: the checkpoint is incomplete (its save was cut off).")
+    with open_regular(inside(target, COMPLETE_FILE)) as f:
+        try:
+            record = json.loads(f.read())
+        except ValueError as e:
+            raise CheckpointError(f"{path} is damaged: {e}") from None
+    if not isinstance(record, dict) or record.get("format") not in (FORMAT, FORMAT_V1):
+        found = record.get("format") if isinstance(record, dict) else record
+        raise CheckpointError(f"{target} has format {found!r}; this nxd_smp reads {FORMAT!r} and {FORMAT_V1!r}.")
+    files = record.get("files")
+    if not isinstance(files, dict) or not all(
+        isinstance(entry, list) and len(entry) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
+        for entry in files.values()
+    ):
+        raise CheckpointError(f"{path} is damaged: its 'files' are not name -> [size, CRC-32].")
+    for name in files:
+        inside(target, name, source=str(path))
     return record
 
 
@@ -224,9 +242,11 @@ def verify_files(target: Path, record: Mapping[str, Any], checksums: bool) -> No
     reads as it reads them, so only format 1 and ``inspect --verify`` need this)."""
     problems = []
     for name, (size, crc) in sorted(record["files"].items()):
-        f = target / name
+        f = inside(target, name, source=str(target / COMPLETE_FILE))
         if not f.exists():
             problems.append(f"{name} is missing")
+        elif not f.is_file():
+            problems.append(f"{name} is not a regular file")
         elif f.stat().st_size != size:
             problems.append(f"{name} is truncated or altered ({f.stat().st_size} bytes, expected {size})")
         elif checksums and crc32(f) != crc:
@@ -236,16 +256,81 @@ def verify_files(target: Path, record: Mapping[str, Any], checksums: bool) -> No
 
 
 def load_small_file(path: Path) -> Any:
-    """A checkpoint's ``.pt`` file, loaded without running code from it.
+    """A checkpoint's ``.pt`` file, loaded without running code from it, and allocating no
+    more than it holds (``checkpoint_checks.load_file``).
 
     Raises:
-        CheckpointError: the file asks for something ``torch.load(weights_only=True)`` refuses,
-            naming the file and what it asked for.
+        CheckpointError: the file is no regular file, or asks for something
+            ``torch.load(weights_only=True)`` refuses, or for memory it does not hold, naming
+            the file and what it asked for.
     """
-    try:
-        return safe_load(path)
-    except UnsafeFileError as e:
-        raise CheckpointError(str(e)) from None
+    return safe_load(path)
+
+
+def _sizes(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                    for d in value)
+
+
+def _dtype_name(value: Any) -> bool:
+    return isinstance(value, str) and isinstance(getattr(torch, value.removeprefix("torch."), None), torch.dtype)
+
+
+def check_meta(meta: Any, source: Path) -> None:
+    """The checkpoint's ``nxd_smp_meta.pt`` (read from ``source``) is what nxd_smp writes: every
+    field of the type it has, every shape a tuple of sizes, every dtype a torch dtype's name,
+    every parameter's pieces ``[start, end)`` tiling its elements exactly (so a reader
+    allocates no more than the parameters hold). Checked before anything is allocated.
+
+    Raises:
+        CheckpointError: naming ``source`` and the field.
+    """
+    def refuse(what: str) -> None:
+        raise CheckpointError(f"{source} is damaged or crafted: {what}; refused.")
+
+    if not isinstance(meta, Mapping) or meta.get("format") not in (FORMAT, FORMAT_V1):
+        refuse(f"format {meta.get('format') if isinstance(meta, Mapping) else type(meta).__name__!r}")
+    model = meta.get("model")
+    if not isinstance(model, Mapping):
+        refuse("'model' is not a dict")
+    for key, info in model.items():
+        if not isinstance(key, str) or not isinstance(info, Mapping) or not _sizes(info.get("shape")) \
+                or not _dtype_name(info.get("dtype")):
+            refuse(f"the model entry {key!r} is not {{'shape': sizes, 'dtype': a torch dtype}}")
+    opt = meta.get("optimizer")
+    if opt is None:
+        return
+    if not isinstance(opt, Mapping):
+        refuse("'optimizer' is not a dict")
+    for field, kind in (("groups", list), ("params", Mapping), ("pieces", Mapping), ("tensor_keys", list),
+                        ("scalar_keys", list), ("master_weights", bool), ("world_size", int)):
+        if not isinstance(opt.get(field), kind):
+            refuse(f"the optimizer's {field!r} is a {type(opt.get(field)).__name__}, not a {kind.__name__}")
+    if not all(isinstance(k, str) for k in (*opt["tensor_keys"], *opt["scalar_keys"])) \
+            or set(opt["tensor_keys"]) & set(opt["scalar_keys"]):
+        refuse("the optimizer's state keys are not distinct strings")
+    for i, group in enumerate(opt["groups"]):
+        if not isinstance(group, Mapping) or not isinstance(group.get("params"), list) \
+                or not all(isinstance(n, str) and n in opt["params"] for n in group["params"]):
+            refuse(f"param group {i} does not list parameters by name")
+        if not isinstance(group.get("hyper"), Mapping):
+            refuse(f"param group {i}'s hyperparameters are a {type(group.get('hyper')).__name__}, not a dict")
+    for name, info in opt["params"].items():
+        if not isinstance(info, Mapping) or not _sizes(info.get("shape")) or not _dtype_name(info.get("dtype")):
+            refuse(f"the optimizer's parameter {name!r} is not {{'shape': sizes, 'dtype': a torch dtype}}")
+        numel = 1
+        for d in info["shape"]:
+            numel *= d
+        pieces, end = opt["pieces"].get(name), 0
+        if not isinstance(pieces, list):
+            refuse(f"the pieces of {name!r} are not a list")
+        for piece in pieces:
+            if not (isinstance(piece, (tuple, list)) and len(piece) == 2 and _sizes(piece) and piece[0] == end
+                    and piece[1] > piece[0]):
+                refuse(f"the pieces of {name!r} do not tile its {numel} elements in order ({piece!r} after {end})")
+            end = piece[1]
+        if end != numel:
+            refuse(f"the pieces of {name!r} cover [0, {end}) of its {numel} elements")
 
 
 def error_text(error: BaseException) -> str:
@@ -260,7 +345,7 @@ def read_index(target: Path) -> dict[str, StoredTensor]:
     """
     try:
         return storage_index(target)
-    except (UnsafeFileError, ValueError, OSError) as e:
+    except (ValueError, OSError) as e:
         raise CheckpointError(f"the checkpoint at {target} is damaged or refused: {e}") from e
 
 
@@ -280,5 +365,5 @@ def read_entries(
                               + (f" and {len(missing) - 8} more" if len(missing) > 8 else "") + ".")
     try:
         read_tensors(target, index, staging, verify=verify, threads=IO_THREADS)
-    except (ChecksumError, UnsafeFileError, ValueError) as e:
+    except (ValueError, OSError) as e:
         raise CheckpointError(f"the checkpoint at {target} is damaged or refused: {e}") from e

@@ -2,8 +2,12 @@
 shards planned from the saved pieces (at any DP size: ``resharding``), read into staging
 buffers, agreed on by every rank, and only then committed.
 
-A refused load changes nothing: everything is read and checked first, and a failure on any
-rank is a ``CheckpointError`` on every rank (the backend's coordinator carries the outcome).
+A refused load changes nothing: everything is read and checked first (by
+``checkpoint_checks``, the layer every reader goes through), and a failure on any rank, expected
+or not, is a ``CheckpointError`` on every rank (the backend's coordinator carries the outcome).
+The caller's stateful objects (the scheduler, ...) are loaded before the agreement and put back
+if any rank refused; the model and the optimizer are committed after it, by steps that cannot
+fail once the checks passed.
 """
 
 from __future__ import annotations
@@ -19,13 +23,22 @@ import torch
 import torch.nn as nn
 
 from .backend import Backend, Coordinator
+from .checkpoint_checks import (
+    check_hyperparameters,
+    check_scheduler_state,
+    check_state_entry,
+    load_objects,
+    state_kinds,
+)
 from .checkpoint_format import (
     EXTRA_FILE,
     FORMAT,
     FORMAT_V1,
     META_FILE,
+    SCHEDULER,
     CheckpointError,
     check_args,
+    check_meta,
     completion_record,
     error_text,
     group_hyperparameters,
@@ -80,47 +93,64 @@ def load(
                 found = [str(target), record]
             except FileNotFoundError as e:
                 found = {"missing": str(e)}
-            except CheckpointError as e:
-                found = {"refused": str(e)}
+            except Exception as e:  # noqa: BLE001 - every rank learns of any failure
+                found = {"refused": error_text(e)}
         found = coordinator.broadcast(found)
         if isinstance(found, dict):
             raise FileNotFoundError(found["missing"]) if "missing" in found else CheckpointError(found["refused"])
         target, record = Path(found[0]), found[1]
-        error = None
+        error, undo = None, None
         try:
             meta = load_small_file(target / META_FILE)
-            saved = load_small_file(target / EXTRA_FILE)
-            if record["format"] == FORMAT_V1:
-                saved = {"extra": saved, "objects": {}}
-            missing = sorted(set(objects) - set(saved["objects"]))
-            if missing:
-                raise CheckpointError(
-                    f"the checkpoint holds no state for {missing}; it has {sorted(saved['objects']) or 'none'}. "
-                    f"Load without them, or from a checkpoint saved with them."
-                )
+            check_meta(meta, target / META_FILE)
+            saved = _saved_objects(load_small_file(target / EXTRA_FILE), record["format"], objects, target / EXTRA_FILE)
             advance("verify")
-            plan = plan_load(meta, model, optimizer, strict=strict, device_dtype=backend.device_dtype)
+            plan = plan_load(meta, model, optimizer, strict=strict, device_dtype=backend.device_dtype,
+                             source=target / META_FILE)
             read_entries(plan.staging, target, verify_checksums)
             plan.assemble()
-        except (CheckpointError, OSError) as e:
+            undo = load_objects(objects, saved["objects"], str(target / EXTRA_FILE))
+        except Exception as e:  # noqa: BLE001 - any failure, expected or not, is agreed on
             error = e
-        agree(coordinator, error)
+        agree(coordinator, error, undo)
         advance("read")
         _commit(plan, meta, model, optimizer, strict=strict)
-        for name, obj in objects.items():
-            obj.load_state_dict(saved["objects"][name])
         advance("commit")
     return saved["extra"]
 
 
-def agree(coordinator: Coordinator, error: BaseException | None) -> None:
-    """Every rank learns whether any rank failed; if one did, all raise (so either all ranks
-    commit or none)."""
+def _saved_objects(saved: Any, form: str, objects: Mapping[str, Any], source: Path) -> dict[str, Any]:
+    """``extra.pt``'s content as ``{"extra", "objects"}``, checked: a state for every object
+    asked for, the scheduler's fitting the scheduler."""
+    if form == FORMAT_V1:
+        saved = {"extra": saved, "objects": {}}
+    if not isinstance(saved, Mapping) or "extra" not in saved or not isinstance(saved.get("objects"), Mapping):
+        raise CheckpointError(f"{source} is damaged or crafted: not {{'extra': ..., 'objects': {{name: state}}}}.")
+    missing = sorted(set(objects) - set(saved["objects"]))
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint holds no state for {missing}; it has {sorted(saved['objects']) or 'none'}. "
+            f"Load without them, or from a checkpoint saved with them."
+        )
+    if SCHEDULER in objects:
+        check_scheduler_state(saved["objects"][SCHEDULER], objects[SCHEDULER], f"{source} ({SCHEDULER})")
+    return saved
+
+
+def agree(coordinator: Coordinator, error: BaseException | None, undo: Callable[[], None] | None = None) -> None:
+    """Every rank learns whether any rank failed, whatever the failure; if one did, all raise a
+    ``CheckpointError`` (so either all ranks commit or none), after ``undo`` (what this rank
+    loaded before the agreement, put back)."""
     failures = [f for f in coordinator.all_gather(None if error is None else error_text(error)) if f]
-    if error is not None:
+    if error is None and not failures:
+        return
+    if undo is not None:
+        undo()
+    if isinstance(error, CheckpointError):
         raise error
-    if failures:
-        raise CheckpointError("another rank could not load the checkpoint: " + "; ".join(failures))
+    if error is not None:
+        raise CheckpointError(f"the checkpoint could not be loaded: {error_text(error)}") from error
+    raise CheckpointError("another rank could not load the checkpoint: " + "; ".join(failures))
 
 
 @dataclass
@@ -174,7 +204,8 @@ def _check_model(meta: Mapping[str, Any], model: nn.Module, strict: bool,
         raise CheckpointError("the checkpoint does not fit the model: " + "; ".join(problems) + ".")
 
 
-def _check_optimizer(saved_opt: Mapping[str, Any] | None, names: list[str], optimizer: Zero1Optimizer) -> None:
+def _check_optimizer(saved_opt: Mapping[str, Any] | None, names: list[str], optimizer: Zero1Optimizer,
+                     source: Path | str) -> None:
     if saved_opt is None:
         raise CheckpointError(
             "the checkpoint holds no optimizer state; load it with optimizer=None and build "
@@ -190,11 +221,29 @@ def _check_optimizer(saved_opt: Mapping[str, Any] | None, names: list[str], opti
             + ("" if live_names != saved_names else "; the param groups are arranged differently")
             + "."
         )
+    problems = [f"{name}: shape {tuple(saved_opt['params'][name]['shape'])} in the checkpoint, {tuple(p.shape)} "
+                f"in the optimizer" for name, p in zip(names, optimizer.managed_params)
+                if tuple(saved_opt["params"][name]["shape"]) != tuple(p.shape)]
+    if problems:
+        raise CheckpointError(f"{source}: the optimizer's parameters do not fit: " + "; ".join(problems) + ".")
+    for i, (record, group) in enumerate(zip(saved_opt["groups"], optimizer.param_groups)):
+        check_hyperparameters(record["hyper"], group, f"{source}: param group {i}")
+    kinds = state_kinds(optimizer)
+    tensors, scalars = set(saved_opt["tensor_keys"]), set(saved_opt["scalar_keys"])
+    if tensors or scalars:
+        expected = ({k for k, moment in kinds.items() if moment}, {k for k, moment in kinds.items() if not moment}) \
+            if kinds is not None else (tensors, scalars & {"step"})
+        if (tensors, scalars) != expected:
+            raise CheckpointError(
+                f"{source}: the optimizer state keys do not fit {type(optimizer.inner_optimizer).__name__}: "
+                f"tensors {sorted(tensors)} and 0-dim {sorted(scalars)} in the checkpoint, the optimizer keeps "
+                f"tensors {sorted(expected[0])} and 0-dim {sorted(expected[1])}."
+            )
 
 
 def plan_load(
     meta: Mapping[str, Any], model: nn.Module, optimizer: Zero1Optimizer | None, strict: bool = True,
-    device_dtype: Callable[[torch.dtype], torch.dtype] = lambda dtype: dtype,
+    device_dtype: Callable[[torch.dtype], torch.dtype] = lambda dtype: dtype, source: Path | str = META_FILE,
 ) -> LoadPlan:
     """Check the checkpoint (its metadata ``meta``) against the live objects and allocate
     this rank's staging buffers. ``strict=False``: model entries on one side only are left
@@ -202,8 +251,11 @@ def plan_load(
     a live tensor's dtype in (what checkpoints record: bf16 for a float32 parameter under
     ``XLA_DOWNCAST_BF16``); the commit casts back.
 
+    ``meta`` was checked by ``check_meta``; ``source`` names its file in errors.
+
     Raises:
-        CheckpointError: names, shapes, dtypes or groups that do not fit, each named.
+        CheckpointError: names, shapes, dtypes, groups, hyperparameters or state keys that do
+            not fit, each named.
     """
     _check_model(meta, model, strict, device_dtype)
     live = model.state_dict()
@@ -215,7 +267,7 @@ def plan_load(
         return plan
     saved_opt = meta["optimizer"]
     names = managed_param_names(model, optimizer)
-    _check_optimizer(saved_opt, names, optimizer)
+    _check_optimizer(saved_opt, names, optimizer, source)
 
     kinds = [("optim", key) for key in saved_opt["tensor_keys"]]
     if saved_opt["master_weights"]:
@@ -344,25 +396,43 @@ def check_full_optimizer_state(
     master_weights: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
     """Raise a ``CheckpointError`` naming every way the arguments of
-    ``load_full_optimizer_state`` do not fit; change nothing."""
+    ``load_full_optimizer_state`` do not fit; change nothing. Each parameter's state has the
+    inner optimizer's own keys, tensor or 0-dim as its own (``checkpoint_checks.state_kinds``),
+    moments shaped like the parameter; each group's hyperparameters fit the live group; masters
+    are floating tensors shaped like their parameters."""
     optimizer = check_args(model, optimizer)
     names = managed_param_names(model, optimizer)
     live = dict(zip(names, optimizer.managed_params))
+    if not isinstance(state, Mapping) or not isinstance(hyperparameters, (list, tuple)) or not (
+            master_weights is None or isinstance(master_weights, Mapping)):
+        raise CheckpointError("the optimizer state is not {name: {key: tensor}} with a list of param groups.")
     problems = name_differences(names, state, "no state for", "state for parameters the optimizer does not manage")
     if len(hyperparameters) != len(optimizer.param_groups):
         problems.append(f"{len(hyperparameters)} param groups given, the optimizer has {len(optimizer.param_groups)}")
-    tensor_keys = sorted({k for entry in state.values() for k, v in entry.items() if v.dim() > 0})
+    for i, (hyper, group) in enumerate(zip(hyperparameters, optimizer.param_groups)):
+        try:
+            check_hyperparameters(group_hyperparameters(hyper) if isinstance(hyper, Mapping) else hyper, group,
+                                  f"param group {i}")
+        except CheckpointError as e:
+            problems.append(str(e).rstrip("."))
+    kinds = state_kinds(optimizer)
+    keys = {frozenset(entry) for entry in state.values() if isinstance(entry, Mapping) and entry}
+    if kinds is None and len(keys) > 1:
+        problems.append(f"the parameters' state keys differ: {sorted(sorted(k) for k in keys)}")
     for name in sorted(set(names) & set(state)):
-        entry, shape = state[name], tuple(live[name].shape)
-        if entry and sorted(k for k, v in entry.items() if v.dim() > 0) != tensor_keys:
-            problems.append(f"{name}: state keys {sorted(entry)}, others have {tensor_keys}")
-        for key, value in entry.items():
-            if value.dim() > 0 and tuple(value.shape) != shape:
-                problems.append(f"{name}/{key}: shape {tuple(value.shape)}, the parameter is {shape}")
-        if master_weights is not None and tuple(master_weights[name].shape) != shape:
-            problems.append(f"master weight {name}: shape {tuple(master_weights[name].shape)}, the parameter is {shape}")
+        shape = tuple(live[name].shape)
+        problems += check_state_entry(state[name], kinds, shape, name)
+        if master_weights is not None:
+            master = master_weights.get(name)
+            if not isinstance(master, torch.Tensor) or tuple(master.shape) != shape \
+                    or not master.dtype.is_floating_point:
+                problems.append(f"master weight {name}: {_what(master)}, the parameter is {shape}")
     if problems:
         raise CheckpointError("the optimizer state does not fit: " + "; ".join(problems) + ".")
+
+
+def _what(value: Any) -> str:
+    return f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 def install_full_optimizer_state(

@@ -11,7 +11,11 @@ so the directory stays in DCP's layout. Checkpoints of format 1 hold DCP's own
 
 Reading never runs code from the files: the index is unpickled by ``SafeUnpickler``, which
 admits only the classes DCP writes into its metadata (and what they reference), and the
-format-1 tensors load with ``torch.load(weights_only=True)``. Nothing here communicates:
+format-1 tensors load with ``torch.load(weights_only=True)``. Nor does it read outside the
+checkpoint or more than it holds: every file an index names resolves inside the folder and is a
+regular file, and every entry's offset, length and shape is checked against the file's size
+(entries of one file never overlap) before anything is allocated (``checkpoint_checks``, the
+validation layer every reader goes through). Nothing here communicates:
 each rank reads and writes its own files, and whoever calls these functions coordinates.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import stat
 import threading
 import zlib
 from collections.abc import Mapping, Sequence
@@ -36,6 +41,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+
+from .checkpoint_checks import CheckpointError, inside, load_bytes, load_file, open_regular
 
 __all__ = [
     "ChecksumError",
@@ -60,11 +67,11 @@ IO_THREADS = max(1, min(4, os.cpu_count() or 1))
 _CHUNK = 64 << 20  # bytes per write/read call: large, and the GIL is released for each
 
 
-class ChecksumError(ValueError):
+class ChecksumError(CheckpointError):
     """The bytes read back are not the bytes written (CRC-32 mismatch, truncation)."""
 
 
-class UnsafeFileError(ValueError):
+class UnsafeFileError(CheckpointError):
     """A file asks to build an object that loading must not build (it could run code)."""
 
 
@@ -128,26 +135,12 @@ class SafeUnpickler(pickle.Unpickler):
 
 
 def safe_load(path: str | os.PathLike) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU, a refusal as ``UnsafeFileError``
-    naming the file and what it asked for. Plain containers, numbers, strings and tensors
-    load; a class of the caller's own loads once allowed with
-    ``torch.serialization.add_safe_globals([TheClass])`` (torch's rule since 2.6)."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise UnsafeFileError(
-            f"{path} was refused by torch.load(weights_only=True): {_first_line(e)} Loading it as "
-            f"it is could run code from the file. If it holds a class of your own that you trust, "
-            f"allow it with torch.serialization.add_safe_globals([TheClass]) and load again."
-        ) from None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    for line in text.splitlines():
-        if "Unsupported global" in line or "GLOBAL" in line:
-            return line.strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    """``torch.load(path, weights_only=True)`` on the CPU of a regular file, bounded by its size
+    (``checkpoint_checks.load_file``); a refusal is a ``CheckpointError`` naming the file and what
+    it asked for. Plain containers, numbers, strings and tensors load; a class of the caller's
+    own loads once allowed with ``torch.serialization.add_safe_globals([TheClass])`` (torch's
+    rule since 2.6)."""
+    return load_file(path)
 
 
 # ---------------------------------------------------------------------------- writing
@@ -261,6 +254,7 @@ class StoredTensor:
     length: int
     crc32: int | None
     raw: bool
+    path: Path | None = None  # ``file`` resolved inside the checkpoint folder (``read_index``)
 
     @property
     def nbytes(self) -> int:
@@ -276,9 +270,15 @@ def read_metadata(directory: str | os.PathLike) -> Metadata:
     Raises:
         UnsafeFileError: the file asks for a class a DCP index does not hold, or is no index.
     """
-    path = Path(directory) / METADATA_FILE
-    with open(path, "rb") as f:
-        metadata = SafeUnpickler(f, source=str(path)).load()
+    path = inside(directory, METADATA_FILE)
+    with open_regular(path) as f:
+        data = f.read()  # bounded by the file: no read the pickle asks for can exceed it
+    try:
+        metadata = SafeUnpickler(io.BytesIO(data), source=str(path)).load()
+    except UnsafeFileError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any way a damaged pickle fails
+        raise UnsafeFileError(f"{path} is not a readable checkpoint index: {type(e).__name__}: {e}") from None
     if not isinstance(metadata, Metadata):
         raise UnsafeFileError(f"{path} holds a {type(metadata).__name__}, not a checkpoint index.")
     return metadata
@@ -288,28 +288,84 @@ def read_index(directory: str | os.PathLike) -> dict[str, StoredTensor]:
     """Every tensor of the checkpoint in ``directory``, from its ``.metadata`` (read with
     ``SafeUnpickler``).
 
+    Every entry is checked before anything is allocated: its file resolves inside
+    ``directory`` and is a regular file; its shape, dtype, offset and length are well formed and
+    lie within the file (a raw entry's length is its shape's bytes); entries of one file do not
+    overlap. What the index makes a reader allocate is then bounded by the folder's real size.
+
     Raises:
         UnsafeFileError: the index asks for a class a DCP index does not hold.
-        ValueError: an entry that is not one whole tensor (nxd_smp writes no other).
+        CheckpointError: an entry that is not one whole tensor (nxd_smp writes no other), or
+            that names a file outside the folder, or bytes the file does not hold.
     """
-    path = Path(directory) / METADATA_FILE
+    path = inside(directory, METADATA_FILE)
     metadata = read_metadata(directory)
     where: dict[str, Any] = {}
     for index, info in (metadata.storage_data or {}).items():
         if isinstance(index, MetadataIndex):
             where[index.fqn] = info
-    out = {}
-    for key, meta in metadata.state_dict_metadata.items():
-        if not isinstance(meta, TensorStorageMetadata) or len(meta.chunks) != 1 or key not in where:
-            raise ValueError(f"{path}: entry {key!r} is not one whole tensor; nxd_smp writes no other.")
-        info = where[key]
-        shape = tuple(meta.size)
-        if isinstance(info, RawItem):
-            out[key] = StoredTensor(info.dtype, shape, info.file, info.offset, info.length, info.crc32, True)
-        else:  # format 1: DCP's _StorageInfo, a torch.save record at an offset
-            out[key] = StoredTensor(meta.properties.dtype, shape, str(info.relative_path), int(info.offset),
-                                    int(info.length), None, False)
+    out: dict[str, StoredTensor] = {}
+    files: dict[str, tuple[Path, int]] = {}
+    for key, meta in (metadata.state_dict_metadata or {}).items():
+        if not isinstance(key, str) or not isinstance(meta, TensorStorageMetadata) or len(meta.chunks) != 1 \
+                or key not in where:
+            raise CheckpointError(f"{path}: entry {key!r} is not one whole tensor; nxd_smp writes no other.")
+        out[key] = _stored(path, key, meta, where[key], directory, files)
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for key, stored in out.items():
+        by_file.setdefault(stored.file, []).append((stored.offset, stored.offset + stored.length, key))
+    for name, spans in by_file.items():
+        spans.sort()
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            if start < end:
+                raise CheckpointError(f"{path}: the entries {first!r} and {second!r} overlap in {name}; refused "
+                                      f"(each tensor's bytes are its own).")
     return out
+
+
+def _natural(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _stored(path: Path, key: str, meta: TensorStorageMetadata, info: Any, directory: str | os.PathLike,
+            files: dict[str, tuple[Path, int]]) -> StoredTensor:
+    """One index entry, checked: shape, dtype, where its bytes are, within its file."""
+    shape = tuple(meta.size) if isinstance(meta.size, (tuple, list)) else None
+    if shape is None or not all(_natural(d) for d in shape):
+        raise CheckpointError(f"{path}: entry {key!r} has the shape {meta.size!r}, not a tuple of sizes.")
+    if isinstance(info, RawItem):
+        name, offset, length, crc, dtype, raw = info.file, info.offset, info.length, info.crc32, info.dtype, True
+        if not isinstance(info.shape, (tuple, list)) or tuple(info.shape) != shape:
+            raise CheckpointError(f"{path}: entry {key!r} is stored with shape {info.shape!r}, indexed as {shape}.")
+        if not isinstance(crc, int):
+            raise CheckpointError(f"{path}: entry {key!r} has no CRC-32.")
+    elif type(info).__name__ == "_StorageInfo":  # format 1: DCP's, a torch.save record at an offset
+        name, offset, length, crc, raw = info.relative_path, info.offset, info.length, None, False
+        dtype = getattr(meta.properties, "dtype", None)
+    else:
+        raise CheckpointError(f"{path}: entry {key!r} is stored as {type(info).__name__}; nxd_smp writes no such entry.")
+    if not isinstance(dtype, torch.dtype) or not _natural(offset) or not _natural(length):
+        raise CheckpointError(f"{path}: entry {key!r} has the dtype {dtype!r}, offset {offset!r} and length "
+                              f"{length!r}; refused.")
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+    if raw and length != nbytes:
+        raise CheckpointError(f"{path}: entry {key!r} claims {length} bytes for a {shape} {dtype} tensor of {nbytes}.")
+    if name not in files:
+        file = inside(directory, name, source=f"{path}: entry {key!r}")
+        try:
+            st = os.stat(file)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: entry {key!r} is in {name}, which is missing.") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: entry {key!r} is in {name}, which is not a regular file; refused.")
+        files[name] = (file, st.st_size)
+    file, size = files[name]
+    if offset + length > size:
+        raise CheckpointError(f"{path}: entry {key!r} claims bytes [{offset}, {offset + length}) of {name}, which "
+                              f"holds {size} (truncated, or a crafted index).")
+    return StoredTensor(dtype, shape, str(name), offset, length, crc, raw, file)
 
 
 def read_tensors(
@@ -334,7 +390,8 @@ def read_tensors(
         per_file.setdefault(index[key].file, []).append(key)
 
     def read_file(name: str, keys: Sequence[str]) -> None:
-        with open(directory / name, "rb", buffering=0) as f:
+        stored = index[keys[0]]
+        with open_regular(stored.path or inside(directory, name)) as f:
             for key in sorted(keys, key=lambda k: index[k].offset):
                 stored, target = index[key], targets[key]
                 if tuple(target.shape) != stored.shape:
@@ -384,11 +441,15 @@ def read_record(directory: str | os.PathLike, file: str, offset: int, length: in
         UnsafeFileError: the record asks for something ``weights_only`` refuses.
         ChecksumError: the file ends before the record.
     """
-    with open(Path(directory) / file, "rb", buffering=0) as f:
+    with open_regular(inside(directory, file, source=f"the index of {directory}")) as f:
         return _load_record(f, key, file, offset, length)
 
 
 def _load_record(f, key: str, file: str, offset: int, length: int) -> Any:
+    size = os.fstat(f.fileno()).st_size
+    if not (_natural(offset) and _natural(length)) or offset + length > size:
+        raise ChecksumError(f"{key}: its record claims bytes [{offset}, {offset}+{length}) of {file}, which holds "
+                            f"{size} (truncated, or a crafted index).")
     f.seek(offset)
     data = bytearray(length)
     view, done = memoryview(data), 0
@@ -397,15 +458,11 @@ def _load_record(f, key: str, file: str, offset: int, length: int) -> Any:
         if not n:
             raise ChecksumError(f"{key}: {file} ends before its bytes (truncated).")
         done += n
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise UnsafeFileError(f"{key} in {file} was refused by torch.load(weights_only=True): "
-                              f"{_first_line(e)}") from None
+    return load_bytes(data, f"{key} in {file}")
 
 
 def _read_record(f, key: str, stored: StoredTensor) -> torch.Tensor:
     tensor = _load_record(f, key, stored.file, stored.offset, stored.length)
-    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != stored.shape:
+    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != stored.shape or tensor.dtype != stored.dtype:
         raise ChecksumError(f"{key} in {stored.file} is not the {stored.shape} tensor its index says.")
     return tensor

@@ -47,7 +47,15 @@ import torch
 import torch.nn as nn
 
 from .backend import Backend, Coordinator
-from .checkpoint_format import CheckpointError, error_text, load_small_file, param_group_names
+from .checkpoint_checks import (
+    CheckpointError,
+    check_cast,
+    check_scheduler_state,
+    inside,
+    load_file,
+    load_objects,
+)
+from .checkpoint_format import SCHEDULER, error_text, param_group_names
 from .checkpoint_links import DONE_FILE, MARKER_FILE, fsync_dir
 from .checkpoint_load import agree, check_full_optimizer_state, install_full_optimizer_state, name_differences
 from .checkpoint_save import check_async_save
@@ -111,30 +119,34 @@ def _rank_file(kind: str, dp: int, tp: int, pp: int) -> str:
     return f"{kind}/dp_rank_{dp:02d}_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
 
 
-def _read(path: Path) -> Any:
-    """One of NxD's ``.pt`` files, its xser tensors put back in place."""
-    if not path.is_file():
+def _read(tag: Path, name: str) -> Any:
+    """The file ``name`` of NxD's tag folder ``tag``, its xser tensors put back in place; every
+    file resolved inside the folder, a regular file, loaded by ``checkpoint_checks.load_file``."""
+    path = tag / name
+    if not os.path.lexists(path):
         raise CheckpointError(f"the NxD checkpoint has no {path}.")
-    tensors = Path(f"{path}.tensors")
-    if not tensors.is_dir():
-        return load_small_file(path)
+    tensors_name = f"{name}.tensors"
+    if not os.path.lexists(tag / tensors_name):
+        return load_file(path, folder=tag, name=name)
+    tensors = inside(tag, tensors_name, source=str(path))
     # torch's allow-list is process-wide and its context manager restores it on exit, so
     # threads loading at once (XLA replicas) take turns: one thread's exit must not end
     # another's admission.
     with _XSER_ADMISSION, torch.serialization.safe_globals([(_TensorReference, XSER_REFERENCE)]):
-        data = load_small_file(path)
+        data = load_file(path, folder=tag, name=name)
 
     def restore(value: Any) -> Any:
         if isinstance(value, _TensorReference):
-            if not isinstance(getattr(value, "tid", None), int):
+            tid = getattr(value, "tid", None)
+            if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
                 raise CheckpointError(f"{path} holds a tensor reference without an integer id.")
-            file = tensors / f"tensor_{value.tid}.pt"
-            if not file.is_file():
+            file = tensors / f"tensor_{tid}.pt"
+            if not os.path.lexists(file):
                 raise CheckpointError(
-                    f"{path} refers to tensor {value.tid}, which {tensors} does not hold (NxD leaves the model's "
+                    f"{path} refers to tensor {tid}, which {tensors} does not hold (NxD leaves the model's "
                     f"tensors out under avoid_saving_lower_precision_weights=True; nxd_smp needs them)."
                 )
-            t = load_small_file(file)
+            t = load_file(file, folder=tag, name=f"{tensors_name}/tensor_{tid}.pt")
             if not isinstance(t, torch.Tensor):
                 raise CheckpointError(f"{file} does not hold a tensor.")
             return t
@@ -175,8 +187,9 @@ def _full_state(records: list[Any], groups: list[list[str]], files: list[Path]):
     ``state_dict()`` (NxD without ZeRO-1: one replicated file, state by parameter id).
     ``groups``: the live optimizer's parameter names per group, which name NxD's ids."""
     first = records[0]
-    if not isinstance(first, Mapping) or not isinstance(first.get("param_groups"), list):
-        raise CheckpointError(f"{files[0]} is not an optimizer state dict (no param_groups).")
+    if not isinstance(first, Mapping) or not isinstance(first.get("param_groups"), list) or not all(
+            isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in first["param_groups"]):
+        raise CheckpointError(f"{files[0]} is not an optimizer state dict (no param_groups of parameters).")
     sizes = [len(g["params"]) for g in first["param_groups"]]
     if sizes != [len(g) for g in groups]:
         raise CheckpointError(
@@ -188,9 +201,13 @@ def _full_state(records: list[Any], groups: list[list[str]], files: list[Path]):
         return full_state(records, order, files)
     by_id = dict(zip((i for g in first["param_groups"] for i in g["params"]), order))
     state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in order}
+    if not isinstance(first.get("state", {}), Mapping):
+        raise CheckpointError(f"{files[0]}: its state is not {{parameter id: state}}.")
     for i, entry in first.get("state", {}).items():
         if i not in by_id:
             raise CheckpointError(f"{files[0]} holds state for parameter {i!r}, which its param groups do not list.")
+        if not isinstance(entry, Mapping):
+            raise CheckpointError(f"{files[0]}: the state of parameter {i!r} is not a dict.")
         state[by_id[i]] = dict(entry)
     return state, first["param_groups"], None
 
@@ -220,21 +237,27 @@ def load_nxd(
     if (tag / STATE_DICTS_FILE).is_file():  # saved from state dicts (NxD Training): rank-local, as saved
         return load_state_dicts(tag, model=model, optimizer=optimizer, scheduler=scheduler, strict=strict,
                                 coordinator=coordinator)
-    error, read = None, None
+    error, read, undo = None, None, None
     try:
         read = _read_and_check(tag, model, optimizer, scheduler, strict)
-    except (CheckpointError, OSError) as e:
+        undo = _load_scheduler(tag, scheduler, read[2])
+    except Exception as e:  # noqa: BLE001 - any failure, expected or not, is agreed on
         error = e
-    agree(coordinator, error)
-    weights, full, scheduler_state, user_content = read
+    agree(coordinator, error, undo)
+    weights, full, _, user_content = read
     live = model.state_dict()
     with torch.no_grad():
         model.load_state_dict({k: v for k, v in weights.items() if k in live}, strict=strict)
     if full is not None:
         install_full_optimizer_state(model, optimizer, *full)
-    if scheduler_state is not None:
-        scheduler.load_state_dict(scheduler_state)
     return user_content
+
+
+def _load_scheduler(tag: Path, scheduler: Any, state: Any):
+    """Load the checked scheduler state before the ranks agree; returns the undo."""
+    if scheduler is None:
+        return None
+    return load_objects({SCHEDULER: scheduler}, {SCHEDULER: state}, str(tag / SCHEDULER_FILE))
 
 
 def _read_and_check(tag: Path, model: nn.Module, optimizer: Zero1Optimizer | None, scheduler: Any, strict: bool):
@@ -243,7 +266,7 @@ def _read_and_check(tag: Path, model: nn.Module, optimizer: Zero1Optimizer | Non
     _check_complete(tag)
     tp, pp = _coordinate()
     model_file = tag / _rank_file("model", 0, tp, pp)
-    weights = _read(model_file)
+    weights = _read(tag, _rank_file("model", 0, tp, pp))
     _check_weights(weights, model, strict, model_file)
 
     full = None
@@ -252,12 +275,21 @@ def _read_and_check(tag: Path, model: nn.Module, optimizer: Zero1Optimizer | Non
         if not files:
             raise CheckpointError(f"{tag} holds no optimizer files for tp {tp} pp {pp}; load it with optimizer=None.")
         groups = param_group_names(model, optimizer)
-        full = _full_state([_read(f) for f in files], groups, files)
+        full = _full_state([_read(tag, f"optim/{f.name}") for f in files], groups, files)
         check_full_optimizer_state(model, optimizer, *full)
         _check_masters_match_weights(full[2], weights, files[0])
-    scheduler_state = _read(tag / SCHEDULER_FILE) if scheduler is not None else None
-    user_content = _read(tag / USER_CONTENT_FILE) if (tag / USER_CONTENT_FILE).is_file() else None
+    scheduler_state = _scheduler_state(tag, scheduler)
+    user_content = _read(tag, USER_CONTENT_FILE) if os.path.lexists(tag / USER_CONTENT_FILE) else None
     return weights, full, scheduler_state, user_content
+
+
+def _scheduler_state(tag: Path, scheduler: Any) -> Any:
+    """The tag's ``scheduler.pt``, checked to fit ``scheduler`` (None: not asked for)."""
+    if scheduler is None:
+        return None
+    state = _read(tag, SCHEDULER_FILE)
+    check_scheduler_state(state, scheduler, str(tag / SCHEDULER_FILE))
+    return state
 
 
 def _check_complete(tag: Path) -> None:
@@ -272,10 +304,15 @@ def _check_weights(weights: Any, model: nn.Module, strict: bool, source: Path) -
     live = model.state_dict()
     problems = name_differences(live, weights, "missing from the checkpoint",
                                 "in the checkpoint but not in the model") if strict else []
-    for key in sorted(set(live) & set(weights)):
+    for key in sorted(set(live) & set(weights), key=str):
         if not isinstance(weights[key], torch.Tensor) or weights[key].shape != live[key].shape:
             problems.append(f"{key}: {getattr(weights[key], 'shape', type(weights[key]).__name__)} in the "
                             f"checkpoint, {tuple(live[key].shape)} in the model")
+            continue
+        try:
+            check_cast(weights[key], live[key].dtype, key)
+        except CheckpointError as e:
+            problems.append(str(e).rstrip("."))
     if problems:
         raise CheckpointError(f"{source} does not fit the model: " + "; ".join(problems) + ".")
 
@@ -468,13 +505,14 @@ def load_state_dicts(
         CheckpointError: incomplete, at another DP size, missing or unsafe files, or state that
             does not fit a live object, each named; nothing is changed then.
     """
-    error, read = None, None
+    error, read, undo = None, None, None
     try:
         read = _read_state_dicts(tag, model, optimizer, scheduler, strict, coordinator)
-    except (CheckpointError, OSError) as e:
+        undo = _load_scheduler(tag, scheduler, read[2])
+    except Exception as e:  # noqa: BLE001 - any failure, expected or not, is agreed on
         error = e
-    agree(coordinator, error)
-    weights, optimizer_state, scheduler_state, user_content = read
+    agree(coordinator, error, undo)
+    weights, optimizer_state, _, user_content = read
     for target, value in ((model, weights), (optimizer, optimizer_state)):
         if value is None:
             continue
@@ -485,8 +523,6 @@ def load_state_dicts(
                 target.load_state_dict(value, strict=strict)
         else:
             target.load_state_dict(value)
-    if scheduler_state is not None:
-        scheduler.load_state_dict(scheduler_state)
     return user_content
 
 
@@ -513,7 +549,7 @@ def _read_state_dicts(tag: Path, model: Any, optimizer: Any, scheduler: Any, str
     weights = optimizer_state = scheduler_state = None
     if model is not None:
         model_file = tag / _rank_file("model", 0, here.tensor, here.pipeline)
-        weights = _read(model_file)
+        weights = _read(tag, _rank_file("model", 0, here.tensor, here.pipeline))
         if isinstance(model, nn.Module):
             _check_weights(weights, model, strict, model_file)
         elif not isinstance(weights, Mapping):
@@ -533,7 +569,7 @@ def _read_state_dicts(tag: Path, model: Any, optimizer: Any, scheduler: Any, str
                 f"{saved_size}, or save with the model and optimizer objects, whose checkpoints load at any DP size."
             )
         source = files[here.data if len(files) > 1 else 0]
-        optimizer_state = _read(source)
+        optimizer_state = _read(tag, f"optim/{source.name}")
         if not isinstance(optimizer_state, Mapping):
             raise CheckpointError(f"{source} is not an optimizer state dict.")
         zero1 = zero1_optimizer_of(optimizer) if not isinstance(optimizer, Mapping) else None
@@ -542,7 +578,6 @@ def _read_state_dicts(tag: Path, model: Any, optimizer: Any, scheduler: Any, str
                 zero1.check_state_dict(optimizer_state)
             except ValueError as e:
                 raise CheckpointError(f"{source}: {e}") from None
-    if scheduler is not None:
-        scheduler_state = _read(tag / SCHEDULER_FILE)
-    user_content = _read(tag / USER_CONTENT_FILE) if (tag / USER_CONTENT_FILE).is_file() else None
+    scheduler_state = _scheduler_state(tag, scheduler)
+    user_content = _read(tag, USER_CONTENT_FILE) if os.path.lexists(tag / USER_CONTENT_FILE) else None
     return weights, optimizer_state, scheduler_state, user_content

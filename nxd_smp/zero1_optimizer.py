@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .backend import Backend, GroupSpec, NormGroupSpec, norm_backends, select_backend
+from .checkpoint_checks import check_hyperparameters, check_state_entry, state_kinds
 from .backend.eager import DEFAULT_BUCKET_CAP_MB
 from .backend.xla import DEFAULT_BUCKET_CAP_MB as DEFAULT_XLA_BUCKET_CAP_MB
 from .fused_adamw import CompiledAdamW, applies_to
@@ -718,16 +719,42 @@ class Zero1Optimizer(torch.optim.Optimizer):
             )
         masters = state_dict.get("master_weights")
         if masters is not None:
-            if len(masters) != len(self._layouts) or any(
-                tuple(a.shape) != (layout.shard_numel,) for a, layout in zip(masters, self._layouts)
+            if not isinstance(masters, (list, tuple)) or len(masters) != len(self._layouts) or any(
+                not isinstance(a, torch.Tensor) or not a.dtype.is_floating_point or tuple(a.shape) != (layout.shard_numel,)
+                for a, layout in zip(masters, self._layouts)
             ):
                 problems.append("master weight shard shapes")
+        problems += self._inner_state_problems(state_dict.get("inner"), state_dict.get("param_groups"))
         if problems:
             raise ValueError(
                 "this state dict does not fit the optimizer: " + "; ".join(problems) + ". "
                 "Rank-local state dicts load only into the same model, DP size and rank; "
                 "use nxd_smp.checkpoint to change the DP size."
             )
+
+    def _inner_state_problems(self, inner: Any, groups: Any) -> list[str]:
+        """What in a state dict's ``inner`` (the inner optimizer's own state dict) and
+        ``param_groups`` does not fit: per shard the inner optimizer's own state keys, tensor or
+        0-dim as its own, moments shaped like the shard; hyperparameters of the groups' kinds."""
+        if not isinstance(inner, dict) or not isinstance(inner.get("state"), dict) \
+                or not isinstance(inner.get("param_groups"), list) or not isinstance(groups, list):
+            return ["the inner optimizer's state (not a torch.optim state dict)"]
+        shards = [(layout.shard_numel,) for gi in range(len(self.param_groups))
+                  for layout in self._layouts if layout.key[0] == gi]  # the inner optimizer's order
+        kinds = state_kinds(self)
+        problems = []
+        for index, entry in inner["state"].items():
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(shards):
+                problems.append(f"inner state for shard {index!r}, which this optimizer does not have")
+            else:
+                problems += check_state_entry(entry, kinds, shards[index], f"inner state of shard {index}")
+        for i, (saved, group) in enumerate(zip(groups, self.param_groups)):
+            try:
+                hyper = {k: v for k, v in saved.items() if k != "params"} if isinstance(saved, dict) else saved
+                check_hyperparameters(hyper, group, f"param group {i}")
+            except ValueError as e:
+                problems.append(str(e).rstrip("."))
+        return problems
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what ``state_dict()`` returned on the same rank at the same DP size.

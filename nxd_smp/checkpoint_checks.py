@@ -1,0 +1,431 @@
+"""The one validation layer every checkpoint reader goes through: a checkpoint is data that
+strangers hand you.
+
+Every reader (nxd_smp's formats 1 and 2, NxD's plain and xser tag folders, ``import_torch``,
+``import_xla``, the offline tools) asks this module
+
+* **where a file is** (``inside``): a name from an index or a reference resolves inside the
+  checkpoint folder (no absolute path, no ``..``, no link out of it), and only regular files
+  are opened (``open_regular``: never a FIFO, a device or a socket);
+* **what a pickled file holds** (``load_file``, ``load_bytes``): ``torch.load(weights_only=True)``
+  on a zip archive whose records are stored uncompressed inside the file and whose pickle calls
+  nothing that allocates by a number it names (``bytearray(n)``, the legacy ``torch.FloatTensor(n)``),
+  every tensor in it dense, on the CPU and not overlapping itself (no expanded tensor, which
+  would grow when copied). What a file allocates is then bounded by its size;
+* **whether a value fits the live object** (``check_cast``, ``check_hyperparameters``,
+  ``check_state_entry``, ``check_scheduler_state``): the dtype converts exactly, the
+  hyperparameters are the group's own keys of the group's own types, the optimizer state has
+  the inner optimizer's keys, tensor or scalar as its own, the scheduler state its own keys.
+
+Everything raises ``CheckpointError`` naming the file and the field. The readers check
+before they allocate at full size and before they change anything; ``load_objects`` loads
+the caller's stateful objects so that a refusal puts them back.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import math
+import os
+import pickletools
+import stat
+import zipfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .param_groups import KERNEL_OPTIONS
+
+__all__ = [
+    "CheckpointError",
+    "inside",
+    "open_regular",
+    "load_file",
+    "load_bytes",
+    "check_tensors",
+    "check_cast",
+    "check_hyperparameters",
+    "check_scheduler_state",
+    "state_kinds",
+    "check_state_entry",
+    "load_objects",
+]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is incomplete, damaged, refused (it asks to run code, reads outside
+    its folder, claims more memory than it holds), or does not fit the model/optimizer; the
+    message names the file or the tensors and the fix."""
+
+
+# ---------------------------------------------------------------------------- files
+def inside(folder: str | os.PathLike, name: Any, *, source: str = "the checkpoint") -> Path:
+    """The file ``name`` (as an index or a reference names it) of the checkpoint ``folder``,
+    resolved: a relative path with no ``..`` whose real location (links followed) lies inside
+    the folder's.
+
+    Raises:
+        CheckpointError: ``name`` is not a string, absolute, climbs with ``..``, or resolves
+            outside the folder; checked before the file's existence, so a refusal does not tell
+            which files exist.
+    """
+    if not isinstance(name, (str, os.PathLike)) or not str(name):
+        raise CheckpointError(f"{source} names a file {name!r}, which is not a path; refused.")
+    relative = Path(name)
+    if relative.is_absolute() or ".." in relative.parts:
+        raise CheckpointError(f"{source} names the file {str(name)!r} outside its folder; refused "
+                              f"(a checkpoint's files are relative paths inside it).")
+    root = Path(folder).resolve()
+    path = (root / relative).resolve()
+    if not path.is_relative_to(root):
+        raise CheckpointError(f"{source} names the file {str(name)!r}, a link to {path} outside the "
+                              f"checkpoint folder {root}; refused.")
+    return path
+
+
+def open_regular(path: str | os.PathLike) -> io.FileIO:
+    """``path`` opened for reading, unbuffered, if it is a regular file: a FIFO (which would
+    block), a device or a socket is refused without reading from it.
+
+    Raises:
+        CheckpointError: not a regular file, or missing.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing.") from None
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be opened: {e.strerror or e}.") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "not a regular file")
+        raise CheckpointError(f"{path} is {kind}; a checkpoint's files are regular files. Refused.")
+    os.set_blocking(fd, True)
+    return io.FileIO(fd, "rb", closefd=True)
+
+
+# ---------------------------------------------------------------------------- pickled files
+def _constructors() -> frozenset[str]:
+    """The globals torch's ``weights_only`` unpickler admits that allocate by a size given as a
+    number (a few bytes of pickle could ask for gigabytes): refused before loading."""
+    legacy = {f"{cls.__module__} {cls.__name__}" for cls in torch._tensor_classes}
+    return frozenset({"builtins bytearray", "__builtin__ bytearray", *legacy})
+
+
+_REFUSED_GLOBALS = _constructors()
+
+
+def _check_archive(file: Any, size: int, source: str) -> None:
+    """``file`` (``size`` bytes) is a ``torch.save`` zip archive that allocates no more than its
+    size: every record stored (not compressed) inside the file, and a pickle that calls no
+    constructor taking a size (``bytearray(n)``). Torch's own loader then enforces the rest."""
+    try:
+        with zipfile.ZipFile(file) as archive:
+            records = archive.infolist()
+            pickles = [r for r in records if r.filename.endswith("data.pkl") and r.filename.count("/") == 1]
+            for record in records:
+                if record.compress_type != zipfile.ZIP_STORED or record.header_offset + record.file_size > size:
+                    raise CheckpointError(f"{source}: the record {record.filename!r} is compressed or claims more "
+                                          f"bytes than the file holds; torch.save writes neither. Refused.")
+            if len(pickles) != 1:
+                raise CheckpointError(f"{source} is not a torch.save archive (no data.pkl record).")
+            with archive.open(pickles[0]) as stream:
+                for opcode, arg, _ in pickletools.genops(stream):
+                    if opcode.name == "GLOBAL" and arg in _REFUSED_GLOBALS:
+                        raise CheckpointError(
+                            f"{source} asks to build {arg.replace(' ', '.')}(...) from a size, which lets a few "
+                            f"bytes claim any amount of memory; refused (save bytes, or tensors, instead).")
+    except zipfile.BadZipFile:
+        raise CheckpointError(f"{source} is not a torch.save zip archive (the format torch has written since 1.6); "
+                              f"nxd_smp reads no other.") from None
+    except (ValueError, EOFError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{source} holds a damaged pickle: {e}") from None
+    finally:
+        file.seek(0)
+
+
+def _torch_load(file: Any, source: str) -> Any:
+    import pickle
+
+    try:
+        value = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{source} was refused by torch.load(weights_only=True): {_first_line(e)} Loading it as it is could "
+            f"run code from the file. If it holds a class of your own that you trust, allow it with "
+            f"torch.serialization.add_safe_globals([TheClass]) and load again."
+        ) from None
+    except (RuntimeError, ValueError, TypeError, EOFError, OverflowError, MemoryError) as e:
+        raise CheckpointError(f"{source} cannot be loaded: {type(e).__name__}: {_first_line(e)}") from None
+    check_tensors(value, source)
+    return value
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    for line in text.splitlines():
+        if "Unsupported global" in line or "GLOBAL" in line:
+            return line.strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def load_file(path: str | os.PathLike, *, folder: str | os.PathLike | None = None, name: Any = None) -> Any:
+    """A ``torch.save`` file loaded on the CPU without running code from it and without
+    allocating more than the file holds. With ``folder`` and ``name``: the file ``name`` inside
+    the checkpoint ``folder`` (``inside``); else ``path`` itself, which must be a regular file.
+    A class of the caller's own loads once allowed with ``torch.serialization.add_safe_globals``
+    (torch's rule since 2.6).
+
+    Raises:
+        CheckpointError: the file is outside the folder, not a regular file, not a torch.save
+            archive, asks for a class ``weights_only`` refuses, or holds a tensor that is not a
+            dense CPU tensor; naming the file and what it asked for.
+    """
+    if folder is not None:
+        path = inside(folder, name, source=str(path))
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        _check_archive(f, size, str(path))
+        proc = f"/proc/self/fd/{f.fileno()}"  # the file checked above, even if the name moved since
+        return _torch_load(proc if os.path.exists(proc) else f, str(path))
+
+
+def load_bytes(data: bytes | bytearray | memoryview, source: str) -> Any:
+    """``load_file`` for a ``torch.save`` record already read into memory (DCP's records)."""
+    buffer = io.BytesIO(data)
+    _check_archive(buffer, len(data), source)
+    return _torch_load(buffer, source)
+
+
+# ---------------------------------------------------------------------------- tensors
+def _overlaps_itself(tensor: torch.Tensor) -> bool:
+    """Whether two indices of ``tensor`` share an element (an expanded, stride-0 tensor does):
+    copying it then allocates more than its storage holds."""
+    reach = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(tensor.stride(), tensor.shape) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def check_tensors(value: Any, source: str, *, depth: int = 0) -> None:
+    """Every tensor inside ``value`` (dicts, lists, tuples, sets) is a dense strided CPU tensor
+    that does not overlap itself: no sparse, quantized, nested or meta tensor, no expanded one.
+
+    Raises:
+        CheckpointError: naming ``source`` and what the tensor is.
+    """
+    if depth > 64:
+        raise CheckpointError(f"{source} nests containers more than 64 deep; refused.")
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.is_quantized or value.is_nested or value.device.type != "cpu":
+            kind = (f"a {value.layout} tensor" if value.layout != torch.strided else "a quantized tensor"
+                    if value.is_quantized else f"a tensor on {value.device}")
+            raise CheckpointError(f"{source} holds {kind} of shape {tuple(value.shape)}; checkpoints hold dense "
+                                  f"CPU tensors. Refused.")
+        if _overlaps_itself(value):
+            raise CheckpointError(f"{source} holds an expanded tensor of shape {tuple(value.shape)} (strides "
+                                  f"{value.stride()}: elements shared, more than its storage holds). Refused.")
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            check_tensors(key, source, depth=depth + 1)
+            check_tensors(item, source, depth=depth + 1)
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        for item in value:
+            check_tensors(item, source, depth=depth + 1)
+
+
+def check_cast(value: Any, dtype: torch.dtype, where: str) -> None:
+    """``value`` is a tensor that becomes ``dtype`` exactly enough: a float into a float dtype
+    (rounded, and a finite value stays finite), an integer or bool into an integer dtype with
+    every value kept; complex only into the same complex dtype.
+
+    Raises:
+        CheckpointError: naming ``where`` and the dtypes.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise CheckpointError(f"{where} is a {type(value).__name__}, not a tensor.")
+    source = value.dtype
+    if dtype.is_complex or source.is_complex:
+        ok = source == dtype
+    elif dtype.is_floating_point:
+        ok = source.is_floating_point and not bool((torch.isfinite(value) & torch.isinf(value.to(dtype))).any())
+    else:
+        ok = not source.is_floating_point and torch.equal(value.to(dtype).to(source), value)
+    if not ok:
+        raise CheckpointError(f"{where} is {source}, which does not convert exactly to the model's {dtype} "
+                              f"(values out of range, or another kind of number); refused.")
+
+
+# ---------------------------------------------------------------------------- fields
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _fits(saved: Any, live: Any) -> bool:
+    """Whether ``saved`` is a value of the kind ``live`` is (the same for a hyperparameter or a
+    scheduler field): numbers for numbers (finite; never a bool for one), bools for bools, the
+    same length for tuples and lists, a tensor of the same shape or a number for a tensor."""
+    if isinstance(live, bool):
+        return isinstance(saved, bool)
+    if isinstance(live, (int, float)):
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool) and math.isfinite(saved)
+    if isinstance(live, torch.Tensor):
+        if isinstance(saved, torch.Tensor):
+            return saved.shape == live.shape and not saved.dtype.is_complex and bool(torch.isfinite(saved).all())
+        return _fits(saved, 0.0)
+    if isinstance(live, (tuple, list)):
+        return isinstance(saved, (tuple, list)) and len(saved) == len(live) and all(map(_fits, saved, live))
+    if live is None:
+        return isinstance(saved, _PLAIN) or (isinstance(saved, (tuple, list)) and all(isinstance(v, _PLAIN) for v in saved))
+    if isinstance(live, str):
+        return isinstance(saved, str)
+    if isinstance(live, Mapping):
+        return isinstance(saved, Mapping)
+    return type(saved) is type(live)
+
+
+def _describe(value: Any) -> str:
+    text = repr(value) if isinstance(value, _PLAIN) else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_hyperparameters(saved: Any, group: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``saved``, one param group's hyperparameters from a checkpoint, checked against the live
+    ``group``: a dict of string keys, never ``params``, each key the group has holding a value
+    of the kind the group holds (``lr`` a real number, ``betas`` a pair of them, ...). A key the
+    group lacks (an LR scheduler's ``initial_lr``, an option of another torch version) is kept
+    when its value is a plain number, bool, string or None. Returns it as a dict.
+
+    Raises:
+        CheckpointError: naming ``where`` and every key that does not fit.
+    """
+    if not isinstance(saved, Mapping):
+        raise CheckpointError(f"{where}: the param group's hyperparameters are a {type(saved).__name__}, not a dict.")
+    problems = []
+    for key, value in saved.items():
+        if not isinstance(key, str):
+            problems.append(f"a key {_describe(key)} that is not a string")
+        elif key == "params":
+            problems.append("'params', which is not a hyperparameter (a group's parameters are the live ones)")
+        elif key in KERNEL_OPTIONS:
+            if not isinstance(value, _PLAIN):
+                problems.append(f"{key!r} = {_describe(value)}")
+        elif key in group:
+            if not _fits(value, group[key]):
+                problems.append(f"{key!r} = {_describe(value)} where the group holds {_describe(group[key])}")
+        elif not isinstance(value, _PLAIN):
+            problems.append(f"{key!r} = {_describe(value)}, unknown to the group and not a plain value")
+    if problems:
+        raise CheckpointError(f"{where}: hyperparameters that do not fit the param group: " + "; ".join(problems) + ".")
+    return dict(saved)
+
+
+def check_scheduler_state(saved: Any, scheduler: Any, where: str) -> None:
+    """``saved`` has exactly the keys the scheduler's own ``state_dict()`` has, each of the kind
+    it holds there, and no ``optimizer`` (which would replace the scheduler's optimizer).
+
+    Raises:
+        CheckpointError: naming ``where`` and the keys.
+    """
+    if not isinstance(saved, Mapping):
+        raise CheckpointError(f"{where}: the scheduler state is a {type(saved).__name__}, not a dict.")
+    live = scheduler.state_dict()
+    problems = []
+    if "optimizer" in saved:
+        problems.append("'optimizer' (a scheduler's state never holds its optimizer)")
+    lacking, surplus = sorted(set(live) - set(saved), key=str), sorted(set(saved) - set(live) - {"optimizer"}, key=str)
+    if lacking:
+        problems.append(f"missing {lacking}")
+    if surplus:
+        problems.append(f"keys the scheduler does not have {surplus[:8]}")
+    problems += [f"{key!r} = {_describe(saved[key])} where the scheduler holds {_describe(live[key])}"
+                 for key in sorted(set(saved) & set(live), key=str) if not _fits(saved[key], live[key])]
+    if problems:
+        raise CheckpointError(f"{where}: the scheduler state does not fit {type(scheduler).__name__}: "
+                              + "; ".join(problems) + ".")
+
+
+def state_kinds(optimizer: Any) -> dict[str, bool] | None:
+    """The inner optimizer's own state keys, each True for a tensor shaped like its parameter
+    (a moment) and False for a 0-dim one (``step``): from its live state, or, before its first
+    step, from a throwaway instance of its class stepped once on a two-element parameter. None
+    when the class cannot be built that way (then only ``step`` may be 0-dim)."""
+    inner = optimizer.inner_optimizer
+    for entry in inner.state.values():
+        if entry:
+            return {key: isinstance(v, torch.Tensor) and v.dim() > 0 for key, v in entry.items()}
+    cls = type(inner)
+    try:
+        accepted = inspect.signature(cls.__init__).parameters
+        kwargs = {k: v for k, v in inner.defaults.items() if k in accepted and k not in KERNEL_OPTIONS}
+        group = {k: v for k, v in inner.param_groups[0].items() if k not in ("params", *KERNEL_OPTIONS)}
+        param = torch.zeros(2, requires_grad=True)
+        probe = cls([{**group, "params": [param]}], **kwargs)
+        param.grad = torch.zeros(2)
+        probe.step()
+        return {key: isinstance(v, torch.Tensor) and v.dim() > 0 for key, v in probe.state[param].items()}
+    except Exception:  # noqa: BLE001 - a class that cannot be probed; the fallback rule applies
+        return None
+
+
+def check_state_entry(entry: Any, kinds: Mapping[str, bool] | None, shape: tuple[int, ...], where: str) -> list[str]:
+    """The problems of one parameter's saved optimizer state ``entry`` (``{key: tensor}``)
+    against the inner optimizer's ``kinds`` (``state_kinds``): the same keys (or none: a
+    parameter without state yet), tensors of real dtype, shaped like the parameter (``shape``)
+    or 0-dim where the optimizer's own are; with ``kinds`` None only ``step`` may be 0-dim."""
+    if not isinstance(entry, Mapping):
+        return [f"{where}: the state is a {type(entry).__name__}, not a dict"]
+    if not entry:
+        return []
+    problems = []
+    if kinds is not None and set(entry) != set(kinds):
+        lacking, surplus = sorted(set(kinds) - set(entry), key=str), sorted(set(entry) - set(kinds), key=str)
+        problems.append(f"{where}: state keys {sorted(map(str, entry))}, the optimizer's are {sorted(kinds)}"
+                        + (f" (missing {lacking})" if lacking else "") + (f" (unknown {surplus})" if surplus else ""))
+    for key, value in entry.items():
+        if not isinstance(value, torch.Tensor):
+            problems.append(f"{where}/{key} is a {type(value).__name__}, not a tensor")
+            continue
+        if value.dtype.is_complex or value.dtype == torch.bool:
+            problems.append(f"{where}/{key} is {value.dtype}, not a real number")
+            continue
+        moment = kinds.get(key, True) if kinds is not None else key != "step"
+        if moment and (tuple(value.shape) != tuple(shape) or not value.dtype.is_floating_point):
+            problems.append(f"{where}/{key}: {value.dtype} of shape {tuple(value.shape)}, the optimizer keeps a "
+                            f"floating tensor shaped like the parameter {tuple(shape)}")
+        elif not moment and value.dim() != 0:
+            problems.append(f"{where}/{key}: shape {tuple(value.shape)}, the optimizer keeps it 0-dim")
+    return problems
+
+
+# ---------------------------------------------------------------------------- objects
+def load_objects(objects: Mapping[str, Any], states: Mapping[str, Any], source: str) -> Callable[[], None]:
+    """Load ``states[name]`` into each of ``objects`` (a scheduler, a sampler, ...), keeping a
+    copy of each one's state before; if one refuses, those loaded are put back and a
+    ``CheckpointError`` names it. Returns the undo (put every object back), for a load that
+    another rank refused."""
+    done: list[tuple[Any, Any]] = []
+
+    def undo() -> None:
+        for obj, before in reversed(done):
+            obj.load_state_dict(before)
+
+    for name, obj in objects.items():
+        try:
+            before = copy.deepcopy(obj.state_dict())
+            obj.load_state_dict(states[name])
+        except Exception as e:  # noqa: BLE001 - any refusal of the object's own
+            undo()
+            raise CheckpointError(f"{source}: {name} refused its saved state: {type(e).__name__}: {e}") from e
+        done.append((obj, before))
+    return undo
