@@ -29,6 +29,7 @@ from .checkpoint_format import (
     verify_files,
 )
 from .checkpoint_links import resolve
+from .checkpoint_outputs import check_target, write_file
 
 __all__ = ["inspect_checkpoint", "read_checkpoint", "consolidate"]
 
@@ -111,11 +112,22 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return result
 
 
-def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> None:
-    """Write one plain ``torch.save`` file: ``{"model": state_dict, "optimizer":
+def consolidate(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False) -> None:
+    """Write one plain ``torch.save`` file ``out``: ``{"model": state_dict, "optimizer":
     torch.optim-style state dict (param ids in the saved group order; each group also lists
     its ``param_names``), "master_weights": {name: fp32 tensor} or None, "extra": ...,
-    "stateful": {name: state dict} (the scheduler's under "scheduler")}``. Runs in one process."""
+    "stateful": {name: state dict} (the scheduler's under "scheduler")}``. Runs in one process.
+
+    Written into a fresh staging file beside ``out`` and moved into place once complete. An
+    existing ``out`` (a file, or a link, dangling or not) is refused, checked before the
+    checkpoint is read, unless ``overwrite=True``: then it is replaced (a link itself, never
+    what it points to). A directory at ``out`` is refused either way.
+
+    Raises:
+        CheckpointError: ``out`` is taken (see above); the checkpoint is damaged.
+        TypeError: ``out`` is not a path or ``overwrite`` not a bool.
+    """
+    out = check_target(out, overwrite=overwrite, directory=False)
     full = read_checkpoint(path)
     result = {"model": full["model"], "optimizer": None, "master_weights": None, "extra": full["extra"],
               "stateful": full["stateful"]}
@@ -126,7 +138,4 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> None:
         state = {i: opt["state"][name] for i, name in enumerate(names) if opt["state"][name]}
         result["optimizer"] = {"state": state, "param_groups": groups}
         result["master_weights"] = opt["master_weights"]
-    out = Path(out)
-    partial = out.with_name(f".{out.name}.partial")
-    torch.save(result, partial)  # a failure leaves whatever ``out`` was
-    os.replace(partial, out)
+    write_file(out, lambda f: torch.save(result, f), overwrite=overwrite)

@@ -25,14 +25,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m nxd_smp") -> int:
     p = sub.add_parser("consolidate", help="write a plain per-parameter state dict (torch.save)")
     p.add_argument("path")
     p.add_argument("out")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p = sub.add_parser("export-xla", help="write torch_xla/NxD ZeRO-1 per-rank optimizer files")
     p.add_argument("path")
     p.add_argument("out_dir")
     p.add_argument("--dp-size", type=int, required=True, help="data-parallel size to shard for")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR as a whole")
     p = sub.add_parser("export-torch", help="write a torch.distributed.checkpoint directory in "
                        "get_state_dict(model, optimizer)'s layout, for native PyTorch")
     p.add_argument("path")
     p.add_argument("out_dir")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR as a whole")
     p = sub.add_parser("export-safetensors", help="write the model weights as one safetensors file")
     p.add_argument("path")
     p.add_argument("out_file")
@@ -61,19 +64,29 @@ def main(argv: list[str] | None = None, prog: str = "python -m nxd_smp") -> int:
             for key, t in info["tensors"].items():
                 print(f"{key:<{width}}  {str(tuple(t['shape'])):<20} {t['dtype']:<16} {t['bytes']}")
         elif args.command == "consolidate":
-            consolidate(args.path, args.out)
+            consolidate(args.path, args.out, overwrite=args.overwrite)
             print(f"wrote {args.out}")
         elif args.command == "export-torch":
-            print(f"wrote {export_torch(args.path, args.out_dir)}")
+            print(f"wrote {export_torch(args.path, args.out_dir, overwrite=args.overwrite)}")
         elif args.command == "export-safetensors":
-            print(f"wrote {export_safetensors(args.path, args.out_file, masters=args.masters, overwrite=args.overwrite)}")
+            out = export_safetensors(args.path, args.out_file, masters=args.masters, overwrite=args.overwrite)
+            print(f"wrote {out}")
         else:
-            for f in export_xla(args.path, args.out_dir, args.dp_size):
+            for f in export_xla(args.path, args.out_dir, args.dp_size, overwrite=args.overwrite):
                 print(f"wrote {f}")
-    except (CheckpointError, FileNotFoundError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except Exception as e:  # a bad path, a bad checkpoint, a missing package: one line, never a traceback
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _one_line(error: Exception) -> str:
+    """The error's message on one line, with its type's name where the message alone may not
+    say what went wrong (anything but our refusals, a missing file, a missing package)."""
+    text = " ".join(str(error).split())
+    if isinstance(error, (CheckpointError, FileNotFoundError, ImportError)):
+        return text
+    return f"{type(error).__name__}: {text}"
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ from __future__ import annotations
 import inspect
 import math
 import os
-import shutil
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -55,9 +54,11 @@ from .checkpoint import (
     param_group_names,
     read_checkpoint,
 )
+from .checkpoint_checks import check_cast
 from .checkpoint_format import check_args, group_hyperparameters
 from .checkpoint_load import agree, check_full_optimizer_state, install_full_optimizer_state, name_differences
-from .checkpoint_storage import ChecksumError, UnsafeFileError, read_metadata, read_record
+from .checkpoint_outputs import check_target, write_directory, write_file
+from .checkpoint_storage import UnsafeFileError, read_metadata, read_record
 from .zero1_optimizer import Zero1Optimizer
 
 __all__ = ["export_torch", "import_torch", "export_safetensors"]
@@ -74,7 +75,7 @@ def _as_fp32(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- export
-def export_torch(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+def export_torch(path: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Write the checkpoint at ``path`` as a DCP directory ``out_dir`` holding ``{"model":
     model_sd, "optim": optim_sd}`` in ``get_state_dict(model, optimizer)``'s layout for the
     same model in fp32 under the checkpoint's ``torch.optim`` class.
@@ -88,18 +89,23 @@ def export_torch(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     defaults for every key the class writes (``foreach``, ``fused``, ...), ``params`` as
     FQN lists. A checkpoint saved without an optimizer exports ``{"model": model_sd}`` only.
 
-    Written with ``dcp.save(..., no_dist=True)`` into a temporary sibling directory, renamed
-    to ``out_dir`` once complete. Load it with ``dcp.load`` and ``set_state_dict`` (docs:
+    Written with ``dcp.save(..., no_dist=True)`` into a fresh staging directory beside
+    ``out_dir`` (``tempfile.mkdtemp``), moved into place once complete. ``out_dir`` must be
+    absent or an empty directory (checked before the checkpoint is read); with
+    ``overwrite=True`` whatever is there (a directory, a file or a link, never followed) is
+    replaced as a whole. Load it with ``dcp.load`` and ``set_state_dict`` (docs:
     ``docs/native_pytorch.md``).
 
     Returns:
         ``out_dir`` as a ``Path``.
 
     Raises:
-        CheckpointError: ``out_dir`` exists and is not an empty directory; the checkpoint is
-            damaged; its inner optimizer class is not a ``torch.optim`` class.
+        CheckpointError: ``out_dir`` exists and is not an empty directory (without
+            ``overwrite``); the checkpoint is damaged; its inner optimizer class is not a
+            ``torch.optim`` class.
+        TypeError: ``out_dir`` is not a path or ``overwrite`` not a bool.
     """
-    out = _fresh_directory(out_dir)
+    out = check_target(out_dir, overwrite=overwrite, directory=True)
     full = read_checkpoint(path)
     opt = full["optimizer"]
     masters = None if opt is None else opt["master_weights"]
@@ -125,17 +131,7 @@ def export_torch(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     state: dict[str, Any] = {MODEL: model_sd}
     if opt is not None:
         state[OPTIM] = _torch_optim_state_dict(opt, opt["inner_class"])
-    _save_dcp(state, out)
-    return out
-
-
-def _fresh_directory(out_dir: str | os.PathLike) -> Path:
-    if not isinstance(out_dir, (str, os.PathLike)):
-        raise TypeError(f"out_dir must be a path, got {type(out_dir).__name__}.")
-    out = Path(out_dir)
-    if out.exists() and not (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):
-        raise CheckpointError(f"{out} exists and is not an empty directory; pass a new path or remove it.")
-    return out
+    return write_directory(out, lambda staging: _save_dcp(state, staging, out), overwrite=overwrite)
 
 
 def _torch_optim_state_dict(opt: Mapping[str, Any], inner_class: str) -> dict[str, Any]:
@@ -180,22 +176,14 @@ class _Writer(torch.distributed.checkpoint.FileSystemWriter):
         return StorageMeta(checkpoint_id=self._final, save_id=self.save_id)
 
 
-def _save_dcp(state: dict[str, Any], out: Path) -> None:
-    """``dcp.save(state)`` in this process only, into ``out`` (absent or an empty directory):
-    written into a temporary sibling, renamed once complete."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        with warnings.catch_warnings():
-            # no_dist=True is the point here, not a fallback; storage() is DCP's own call.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-            torch.distributed.checkpoint.save(state, storage_writer=_Writer(partial, out.absolute()), no_dist=True)
-        os.replace(partial, out)  # rename(2): an empty directory at ``out`` is replaced
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+def _save_dcp(state: dict[str, Any], staging: Path, out: Path) -> None:
+    """``dcp.save(state)`` in this process only, into the fresh directory ``staging`` that
+    will become ``out`` (the checkpoint id the index records)."""
+    with warnings.catch_warnings():
+        # no_dist=True is the point here, not a fallback; storage() is DCP's own call.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        torch.distributed.checkpoint.save(state, storage_writer=_Writer(staging, out.absolute()), no_dist=True)
 
 
 def export_safetensors(
@@ -204,9 +192,11 @@ def export_safetensors(
     """Write the checkpoint's model weights to one safetensors file ``out_file``: the
     saved parameters (bf16 under SMP) and buffers as they are; with ``masters=True`` the
     fp32 master weights in place of the managed parameters (other entries as saved).
-    Written to a temporary sibling and renamed, with ``{"format": "pt"}`` as its metadata. An
-    existing ``out_file`` is refused unless ``overwrite=True`` (then it is replaced only once
-    the new one is complete).
+    Written with ``{"format": "pt"}`` as its metadata into a fresh staging file beside
+    ``out_file`` (``tempfile.mkstemp``), moved into place once complete. An existing
+    ``out_file`` (a file, or a link, dangling or not) is refused, checked before the
+    checkpoint is read, unless ``overwrite=True``: then it is replaced (a link itself, never
+    what it points to).
 
     Returns:
         ``out_file`` as a ``Path``.
@@ -214,19 +204,16 @@ def export_safetensors(
     Raises:
         ImportError: the ``safetensors`` package is missing (``pip install safetensors``).
         CheckpointError: ``masters=True`` and the checkpoint holds no master weights;
-            ``out_file`` is a directory.
+            ``out_file`` is a directory, or exists (without ``overwrite``).
+        TypeError: ``masters`` or ``overwrite`` is not a bool, ``out_file`` not a path.
     """
     if not isinstance(masters, bool) or not isinstance(overwrite, bool):
         raise TypeError(f"masters and overwrite must be True or False, got {masters!r} and {overwrite!r}.")
     try:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
     except ImportError:
         raise ImportError("export_safetensors needs the safetensors package: pip install safetensors") from None
-    out = Path(out_file)
-    if out.is_dir():
-        raise CheckpointError(f"{out} is a directory; pass the path of the .safetensors file to write.")
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out} exists; pass another path, or overwrite=True (--overwrite) to replace it.")
+    out = check_target(out_file, overwrite=overwrite, directory=False)
     full = read_checkpoint(path)
     tensors = dict(full["model"])
     if masters:
@@ -238,15 +225,7 @@ def export_safetensors(
             )
         tensors.update(opt["master_weights"])
     tensors = {key: value.contiguous() for key, value in tensors.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    try:
-        save_file(tensors, str(partial), metadata={"format": "pt"})
-        os.replace(partial, out)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    return out
+    return write_file(out, lambda f: f.write(save(tensors, metadata={"format": "pt"})), overwrite=overwrite)
 
 
 # ---------------------------------------------------------------------------- import
@@ -288,9 +267,12 @@ def _native_index(directory: Path) -> dict[tuple, tuple[str, _Entry]]:
                 f"{index.fqn!r} in {directory} was written with storage transforms {list(info.transform_descriptors)}, "
                 f"which this reader does not apply; save without them."
             )
-        name = str(info.relative_path)
-        if Path(name).name != name or name in ("", ".", ".."):
+        name = info.relative_path
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
             raise CheckpointError(f"{index.fqn!r} in {directory} points outside the directory ({name!r}).")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (info.offset, info.length)):
+            raise CheckpointError(f"{index.fqn!r} in {directory} has the offset {info.offset!r} and length "
+                                  f"{info.length!r}; refused.")
         entries[index.fqn].records[None if index.offset is None else tuple(index.offset)] = info
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     out: dict[tuple, tuple[str, _Entry]] = {}
@@ -315,6 +297,8 @@ def _read_entry(directory: Path, key: str, entry: _Entry) -> Any:
                 raise CheckpointError(f"{directory}: no record for {key!r}.")
             return read_record(directory, info.relative_path, info.offset, info.length, key)
         size, dtype = tuple(entry.meta.size), entry.meta.properties.dtype
+        if not isinstance(dtype, torch.dtype) or not all(isinstance(d, int) and d >= 0 for d in size):
+            raise CheckpointError(f"{directory}: the index gives {key!r} the shape {size} and dtype {dtype!r}.")
         whole = torch.empty(size, dtype=dtype)
         covered = 0
         for chunk in entry.meta.chunks:
@@ -335,8 +319,8 @@ def _read_entry(directory: Path, key: str, entry: _Entry) -> Any:
         return whole
     except UnsafeFileError as e:
         raise CheckpointError(f"the checkpoint at {directory} was refused: {e}") from None
-    except (ChecksumError, OSError) as e:
-        raise CheckpointError(f"the checkpoint at {directory} is damaged: {e}") from e
+    except (CheckpointError, OSError) as e:
+        raise CheckpointError(f"the checkpoint at {directory} is damaged or refused: {e}") from e
 
 
 def _named(problems: list[str], what: str, names) -> None:
@@ -371,7 +355,7 @@ def import_torch(path: str | os.PathLike, *, model: nn.Module, optimizer: Zero1O
     error, read = None, None
     try:
         read = _read_and_check(Path(path), model, optimizer)
-    except (CheckpointError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - any failure, expected or not, is agreed on
         error = e
     agree(optimizer.backend.coordinator, error)  # all ranks commit, or none
     native_model, state, hypers, masters = read
@@ -425,6 +409,9 @@ def _read_and_check(directory: Path, model: nn.Module, optimizer: Zero1Optimizer
 
     groups: dict[int, dict[str, Any]] = {}
     for (number, key), (flat, entry) in group_entries.items():
+        if isinstance(entry.meta, TensorStorageMetadata) and math.prod(entry.meta.size) > 64:
+            raise CheckpointError(f"{directory}: param group {number}'s {key!r} is a tensor of shape "
+                                  f"{tuple(entry.meta.size)}; a hyperparameter is a number. Refused.")
         groups.setdefault(number, {})[key] = _read_entry(directory, flat, entry)
     if sorted(groups) != list(range(len(groups))) or not all(
         isinstance(g.get("params"), list) and all(isinstance(n, str) for n in g["params"]) for g in groups.values()
@@ -472,6 +459,14 @@ def _read_and_check(directory: Path, model: nn.Module, optimizer: Zero1Optimizer
     state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in names}
     for (fqn, key), (flat, entry) in state_entries.items():
         state[fqn][key] = _read_entry(directory, flat, entry)
+    problems = []
+    for key, value in live.items():
+        try:
+            check_cast(native_model[key], value.dtype, f"{directory}: {key}")
+        except CheckpointError as e:
+            problems.append(str(e))
+    if problems:
+        raise CheckpointError(" ".join(problems))
     masters = {name: native_model[name] for name in names} if optimizer.mixed_precision.use_master_weights else None
     check_full_optimizer_state(model, optimizer, state, hypers, masters)
     return native_model, state, hypers, masters

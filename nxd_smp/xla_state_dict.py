@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from .checkpoint_format import CheckpointError, check_args, load_small_file, param_group_names
 from .checkpoint_load import load_full_optimizer_state
+from .checkpoint_outputs import check_target, write_directory
 from .checkpoint_tools import read_checkpoint
 from .param_groups import index_groups
 from .zero1_optimizer import Zero1Optimizer
@@ -42,14 +43,30 @@ def _xla_chunk(tensor: torch.Tensor, dp_size: int, rank: int) -> torch.Tensor:
     return tensor.chunk(dp_size)[rank].clone()
 
 
-def export_xla(path: str | os.PathLike, out_dir: str | os.PathLike, dp_size: int) -> list[Path]:
+def export_xla(path: str | os.PathLike, out_dir: str | os.PathLike, dp_size: int, *,
+               overwrite: bool = False) -> list[Path]:
     """Write the optimizer state in torch_xla's / NxD's ZeRO-1 layout for ``dp_size``
     ranks: ``out_dir/dp_rank_XX_tp_rank_00_pp_rank_00.pt`` holding ``state``,
     ``param_groups``, ``base_state`` (padded dim-0 shards), ``shape_info`` and, if the
     checkpoint has them, ``sharded_master_weights``. Load each file with
-    ``ZeroRedundancyOptimizer.load_state_dict`` over the same parameters in the same order."""
+    ``ZeroRedundancyOptimizer.load_state_dict`` over the same parameters in the same order.
+
+    The files are written into a fresh staging directory beside ``out_dir``, moved into place
+    once all are complete. ``out_dir`` must be absent or an empty directory (checked before the
+    checkpoint is read); with ``overwrite=True`` whatever is there (a directory, a file or a
+    link, never followed) is replaced as a whole.
+
+    Returns:
+        The files written, in rank order.
+
+    Raises:
+        ValueError: ``dp_size`` is not a positive int.
+        CheckpointError: ``out_dir`` is taken (see above); the checkpoint holds no optimizer
+            state, or 0-dim parameters (torch_xla cannot shard them); it is damaged.
+    """
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise ValueError(f"dp_size must be a positive int, got {dp_size!r}.")
+    out = check_target(out_dir, overwrite=overwrite, directory=True)
     full = read_checkpoint(path)
     opt = full["optimizer"]
     if opt is None:
@@ -61,30 +78,30 @@ def export_xla(path: str | os.PathLike, out_dir: str | os.PathLike, dp_size: int
             f"torch_xla's ZeRO-1 shards every parameter along dim 0 and cannot hold the 0-dim "
             f"parameters {zero_dim}; reshape them to (1,) in the model to export."
         )
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
     ids = index_groups([len(g["params"]) for g in opt["groups"]])
     groups = [{**g["hyper"], "params": i} for g, i in zip(opt["groups"], ids)]
-    for rank in range(dp_size):
-        base_state, shape_info, masters = {}, {}, {}
-        for index, name in enumerate(names):
-            shape_info[index] = torch.Size(full["model"][name].shape)
-            state = opt["state"][name]
-            if state:
-                base_state[index] = {
-                    key: value.clone() if value.dim() == 0 else _xla_chunk(value, dp_size, rank)
-                    for key, value in state.items()
-                }
+    files = [f"dp_rank_{rank:02d}_tp_rank_00_pp_rank_00.pt" for rank in range(dp_size)]
+
+    def fill(staging: Path) -> None:
+        for rank, file in enumerate(files):
+            base_state, shape_info, masters = {}, {}, {}
+            for index, name in enumerate(names):
+                shape_info[index] = torch.Size(full["model"][name].shape)
+                state = opt["state"][name]
+                if state:
+                    base_state[index] = {
+                        key: value.clone() if value.dim() == 0 else _xla_chunk(value, dp_size, rank)
+                        for key, value in state.items()
+                    }
+                if opt["master_weights"] is not None:
+                    masters[index] = _xla_chunk(opt["master_weights"][name], dp_size, rank)
+            record = {"state": {}, "param_groups": groups, "base_state": base_state, "shape_info": shape_info}
             if opt["master_weights"] is not None:
-                masters[index] = _xla_chunk(opt["master_weights"][name], dp_size, rank)
-        record = {"state": {}, "param_groups": groups, "base_state": base_state, "shape_info": shape_info}
-        if opt["master_weights"] is not None:
-            record["sharded_master_weights"] = masters
-        f = out_dir / f"dp_rank_{rank:02d}_tp_rank_00_pp_rank_00.pt"
-        torch.save(record, f)
-        written.append(f)
-    return written
+                record["sharded_master_weights"] = masters
+            torch.save(record, staging / file)  # a fresh directory only this user can enter
+
+    write_directory(out, fill, overwrite=overwrite)
+    return [out / file for file in files]
 
 
 def import_xla(files: Sequence[str | os.PathLike], *, model: nn.Module, optimizer: Zero1Optimizer) -> None:
@@ -104,7 +121,11 @@ def import_xla(files: Sequence[str | os.PathLike], *, model: nn.Module, optimize
         raise ValueError("import_xla needs the per-rank files (one per DP rank, in rank order).")
     records = [load_small_file(Path(f)) for f in files]
     order = [name for names in param_group_names(model, optimizer) for name in names]
-    if [len(g["params"]) for g in records[0]["param_groups"]] != [len(g["params"]) for g in optimizer.param_groups]:
+    groups = records[0].get("param_groups") if isinstance(records[0], Mapping) else None
+    if not isinstance(groups, list) or not all(isinstance(g, Mapping) and isinstance(g.get("params"), list)
+                                               for g in groups):
+        raise CheckpointError(f"{files[0]} is not a torch_xla optimizer state dict (no param_groups of parameters).")
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
         raise CheckpointError("the torch_xla optimizer files' param groups differ from the optimizer's.")
     load_full_optimizer_state(model, optimizer, *full_state(records, order, [Path(f) for f in files]))
 
@@ -120,25 +141,41 @@ def full_state(
         CheckpointError: records that do not belong together or do not fit ``order``.
     """
     first = records[0]
-    shapes = first["shape_info"]
+    shapes = first.get("shape_info") if isinstance(first, Mapping) else None
+    if not isinstance(shapes, Mapping) or sorted(shapes, key=str) != list(range(len(shapes))) or not all(
+        isinstance(shape, (tuple, list)) and len(shape) > 0
+        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape) for shape in shapes.values()
+    ):
+        raise CheckpointError(f"{files[0]}: its shape_info is not {{parameter index: shape}} for parameters 0..n-1.")
     if len(shapes) != len(order):
         raise CheckpointError(
             f"the torch_xla optimizer files hold {len(shapes)} parameters, the optimizer {len(order)}."
         )
     for f, r in zip(files, records):
-        if not isinstance(r, Mapping) or "base_state" not in r or r.get("shape_info") != shapes:
+        if not isinstance(r, Mapping) or not isinstance(r.get("base_state"), Mapping) or r.get("shape_info") != shapes:
             raise CheckpointError(f"{f} does not belong with {files[0]} (another layout or other parameters).")
-    # torch_xla pads dim 0 to a multiple of the DP size and keeps chunk ``rank``: the chunks
-    # show how many ranks wrote, and so whether one's file is missing
+        masters_of = r.get("sharded_master_weights", {})
+        if not isinstance(masters_of, Mapping) or not all(
+            isinstance(entry, Mapping) and all(isinstance(v, torch.Tensor) for v in entry.values())
+            for entry in r["base_state"].values()
+        ) or not all(isinstance(v, torch.Tensor) for v in masters_of.values()):
+            raise CheckpointError(f"{f}: its base_state or sharded_master_weights hold values that are not tensors.")
+    # torch_xla pads dim 0 to a multiple of the DP size and keeps chunk ``rank``: every chunk of
+    # parameter i has the shape (ceil(rows / n), *shape[1:]); checked before any is joined, so
+    # the joined tensors are no larger than the parameters
     n = len(records)
-    for i, shape in shapes.items():
-        per_rank = {r["sharded_master_weights"][i].shape[0] for r in records if "sharded_master_weights" in r}
-        per_rank |= {v.shape[0] for r in records for v in r["base_state"].get(i, {}).values() if v.dim() > 0}
-        if per_rank and per_rank != {-(-shape[0] // n)}:
-            raise CheckpointError(
-                f"parameter {i} (shape {tuple(shape)}) is saved in chunks of {sorted(per_rank)} rows, which "
-                f"{n} DP ranks' files do not make up: a rank's file is missing or from another run."
-            )
+    for f, r in zip(files, records):
+        for i, shape in shapes.items():
+            chunk = (-(-shape[0] // n), *shape[1:])
+            chunks = [("sharded_master_weights", r["sharded_master_weights"].get(i))] if "sharded_master_weights" in r else []
+            chunks += [(key, v) for key, v in r["base_state"].get(i, {}).items() if v.dim() > 0]
+            for key, v in chunks:
+                if v is None or tuple(v.shape) != chunk:
+                    raise CheckpointError(
+                        f"{f}: {key} of parameter {i} (shape {tuple(shape)}) is a chunk of shape "
+                        f"{None if v is None else tuple(v.shape)}, not {chunk} as {n} DP ranks' files make up: a "
+                        f"rank's file is missing or from another run."
+                    )
 
     def whole(per_rank: Callable[[Mapping], Mapping[int, torch.Tensor]], i: int) -> torch.Tensor:
         """Parameter ``i`` from the ranks' padded dim-0 chunks."""
