@@ -18,6 +18,8 @@ from .checkpoint_format import (
     FORMAT,
     FORMAT_V1,
     META_FILE,
+    CheckpointError,
+    check_meta,
     completion_record,
     load_small_file,
     master_key,
@@ -41,12 +43,11 @@ def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = False) -> dict
     target = resolve(Path(path))
     record = completion_record(target)
     verify_files(target, record, checksums=verify)
-    meta = load_small_file(target / META_FILE)
+    meta, saved = _small_files(target, record)
     index = read_index(target)
     tensors = {key: {"shape": info.shape, "dtype": str(info.dtype), "bytes": info.nbytes}
                for key, info in sorted(index.items())}
     opt = meta["optimizer"]
-    saved = load_small_file(target / EXTRA_FILE)
     return {
         "path": str(target),
         "format": record["format"],
@@ -75,16 +76,15 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     target = resolve(Path(path))
     record = completion_record(target)
     verify_files(target, record, checksums=record["format"] == FORMAT_V1)
-    meta = load_small_file(target / META_FILE)
-    saved = load_small_file(target / EXTRA_FILE)
+    meta, saved = _small_files(target, record)
     index = read_index(target)
-    staging = {key: torch.empty(info.shape, dtype=info.dtype) for key, info in index.items()}
+    staging = {key: torch.empty(shape, dtype=index[key].dtype) for key, shape in _entries(meta, index, target).items()}
     read_entries(staging, target, verify=True, index=index)
     result: dict[str, Any] = {
         "model": {key: staging[model_key(key)] for key in meta["model"]},
         "optimizer": None,
-        "extra": saved if record["format"] == FORMAT_V1 else saved["extra"],
-        "stateful": {} if record["format"] == FORMAT_V1 else saved["objects"],
+        "extra": saved["extra"],
+        "stateful": saved["objects"],
     }
     opt = meta["optimizer"]
     if opt is None:
@@ -110,6 +110,41 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         } if opt["master_weights"] else None,
     }
     return result
+
+
+def _small_files(target: Path, record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checkpoint's metadata (checked by ``check_meta``) and its ``extra.pt`` as
+    ``{"extra", "objects"}`` (format 1 held the extra alone)."""
+    meta = load_small_file(target / META_FILE)
+    check_meta(meta, target / META_FILE)
+    saved = load_small_file(target / EXTRA_FILE)
+    if record["format"] == FORMAT_V1:
+        return meta, {"extra": saved, "objects": {}}
+    if not isinstance(saved, dict) or "extra" not in saved or not isinstance(saved.get("objects"), dict):
+        raise CheckpointError(f"{target / EXTRA_FILE} is damaged or crafted: not {{'extra': ..., 'objects': {{...}}}}.")
+    return meta, saved
+
+
+def _entries(meta: dict[str, Any], index: dict[str, Any], target: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor the metadata says the checkpoint holds, with its shape, each checked to be in
+    the index at that shape (so what is read is what the metadata accounts for)."""
+    shapes = {model_key(key): tuple(info["shape"]) for key, info in meta["model"].items()}
+    opt = meta["optimizer"]
+    if opt is not None:
+        for name, pieces in opt["pieces"].items():
+            for start, end in pieces:
+                shapes.update({state_key(name, key, start): (end - start,) for key in opt["tensor_keys"]})
+                if opt["master_weights"]:
+                    shapes[master_key(name, start)] = (end - start,)
+            if pieces:
+                shapes.update({state_key(name, key): () for key in opt["scalar_keys"]})
+    problems = [f"{key} ({'missing' if key not in index else f'shape {index[key].shape}, expected {shape}'})"
+                for key, shape in shapes.items() if key not in index or tuple(index[key].shape) != shape]
+    if problems:
+        raise CheckpointError(f"the checkpoint at {target} does not hold what its metadata says: "
+                              + "; ".join(problems[:8]) + (f" and {len(problems) - 8} more" if len(problems) > 8 else "")
+                              + ".")
+    return shapes
 
 
 def consolidate(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False) -> None:
