@@ -218,31 +218,32 @@ def _overlaps_itself(tensor: torch.Tensor) -> bool:
     return False
 
 
-def check_tensors(value: Any, source: str, *, depth: int = 0) -> None:
+def check_tensors(value: Any, source: str, *, at: tuple = ()) -> None:
     """Every tensor inside ``value`` (dicts, lists, tuples, sets) is a dense strided CPU tensor
     that does not overlap itself: no sparse, quantized, nested or meta tensor, no expanded one.
 
     Raises:
-        CheckpointError: naming ``source`` and what the tensor is.
+        CheckpointError: naming ``source``, where in ``value`` the tensor is, and what it is.
     """
-    if depth > 64:
+    if len(at) > 64:
         raise CheckpointError(f"{source} nests containers more than 64 deep; refused.")
     if isinstance(value, torch.Tensor):
+        where = "/".join(map(str, at)) or "the top level"
         if value.layout != torch.strided or value.is_quantized or value.is_nested or value.device.type != "cpu":
             kind = (f"a {value.layout} tensor" if value.layout != torch.strided else "a quantized tensor"
                     if value.is_quantized else f"a tensor on {value.device}")
-            raise CheckpointError(f"{source} holds {kind} of shape {tuple(value.shape)}; checkpoints hold dense "
-                                  f"CPU tensors. Refused.")
+            raise CheckpointError(f"{source} holds {kind} of shape {tuple(value.shape)} at {where}; checkpoints hold "
+                                  f"dense CPU tensors. Refused.")
         if _overlaps_itself(value):
-            raise CheckpointError(f"{source} holds an expanded tensor of shape {tuple(value.shape)} (strides "
-                                  f"{value.stride()}: elements shared, more than its storage holds). Refused.")
+            raise CheckpointError(f"{source} holds an expanded tensor of shape {tuple(value.shape)} at {where} "
+                                  f"(strides {value.stride()}: elements shared, more than its storage holds). Refused.")
     elif isinstance(value, Mapping):
         for key, item in value.items():
-            check_tensors(key, source, depth=depth + 1)
-            check_tensors(item, source, depth=depth + 1)
+            check_tensors(key, source, at=(*at, "<key>"))
+            check_tensors(item, source, at=(*at, key))
     elif isinstance(value, (list, tuple, set, frozenset)):
-        for item in value:
-            check_tensors(item, source, depth=depth + 1)
+        for i, item in enumerate(value):
+            check_tensors(item, source, at=(*at, i))
 
 
 def check_cast(value: Any, dtype: torch.dtype, where: str) -> None:

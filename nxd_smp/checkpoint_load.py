@@ -13,6 +13,7 @@ fail once the checks passed.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -366,6 +367,8 @@ def load_full_optimizer_state(
     state: Mapping[str, Mapping[str, torch.Tensor]],
     hyperparameters: list[Mapping[str, Any]],
     master_weights: Mapping[str, torch.Tensor] | None = None,
+    *,
+    source: str | os.PathLike | None = None,
 ) -> None:
     """Install unsharded, per-parameter optimizer state into ``optimizer`` at its own DP
     size; every rank calls it with the same full tensors and keeps its own shard.
@@ -384,7 +387,7 @@ def load_full_optimizer_state(
         CheckpointError: names, shapes or groups that do not fit, each named; nothing is
             changed then.
     """
-    check_full_optimizer_state(model, optimizer, state, hyperparameters, master_weights)
+    check_full_optimizer_state(model, optimizer, state, hyperparameters, master_weights, source=source)
     install_full_optimizer_state(model, optimizer, state, hyperparameters, master_weights)
 
 
@@ -394,12 +397,15 @@ def check_full_optimizer_state(
     state: Mapping[str, Mapping[str, torch.Tensor]],
     hyperparameters: list[Mapping[str, Any]],
     master_weights: Mapping[str, torch.Tensor] | None = None,
+    *,
+    source: str | os.PathLike | None = None,
 ) -> None:
     """Raise a ``CheckpointError`` naming every way the arguments of
     ``load_full_optimizer_state`` do not fit; change nothing. Each parameter's state has the
     inner optimizer's own keys, tensor or 0-dim as its own (``checkpoint_checks.state_kinds``),
     moments shaped like the parameter; each group's hyperparameters fit the live group; masters
-    are floating tensors shaped like their parameters."""
+    are floating tensors shaped like their parameters. ``source``: the file(s) they were read
+    from, named in the error."""
     optimizer = check_args(model, optimizer)
     names = managed_param_names(model, optimizer)
     live = dict(zip(names, optimizer.managed_params))
@@ -428,7 +434,8 @@ def check_full_optimizer_state(
                     or not master.dtype.is_floating_point:
                 problems.append(f"master weight {name}: {_what(master)}, the parameter is {shape}")
     if problems:
-        raise CheckpointError("the optimizer state does not fit: " + "; ".join(problems) + ".")
+        raise CheckpointError((f"{source}: " if source is not None else "") + "the optimizer state does not fit: "
+                              + "; ".join(problems) + ".")
 
 
 def _what(value: Any) -> str:

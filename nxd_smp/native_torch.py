@@ -410,7 +410,8 @@ def _read_and_check(directory: Path, model: nn.Module, optimizer: Zero1Optimizer
     groups: dict[int, dict[str, Any]] = {}
     for (number, key), (flat, entry) in group_entries.items():
         if isinstance(entry.meta, TensorStorageMetadata) and math.prod(entry.meta.size) > 64:
-            raise CheckpointError(f"{directory}: param group {number}'s {key!r} is a tensor of shape "
+            files = sorted({str(info.relative_path) for info in entry.records.values()})
+            raise CheckpointError(f"{directory}: param group {number}'s {key!r} (in {files}) is a tensor of shape "
                                   f"{tuple(entry.meta.size)}; a hyperparameter is a number. Refused.")
         groups.setdefault(number, {})[key] = _read_entry(directory, flat, entry)
     if sorted(groups) != list(range(len(groups))) or not all(
@@ -468,5 +469,5 @@ def _read_and_check(directory: Path, model: nn.Module, optimizer: Zero1Optimizer
     if problems:
         raise CheckpointError(" ".join(problems))
     masters = {name: native_model[name] for name in names} if optimizer.mixed_precision.use_master_weights else None
-    check_full_optimizer_state(model, optimizer, state, hypers, masters)
+    check_full_optimizer_state(model, optimizer, state, hypers, masters, source=directory / ".metadata")
     return native_model, state, hypers, masters

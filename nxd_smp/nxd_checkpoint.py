@@ -276,7 +276,8 @@ def _read_and_check(tag: Path, model: nn.Module, optimizer: Zero1Optimizer | Non
             raise CheckpointError(f"{tag} holds no optimizer files for tp {tp} pp {pp}; load it with optimizer=None.")
         groups = param_group_names(model, optimizer)
         full = _full_state([_read(tag, f"optim/{f.name}") for f in files], groups, files)
-        check_full_optimizer_state(model, optimizer, *full)
+        check_full_optimizer_state(model, optimizer, *full,
+                                   source=str(files[0]) + (f" (and {len(files) - 1} more)" if len(files) > 1 else ""))
         _check_masters_match_weights(full[2], weights, files[0])
     scheduler_state = _scheduler_state(tag, scheduler)
     user_content = _read(tag, USER_CONTENT_FILE) if os.path.lexists(tag / USER_CONTENT_FILE) else None

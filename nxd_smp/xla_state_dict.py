@@ -127,7 +127,13 @@ def import_xla(files: Sequence[str | os.PathLike], *, model: nn.Module, optimize
         raise CheckpointError(f"{files[0]} is not a torch_xla optimizer state dict (no param_groups of parameters).")
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
         raise CheckpointError("the torch_xla optimizer files' param groups differ from the optimizer's.")
-    load_full_optimizer_state(model, optimizer, *full_state(records, order, [Path(f) for f in files]))
+    load_full_optimizer_state(model, optimizer, *full_state(records, order, [Path(f) for f in files]),
+                              source=_files_text([Path(f) for f in files]))
+
+
+def _files_text(files: Sequence[Path]) -> str:
+    """The first of the ranks' files, and how many more: what an error names."""
+    return str(files[0]) + (f" (and {len(files) - 1} more rank files)" if len(files) > 1 else "")
 
 
 def full_state(
@@ -155,11 +161,13 @@ def full_state(
         if not isinstance(r, Mapping) or not isinstance(r.get("base_state"), Mapping) or r.get("shape_info") != shapes:
             raise CheckpointError(f"{f} does not belong with {files[0]} (another layout or other parameters).")
         masters_of = r.get("sharded_master_weights", {})
-        if not isinstance(masters_of, Mapping) or not all(
-            isinstance(entry, Mapping) and all(isinstance(v, torch.Tensor) for v in entry.values())
-            for entry in r["base_state"].values()
-        ) or not all(isinstance(v, torch.Tensor) for v in masters_of.values()):
-            raise CheckpointError(f"{f}: its base_state or sharded_master_weights hold values that are not tensors.")
+        if not isinstance(masters_of, Mapping) or not all(isinstance(e, Mapping) for e in r["base_state"].values()):
+            raise CheckpointError(f"{f}: its base_state or sharded_master_weights are not {{parameter index: ...}}.")
+        odd = [f"base_state/{i}/{key}" for i, entry in r["base_state"].items() for key, v in entry.items()
+               if not isinstance(v, torch.Tensor)]
+        odd += [f"sharded_master_weights/{i}" for i, v in masters_of.items() if not isinstance(v, torch.Tensor)]
+        if odd:
+            raise CheckpointError(f"{f}: {odd[:8]} are not tensors; torch_xla's ZeRO-1 state holds tensors only.")
     # torch_xla pads dim 0 to a multiple of the DP size and keeps chunk ``rank``: every chunk of
     # parameter i has the shape (ceil(rows / n), *shape[1:]); checked before any is joined, so
     # the joined tensors are no larger than the parameters

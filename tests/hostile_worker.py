@@ -1,0 +1,327 @@
+"""The live objects that test_hostile_checkpoints.py loads hostile folders into, every loader by
+one name, the snapshot that tells whether a refused load changed anything, and the child
+process for the loads that could crash, hang or take gigabytes.
+
+``python -m tests.hostile_worker crash|memory SPEC RESULTS`` runs the cases that SPEC (JSON:
+``{"warmup": [case], "cases": [case]}``, a case ``{"name", "loader", "path", "limit_s"}``)
+lists, one after the other, and appends one JSON line per event to RESULTS, flushed as it
+happens, so that the parent learns which case was running when the process died:
+
+* ``crash``: the load; if it is accepted, a backward and ``optimizer.step()`` (where 0-dim
+  AdamW moments corrupt memory). Events: ``started``, then ``refused`` or ``accepted`` and
+  ``stepped``; a case past its ``limit_s`` is ``hung`` (the process then exits with 124).
+* ``memory``: the load (after healthy loads of every loader, so that what the libraries
+  allocate once is not counted), its peak resident memory over the resident memory before
+  it. Linux resets the peak through ``/proc/self/clear_refs``; where it cannot, the peak is
+  measured from the baseline after the warm-up.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import math
+import os
+import resource
+import sys
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nxd_smp import CheckpointError, MixedPrecisionConfig, Zero1Optimizer, load_checkpoint
+from tests.nxd_layout import HYPER, backward, grads, scheduler_of
+from tests.nxd_layout import param_groups as nxd_param_groups
+from tests.xla_export_worker import make_model
+
+#: The loaders by name: nxd_smp's formats 2 and 1 and NxD's tag folders load with
+#: ``load_checkpoint``; ``torch`` is ``import_torch``, ``xla`` is ``import_xla`` (of the files in
+#: a folder), ``read`` is the offline ``read_checkpoint``; ``ballast`` loads nothing and takes
+#: 256 MiB (the memory meter's control).
+LOADERS = ("nxd_smp", "format1", "nxd", "torch", "xla", "read", "ballast")
+
+
+# ---------------------------------------------------------------- the live objects
+def live_sequential(seed: int = 5):
+    """The bf16 Linear(7, 13) - Tanh - Linear(13, 6) every folder but format 1's fits, its
+    Zero1Optimizer (AdamW, two groups, several buckets, masters kept) and a StepLR, after one
+    step of their own: state, masters and scheduler all differ from any checkpoint's."""
+    model = make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1)
+    opt = Zero1Optimizer(nxd_param_groups(model), torch.optim.AdamW, compile_update=False, bucket_cap_mb=0.0002,
+                         mixed_precision=MixedPrecisionConfig(use_master_weights_in_ckpt=True), **HYPER)
+    scheduler = scheduler_of(opt)
+    step(model, opt, seed)
+    scheduler.step()
+    return model, opt, scheduler
+
+
+def live_odd(seed: int = 5):
+    """The model and optimizer tests/fixtures/format1 was saved from (test_checkpoint.build),
+    after one step of their own; no scheduler (format 1 saved none)."""
+    from tests.oracle import batch, loss_fn
+    from tests.oracle import make_model as odd_model
+    from tests.oracle import param_groups as odd_groups
+
+    model = odd_model(seed)
+    opt = Zero1Optimizer(odd_groups(model, lr_a=1e-2, lr_b=3e-2), torch.optim.AdamW, compile_update=False,
+                         bucket_cap_mb=0.0004, mixed_precision=MixedPrecisionConfig(use_master_weights_in_ckpt=True))
+    loss_fn(model, *batch(0, 0, 0, 0)).backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt, None
+
+
+def live(loader: str):
+    """Fresh live objects for ``loader``'s folders: (model, optimizer, scheduler), or Nones
+    for ``read`` (an offline tool, no live objects)."""
+    if loader in ("read", "ballast"):
+        return None, None, None
+    return live_odd() if loader == "format1" else live_sequential()
+
+
+def step(model, opt, seed: int = 9) -> None:
+    """A backward and an optimizer step (what follows a load in training)."""
+    backward(model, grads(0, seed, model))
+    opt.step()
+    opt.zero_grad()
+
+
+def load(loader: str, path: str | os.PathLike, model, opt, scheduler) -> Any:
+    """Load the folder ``path`` with ``loader`` (``LOADERS``)."""
+    path = Path(path)
+    if loader in ("nxd_smp", "format1", "nxd"):
+        return load_checkpoint(path, model=model, optimizer=opt, scheduler=scheduler)
+    if loader == "torch":
+        from nxd_smp.native_torch import import_torch
+
+        return import_torch(path, model=model, optimizer=opt)
+    if loader == "xla":
+        from nxd_smp.xla_state_dict import import_xla
+
+        return import_xla(sorted(path.glob("dp_rank_*_tp_rank_*_pp_rank_*.pt")), model=model, optimizer=opt)
+    if loader == "read":
+        from nxd_smp.checkpoint import read_checkpoint
+
+        return read_checkpoint(path)
+    if loader == "ballast":  # the memory meter's own control: 256 MiB, every page touched
+        return bytearray(256 << 20)
+    raise ValueError(f"unknown loader {loader!r}")
+
+
+# ---------------------------------------------------------------- before and after
+def snapshot(model, opt, scheduler) -> dict[str, Any]:
+    """Everything a load may change, copied: the model's state, the masters, the inner
+    optimizer's state and groups, the wrapper's groups (hyperparameters; their parameters
+    by identity) and the scheduler's state (its optimizer by identity)."""
+    if model is None:
+        return {}
+    inner = opt.inner_optimizer.state_dict()
+    return {
+        "model": copy.deepcopy(dict(model.state_dict())),
+        "masters": [m.detach().clone() for m in opt.master_shards],
+        "inner state": copy.deepcopy(inner["state"]),
+        "inner param_groups": copy.deepcopy(inner["param_groups"]),
+        "param_groups": [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups],
+        "scheduler": None if scheduler is None else copy.deepcopy(scheduler.state_dict()),
+        # by identity
+        "params": [list(g["params"]) for g in opt.param_groups],
+        "scheduler.optimizer": None if scheduler is None else scheduler.optimizer,
+    }
+
+
+_BY_IDENTITY = ("params", "scheduler.optimizer")
+
+
+def differences(before: Any, after: Any, where: str = "") -> list[str]:
+    """Where ``after`` differs from ``before`` (tensors: dtype, shape, layout and values)."""
+    if isinstance(before, torch.Tensor) or isinstance(after, torch.Tensor):
+        try:
+            same = (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)
+                    and (before.dtype, before.shape, before.layout, before.device)
+                    == (after.dtype, after.shape, after.layout, after.device)
+                    and torch.equal(before, after))
+        except Exception:  # noqa: BLE001 - a tensor torch cannot compare is not the one we had
+            same = False
+        return [] if same else [where]
+    if isinstance(before, Mapping) and isinstance(after, Mapping):
+        if set(before) != set(after):
+            return [f"{where} (keys {sorted(map(str, before))} -> {sorted(map(str, after))})"]
+        return [d for k in before for d in differences(before[k], after[k], f"{where}/{k}")]
+    if isinstance(before, (list, tuple)) and isinstance(after, (list, tuple)):
+        if type(before) is not type(after) or len(before) != len(after):
+            return [where]
+        return [d for i, (x, y) in enumerate(zip(before, after)) for d in differences(x, y, f"{where}[{i}]")]
+    if type(before) is not type(after):
+        return [f"{where} ({type(before).__name__} -> {type(after).__name__})"]
+    if isinstance(before, float) and math.isnan(before) and math.isnan(after):
+        return []
+    return [] if before == after else [f"{where} ({before!r} -> {after!r})"]
+
+
+def changes(before: dict[str, Any], model, opt, scheduler) -> list[str]:
+    """What differs between ``before`` (a ``snapshot``) and the live objects now."""
+    if model is None:
+        return []
+    try:
+        after = snapshot(model, opt, scheduler)
+    except Exception as e:  # noqa: BLE001 - objects left unable to report their state have changed
+        return [f"the snapshot itself failed: {type(e).__name__}: {e}"]
+    found = []
+    for key in before:
+        if key in _BY_IDENTITY:
+            same = (before[key] is after[key] if not isinstance(before[key], list) else
+                    len(before[key]) == len(after[key])
+                    and all(len(a) == len(b) and all(x is y for x, y in zip(a, b))
+                            for a, b in zip(before[key], after[key])))
+            found += [] if same else [f"{key} (identity)"]
+        else:
+            found += differences(before[key], after[key], key)
+    return found
+
+
+def assert_unchanged(before: dict[str, Any], model, opt, scheduler) -> None:
+    found = changes(before, model, opt, scheduler)
+    assert not found, f"the refused load changed the live objects: {found[:10]}"
+
+
+# ---------------------------------------------------------------- the child process
+def _peak_kib() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _resident_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return _peak_kib()
+
+
+def _reset_peak() -> bool:
+    """Reset this process's peak resident memory (Linux >= 4.0); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _attempt(case: dict[str, Any]):
+    """Load ``case``'s folder into fresh live objects: (model, opt, scheduler, outcome), the
+    outcome ``{"event": "refused"|"accepted", "type", "message", "changes"}``."""
+    model, opt, scheduler = live(case["loader"])
+    before = snapshot(model, opt, scheduler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load(case["loader"], case["path"], model, opt, scheduler)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which judges
+        return model, opt, scheduler, {"event": "refused", "type": type(e).__name__, "message": str(e),
+                                       "checkpoint_error": isinstance(e, CheckpointError),
+                                       "traceback": traceback.format_exc()[-3000:],
+                                       "changes": changes(before, model, opt, scheduler)}
+    return model, opt, scheduler, {"event": "accepted"}
+
+
+def main(mode: str, spec_file: str, results_file: str) -> None:
+    spec = json.loads(Path(spec_file).read_text())
+    results = open(results_file, "a", buffering=1)
+
+    def report(case: str, event: str, **more: Any) -> None:
+        results.write(json.dumps({"case": case, "event": event, **more}) + "\n")
+        results.flush()
+        os.fsync(results.fileno())
+
+    for case in spec.get("warmup", []):
+        _, _, _, outcome = _attempt(case)
+        report(case["name"], "warmup", outcome=outcome.pop("event"), **outcome)
+    gc.collect()
+    baseline = _peak_kib()
+    for case in spec["cases"]:
+        name = case["name"]
+        report(name, "started")
+
+        def hung(name=name, limit=case["limit_s"]) -> None:
+            report(name, "hung", limit_s=limit)
+            os._exit(124)
+
+        watchdog = threading.Timer(case["limit_s"], hung)
+        watchdog.daemon = True
+        watchdog.start()
+        gc.collect()  # what an earlier case left in reference cycles (a refusal's traceback) goes first
+        reset = mode == "memory" and _reset_peak()
+        resident = _resident_kib() if reset else baseline
+        start = time.monotonic()
+        model, opt, scheduler, outcome = _attempt(case)
+        outcome["growth_mib"] = (_peak_kib() - resident) / 1024
+        outcome["peak_reset"] = reset
+        outcome["seconds"] = time.monotonic() - start
+        report(name, outcome.pop("event"), **outcome)
+        if mode == "crash" and model is not None and outcome.get("type") is None:
+            try:  # the accepted state in use: where 0-dim moments corrupt memory
+                step(model, opt)
+                report(name, "stepped")
+            except Exception as e:  # noqa: BLE001 - reported to the parent, which judges
+                report(name, "step_failed", type=type(e).__name__, message=str(e))
+        watchdog.cancel()
+        del model, opt, scheduler
+    results.close()
+
+
+# ---------------------------------------------------------------- DP 2 on gloo
+def one_rank_fails_unexpectedly(rank: int, world: int, folders: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Each folder (healthy) loads at DP 2 while rank 1's ``torch.load`` raises a RuntimeError,
+    an error no check expects. Returns per folder what this rank raised, how long the load took,
+    what it changed, and how often the sabotage fired. Stops at the first error that is not a
+    CheckpointError (the ranks no longer agree on what comes next)."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(120, exit=True)  # a hung collective ends the test, not the suite
+    real_load = torch.load
+    out = []
+    try:
+        for loader, path in folders:
+            model, opt, scheduler = live(loader)
+            before = snapshot(model, opt, scheduler)
+            fired = [0]
+
+            def sabotaged(*args, **kwargs):
+                fired[0] += 1
+                raise RuntimeError("rank 1's disk failed in a way no check expects")
+
+            torch.load = sabotaged if rank == 1 else real_load
+            start = time.monotonic()
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    load(loader, path, model, opt, scheduler)
+                error = None
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                error = e
+            finally:
+                torch.load = real_load
+            out.append({"loader": loader, "seconds": time.monotonic() - start, "fired": fired[0],
+                        "type": None if error is None else type(error).__name__,
+                        "checkpoint_error": isinstance(error, CheckpointError),
+                        "message": "" if error is None else str(error),
+                        "changes": changes(before, model, opt, scheduler)})
+            if error is not None and not isinstance(error, CheckpointError):
+                break
+    finally:
+        torch.load = real_load
+        faulthandler.cancel_dump_traceback_later()
+    return out
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

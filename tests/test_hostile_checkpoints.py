@@ -1,0 +1,872 @@
+"""A checkpoint is data that strangers hand you (DESIGN §5): every loader meets folders crafted
+to hurt the process that loads them, and refuses each one cleanly.
+
+The attacker writes a folder of a few KB and knows the formats: nxd_smp's (format 2: a DCP
+index of ``RawItem`` entries, raw data files, ``nxd_smp_meta.pt``, ``extra.pt`` and a completion
+record the attacker updates to match, so every integrity check passes), format 1 (DCP's
+FileSystemWriter files), NxD's tag folders (plain and xser), a native DCP directory
+(``import_torch``) and torch_xla's per-rank files (``import_xla``). Each folder here starts as
+a healthy one (built once for the module) with one edit: paths that lead outside the folder
+(``/dev/zero``, ``../``, symbolic links), a FIFO where a data file belongs, sizes, shapes and
+piece ranges that claim gigabytes, tensors that are expanded, quantized, sparse or on the meta
+device, optimizer state of the wrong kind (0-dim moments, no ``step``, a string), and
+hyperparameters or scheduler state of the wrong type or with keys that overwrite the live
+objects' own (``params``, ``optimizer``).
+
+Every load must end in a ``CheckpointError`` that names the offending file and field, and leave
+the model, the masters, the inner optimizer's state and groups, the param groups and the
+scheduler exactly as they were. What could crash the process (0-dim moments, then a step) or
+block it (a FIFO) runs in a child process with a time limit; what could take gigabytes runs in
+a child that measures its peak resident memory, which may grow by 100 MB at most. At DP 2 on
+gloo, an error no check expects on one rank is a ``CheckpointError`` on both, within seconds.
+``python -m nxd_smp inspect`` of a hostile folder is one ``error:`` line and exit code 2.
+
+The exports' refusals (outputs that must never be overwritten or written through a link) are
+tested with the CLI's outputs, not here.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import traceback
+import types
+import warnings
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from nxd_smp import CheckpointError, MixedPrecisionConfig, Zero1Optimizer, save_checkpoint
+from nxd_smp.checkpoint_storage import RawItem, read_metadata
+from tests.distributed import run_ranks
+from tests.hostile_worker import assert_unchanged, changes, live, load, one_rank_fails_unexpectedly, snapshot, step
+from tests.nxd_layout import HYPER, backward, grads, scheduler_of
+from tests.nxd_layout import param_groups as nxd_param_groups
+from tests.xla_export_worker import make_model
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+TAG = "tag_2"  # (not "step_2": a refusal naming the path would name "step" by accident)
+RANK_FILE = "dp_rank_00_tp_rank_00_pp_rank_00.pt"
+META, EXTRA, INDEX = "nxd_smp_meta.pt", "extra.pt", ".metadata"
+NATIVE_FILES = (INDEX, "__0_0.distcp")  # import_torch: the index or the data file holding the record
+GROWTH_LIMIT_MIB = 100
+CASE_LIMIT_S = 10  # a load of these folders takes well under a second
+
+
+# ---------------------------------------------------------------- writing the formats
+class XserReference:
+    """Stands for ``torch_xla.utils.serialization.TensorReference`` in an xser file, pickled
+    under that name without importing torch_xla (this process stays free of it)."""
+
+    def __init__(self, tid: int):
+        self.tid = tid
+
+
+class _XserPickler(pickle._Pickler):  # the Python pickler: its save_global can be overridden
+    def save_global(self, obj, name=None):
+        if obj is XserReference:
+            self.write(pickle.GLOBAL + b"torch_xla.utils.serialization\nTensorReference\n")
+            self.memoize(obj)
+        else:
+            super().save_global(obj, name)
+
+
+_XSER_PICKLE = types.SimpleNamespace(__name__="pickle", Pickler=_XserPickler)
+
+
+def save_xser(data: Any, path: Path) -> None:
+    """``data`` as NxD's ``use_xser=True`` writes it: each tensor in ``<path>.tensors/tensor_<i>.pt``
+    (numbered as the walk meets them), a reference in its place in ``path``."""
+    tensors = Path(f"{path}.tensors")
+    tensors.mkdir(parents=True, exist_ok=True)
+    info: dict[int, dict[str, Any]] = {}
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            tid = len(info)
+            torch.save(value, tensors / f"tensor_{tid}.pt")
+            info[tid] = {"dtype": value.dtype, "shape": value.shape, "expert_model_parallel": False}
+            return XserReference(tid)
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(v) for v in value)
+        return value
+
+    torch.save(walk(data), path, pickle_module=_XSER_PICKLE)
+    torch.save(info, f"{path}.info.pt")
+
+
+def write_nxd_tag(root: Path, model_state, optim_state, scheduler_state, *, xser: bool) -> Path:
+    """NxD's tag folder ``root/TAG`` of a ZeRO-1 run at DP 1 (tests/nxd_layout.py's layout)."""
+    tag = root / TAG
+    (tag / "model").mkdir(parents=True)
+    (tag / "optim").mkdir()
+    (tag / "checkpoint").write_text("1")
+    save = save_xser if xser else torch.save
+    save(dict(model_state), tag / "model" / RANK_FILE)
+    save(optim_state, tag / "optim" / RANK_FILE)
+    torch.save(scheduler_state, tag / "scheduler.pt")
+    torch.save({"step": 2}, tag / "user_content.pt")
+    (tag / "done").write_text("1")
+    return tag
+
+
+def save_native(directory: Path, model_state, optim_state) -> None:
+    """A native DCP directory ``{"model", "optim"}`` as a plain torch run saves it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled", TypedStorage
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory, no_dist=True)
+
+
+@dataclass
+class Healthy:
+    """The healthy folders every hostile one starts from, and what they hold."""
+
+    root: Path
+    native: tuple[dict, dict]  # the native run's model and optimizer state dicts
+    weights: dict[str, dict[str, torch.Tensor]]  # by source: the model weights a load installs
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory) -> Healthy:
+    """One trained run saved in every format: ``nxd_smp`` (format 2), ``nxd`` and ``xser`` (NxD's
+    tag folders, optimizer files from ``export_xla``), ``xla`` (those files alone), ``torch`` (a
+    native fp32 run's DCP directory) and ``format1`` (tests/fixtures/format1)."""
+    from nxd_smp.xla_state_dict import export_xla
+
+    root = tmp_path_factory.mktemp("healthy")
+    model = make_model()
+    opt = Zero1Optimizer(nxd_param_groups(model), torch.optim.AdamW, compile_update=False, bucket_cap_mb=0.0002,
+                         mixed_precision=MixedPrecisionConfig(use_master_weights_in_ckpt=True), **HYPER)
+    scheduler = scheduler_of(opt)
+    for s in range(2):
+        step(model, opt, s)
+        scheduler.step()
+    save_checkpoint(root / "nxd_smp" / "ckpt", model=model, optimizer=opt, scheduler=scheduler, extra={"step": 2})
+    (xla_file,) = export_xla(root / "nxd_smp" / "ckpt", root / "xla", dp_size=1)
+    optim_state = torch.load(xla_file, weights_only=True)
+    for layout in ("nxd", "xser"):
+        write_nxd_tag(root / layout, model.state_dict(), optim_state, scheduler.state_dict(), xser=layout == "xser")
+
+    native = make_model().float()
+    native_opt = torch.optim.AdamW(nxd_param_groups(native), **HYPER)
+    scheduler_of(native_opt)  # (its groups then hold initial_lr, as the live optimizer's do)
+    for s in range(2):
+        backward(native, grads(0, s, native))
+        native_opt.step()
+        native_opt.zero_grad()
+    msd, osd = get_state_dict(native, native_opt)
+    save_native(root / "torch", msd, osd)
+    shutil.copytree(FIXTURES / "format1", root / "format1", symlinks=True)
+
+    ours = {k: v.clone() for k, v in model.state_dict().items()}
+    weights = {"nxd_smp": ours, "nxd": ours, "xser": ours,
+               "torch": {k: v.to(torch.bfloat16) for k, v in msd.items()},
+               "format1": torch.load(FIXTURES / "format1" / "expected.pt", weights_only=True)["params"]}
+    return Healthy(root, (msd, osd), weights)
+
+
+def copy_of(healthy: Healthy, source: str, where: Path) -> Path:
+    """A copy of the healthy ``source`` folder under ``where``: the path its loader takes."""
+    shutil.copytree(healthy.root / source, where / source, symlinks=True)
+    if source in ("nxd_smp", "format1"):
+        return where / source / "ckpt"
+    if source in ("nxd", "xser"):
+        return where / source / TAG
+    return where / source
+
+
+# ---------------------------------------------------------------- crafting
+def reseal(version: Path, *names: str) -> None:
+    """Make the completion record vouch for the files ``names`` as they are now (a FIFO: as an
+    empty file), so that only the loader's own checks stand between them and the live objects."""
+    record_path = version / "COMPLETE.json"
+    record = json.loads(record_path.read_text())
+    for name in names:
+        if stat.S_ISFIFO(os.lstat(version / name).st_mode):
+            record["files"][name] = [0, 0]
+        else:
+            data = (version / name).read_bytes()
+            record["files"][name] = [len(data), zlib.crc32(data)]
+    record_path.write_text(json.dumps(record))
+
+
+def edit_index(folder: Path, *edits: Callable) -> None:
+    """Rewrite the DCP index of ``folder`` (a checkpoint link, or a directory) with ``edits``
+    applied to its ``Metadata``; resealed where the folder has a completion record."""
+    version = folder.resolve()
+    metadata = read_metadata(version)
+    for edit in edits:
+        edit(metadata)
+    (version / INDEX).write_bytes(pickle.dumps(metadata))
+    if (version / "COMPLETE.json").exists():
+        reseal(version, INDEX)
+
+
+def index_of(metadata, key: str) -> MetadataIndex:
+    return next(index for index in metadata.storage_data if index.fqn == key)
+
+
+def retarget(key: str, **changes: Any) -> Callable:
+    """An index edit: ``key``'s storage entry (``RawItem`` or ``_StorageInfo``) with ``changes``."""
+    def edit(metadata) -> None:
+        index = index_of(metadata, key)
+        metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], **changes)
+    return edit
+
+
+def claim(key: str, shape: tuple[int, ...], dtype: torch.dtype | None = None, **changes: Any) -> Callable:
+    """An index edit: ``key`` claims to be a tensor of ``shape`` (both in the entry's metadata
+    and, for a ``RawItem``, in its own shape), its storage entry with ``changes``."""
+    def edit(metadata) -> None:
+        index = index_of(metadata, key)
+        old = metadata.state_dict_metadata[key]
+        properties = old.properties if dtype is None else dataclasses.replace(old.properties, dtype=dtype)
+        size = torch.Size(shape)
+        metadata.state_dict_metadata[key] = TensorStorageMetadata(
+            properties, size, [ChunkStorageMetadata(torch.Size([0] * len(shape)), size)])
+        item = metadata.storage_data[index]
+        if isinstance(item, RawItem):
+            changes.setdefault("shape", tuple(shape))
+            if dtype is not None:
+                changes.setdefault("dtype", dtype)
+        metadata.storage_data[index] = dataclasses.replace(item, **changes)
+    return edit
+
+
+def edit_pt(checkpoint: Path, name: str, edit: Callable) -> None:
+    """Rewrite one ``torch.save`` file of an nxd_smp checkpoint with ``edit`` applied (in place),
+    resealed."""
+    version = checkpoint.resolve()
+    edit_file(version / name, edit)
+    reseal(version, name)
+
+
+def edit_file(f: Path, edit: Callable) -> None:
+    """Rewrite a plain ``torch.save`` file with ``edit`` applied to its value in place."""
+    value = torch.load(f, weights_only=True)
+    edit(value)
+    torch.save(value, f)
+
+
+def edit_nxd(tag: Path, kind: str, edit: Callable) -> None:
+    """Rewrite NxD's ``<kind>/dp_rank_00_tp_rank_00_pp_rank_00.pt`` (plain) with ``edit`` applied."""
+    edit_file(tag / kind / RANK_FILE, edit)
+
+
+def resave_native(directory: Path, healthy: Healthy, edit: Callable) -> None:
+    """The native run saved again into ``directory`` with ``edit(model_sd, optim_sd)`` applied to copies."""
+    msd, osd = copy.deepcopy(healthy.native)
+    edit(msd, osd)
+    shutil.rmtree(directory)
+    save_native(directory, msd, osd)
+
+
+def base_state(edit: Callable) -> Callable:
+    """An NxD optimizer-file edit: ``edit(entry)`` on every parameter's ``base_state`` entry."""
+    def each(state) -> None:
+        for entry in state["base_state"].values():
+            edit(entry)
+    return each
+
+
+def without_masters(tag: Path) -> None:
+    """NxD's optimizer file without master weights (the loader then rebuilds them): the weights
+    in the model file are the only source of the parameters."""
+    edit_nxd(tag, "optim", lambda state: state.pop("sharded_master_weights"))
+
+
+def weight(value: torch.Tensor) -> Callable:
+    """A crafting step for NxD folders: ``2.bias``, the last of the model's 4 parameters, becomes
+    ``value`` (of its shape), with no master weights to contradict it."""
+    def craft(tag: Path, healthy: Healthy) -> None:
+        without_masters(tag)
+        edit_nxd(tag, "model", lambda state: state.__setitem__("2.bias", value))
+    return craft
+
+
+def moved_outside(path: Path, outside: Path) -> None:
+    """``path`` moved to ``outside`` and a symbolic link to it left in its place."""
+    os.replace(path, outside)
+    os.symlink(outside, path)
+
+
+def fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def sealed_fifo(name: str) -> Callable:
+    """A crafting step for nxd_smp's formats: the data file ``name`` a FIFO, the completion
+    record vouching for it (as an empty file)."""
+    def craft(path: Path, healthy: Healthy) -> None:
+        fifo(path.resolve() / name)
+        reseal(path.resolve(), name)
+    return craft
+
+
+class Allocates:
+    """Unpickles as ``bytearray(n)``: a few bytes in the file, ``n`` in memory (``bytearray`` is
+    on torch's ``weights_only`` allow-list)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __reduce__(self):
+        return (bytearray, (self.n,))
+
+
+@dataclass(frozen=True)
+class Attack:
+    """One hostile folder: the healthy ``source`` it starts from, the ``craft`` applied to the
+    copy (``craft(path, healthy)``), the ``loader`` that meets it, and what the refusal names: one
+    of ``files`` (basenames) and ``field`` (None where the file itself is the problem)."""
+
+    source: str
+    craft: Callable[[Path, Healthy], None]
+    files: tuple[str, ...]
+    field: str | None
+    loader: str = ""
+
+    def load_with(self) -> str:
+        return self.loader or {"xser": "nxd"}.get(self.source, self.source)
+
+
+def make(attack: Attack, healthy: Healthy, where: Path) -> Path:
+    path = copy_of(healthy, attack.source, where)
+    attack.craft(path, healthy)
+    return path
+
+
+# -- nxd_smp (format 2)
+def dev_zero(path: Path, healthy: Healthy) -> None:
+    """``model/0.bias`` read from ``/dev/zero``, its CRC-32 that of the zeros it would read."""
+    def edit(metadata) -> None:
+        index = index_of(metadata, "model/0.bias")
+        item = metadata.storage_data[index]
+        metadata.storage_data[index] = dataclasses.replace(item, file="/dev/zero", offset=0,
+                                                           crc32=zlib.crc32(bytes(item.length)))
+    edit_index(path, edit)
+
+
+def dot_dot(path: Path, healthy: Healthy) -> None:
+    """``model/0.bias`` read from ``../outside.bin``: a copy of its own data file, so offset,
+    length and CRC-32 all match and only the path is wrong."""
+    version = path.resolve()
+    item = read_metadata(version).storage_data[index_of(read_metadata(version), "model/0.bias")]
+    shutil.copy(version / item.file, version.parent / "outside.bin")
+    edit_index(path, retarget("model/0.bias", file="../outside.bin"))
+
+
+def linked_data_file(path: Path, healthy: Healthy) -> None:
+    version = path.resolve()
+    moved_outside(version / "__0_0.bin", version.parent.parent / "elsewhere.bin")
+
+
+def zero_dim_moments(path: Path, healthy: Healthy) -> None:
+    """``exp_avg`` saved as 0-dim state, like ``step``: its pieces gone, a 0-dim entry per
+    parameter (the step's bytes), the metadata listing it among the scalars."""
+    def edit(metadata) -> None:
+        for index in [i for i in metadata.storage_data if "/exp_avg/" in i.fqn]:
+            del metadata.storage_data[index], metadata.state_dict_metadata[index.fqn]
+        for index in [i for i in metadata.storage_data if i.fqn.endswith("/step")]:
+            key = index.fqn.removesuffix("step") + "exp_avg"
+            metadata.storage_data[MetadataIndex(key, torch.Size([]), 0)] = metadata.storage_data[index]
+            metadata.state_dict_metadata[key] = metadata.state_dict_metadata[index.fqn]
+    edit_index(path, edit)
+    edit_pt(path, META, lambda meta: meta["optimizer"].update(tensor_keys=["exp_avg_sq"],
+                                                              scalar_keys=["exp_avg", "step"]))
+
+
+def no_step(path: Path, healthy: Healthy) -> None:
+    """No ``step`` in the optimizer state: its entries gone from the index and the metadata."""
+    def edit(metadata) -> None:
+        for index in [i for i in metadata.storage_data if i.fqn.endswith("/step")]:
+            del metadata.storage_data[index], metadata.state_dict_metadata[index.fqn]
+    edit_index(path, edit)
+    edit_pt(path, META, lambda meta: meta["optimizer"].update(scalar_keys=[]))
+
+
+def hyper(group: int, **values: Any) -> Callable:
+    """nxd_smp's metadata: param group ``group``'s hyperparameters with ``values`` set."""
+    return meta_edit(lambda meta: meta["optimizer"]["groups"][group]["hyper"].update(values))
+
+
+def meta_edit(edit: Callable) -> Callable:
+    return lambda path, healthy: edit_pt(path, META, edit)
+
+
+def scheduler_state(edit: Callable) -> Callable:
+    """nxd_smp's ``extra.pt``: the scheduler's saved state replaced by ``edit(state)``."""
+    def replace(saved) -> None:
+        saved["objects"]["scheduler"] = edit(saved["objects"]["scheduler"])
+    return lambda path, healthy: edit_pt(path, EXTRA, replace)
+
+
+def index_edit(*edits: Callable) -> Callable:
+    return lambda path, healthy: edit_index(path, *edits)
+
+
+# -- NxD's tag folders
+def nxd_optim(edit: Callable) -> Callable:
+    return lambda tag, healthy: edit_nxd(tag, "optim", edit)
+
+
+def nxd_scheduler(value_of: Callable) -> Callable:
+    def craft(tag: Path, healthy: Healthy) -> None:
+        torch.save(value_of(torch.load(tag / "scheduler.pt", weights_only=True)), tag / "scheduler.pt")
+    return craft
+
+
+def xser_tensors(tag: Path) -> Path:
+    return tag / "model" / f"{RANK_FILE}.tensors"
+
+
+# -- import_torch
+def native_edit(edit: Callable) -> Callable:
+    return lambda directory, healthy: resave_native(directory, healthy, edit)
+
+
+def native_state(edit: Callable) -> Callable:
+    """The native run saved again with ``edit(entry)`` on every parameter's optimizer state."""
+    def each(msd, osd) -> None:
+        for entry in osd["state"].values():
+            edit(entry)
+    return native_edit(each)
+
+
+def expanded_group_entry(directory: Path, healthy: Healthy) -> None:
+    """Param group 0's ``lr`` as a tensor entry of 2**28 elements whose record (appended to the
+    data file) is a stride-0 expanded tensor: 1.5 KB on disk."""
+    record = io.BytesIO()
+    torch.save(torch.zeros(1).expand(2**28), record)
+    data_file = directory / "__0_0.distcp"
+    offset = data_file.stat().st_size
+    with open(data_file, "ab") as f:
+        f.write(record.getvalue())
+    key, size = "optim.param_groups.0.lr", torch.Size([2**28])
+
+    def edit(metadata) -> None:
+        del metadata.storage_data[index_of(metadata, key)]
+        metadata.state_dict_metadata[key] = TensorStorageMetadata(
+            TensorProperties(dtype=torch.float32), size, [ChunkStorageMetadata(torch.Size([0]), size)])
+        metadata.storage_data[MetadataIndex(key, torch.Size([0]), 0)] = _StorageInfo(
+            "__0_0.distcp", offset, len(record.getvalue()))
+    edit_index(directory, edit)
+
+
+# ---------------------------------------------------------------- the attacks
+ZERO_DIM = {  # 0-dim AdamW moments, then a step: memory corruption if accepted (a child process)
+    "nxd_smp": Attack("nxd_smp", zero_dim_moments, (META, INDEX), "exp_avg"),
+    "nxd": Attack("nxd", nxd_optim(base_state(lambda e: e.__setitem__("exp_avg", torch.tensor(0.0)))),
+                  (RANK_FILE,), "exp_avg"),
+    "torch": Attack("torch", native_state(lambda e: e.__setitem__("exp_avg", torch.tensor(0.0))),
+                    NATIVE_FILES, "exp_avg"),
+}
+
+FIFOS = {  # a FIFO where a data file belongs: opening it blocks forever (a child process)
+    "nxd_smp __0_0.bin": Attack("nxd_smp", sealed_fifo("__0_0.bin"), ("__0_0.bin",), None),
+    "format1 __0_0.distcp": Attack("format1", sealed_fifo("__0_0.distcp"), ("__0_0.distcp",), None),
+    "nxd xser tensor_3.pt": Attack("xser", lambda tag, h: fifo(xser_tensors(tag) / "tensor_3.pt"),
+                                   ("tensor_3.pt",), None),
+    "torch __0_0.distcp": Attack("torch", lambda d, h: fifo(d / "__0_0.distcp"), ("__0_0.distcp",), None),
+}
+
+OUTSIDE = {  # every path resolved inside the folder: nothing absolute, no "..", no link leading out
+    "nxd_smp /dev/zero": Attack("nxd_smp", dev_zero, (INDEX,), "0.bias"),
+    "nxd_smp ../outside.bin": Attack("nxd_smp", dot_dot, (INDEX,), "0.bias"),
+    "nxd_smp linked __0_0.bin": Attack("nxd_smp", linked_data_file, ("__0_0.bin",), None),
+    "format1 absolute relative_path": Attack("format1", lambda p, h: (
+        torch.save(torch.full((13,), 7.0, dtype=torch.bfloat16), p.parent.parent / "lin1_bias.pt"),
+        edit_index(p, retarget("model/lin1.bias", relative_path=str(p.parent.parent / "lin1_bias.pt"), offset=0,
+                               length=(p.parent.parent / "lin1_bias.pt").stat().st_size))), (INDEX,), "lin1.bias"),
+    "nxd xser linked tensor_3.pt": Attack("xser", lambda tag, h: moved_outside(
+        xser_tensors(tag) / "tensor_3.pt", tag.parent.parent / "elsewhere.pt"), ("tensor_3.pt",), None),
+    "nxd xser linked .tensors": Attack("xser", lambda tag, h: moved_outside(
+        xser_tensors(tag), tag.parent.parent / "elsewhere.tensors"), (RANK_FILE,), None),
+    "torch linked __0_0.distcp": Attack("torch", lambda d, h: moved_outside(
+        d / "__0_0.distcp", d.parent / "elsewhere.distcp"), ("__0_0.distcp",), None),
+}
+
+MEMORY = {  # a few KB that claim gigabytes (a child process measures the peak)
+    "read: an index entry on /dev/zero": Attack("nxd_smp", index_edit(claim(
+        "model/0.bias", (2**28,), torch.float32, file="/dev/zero", offset=0, length=2**30)), (INDEX,), "0.bias",
+        loader="read"),
+    "nxd_smp: a piece range (0, 2**28)": Attack("nxd_smp", meta_edit(
+        lambda meta: meta["optimizer"]["pieces"].__setitem__("0.bias", [(0, 2**28)])), (META,), "0.bias"),
+    "nxd: stride-0 expanded base_state": Attack("nxd", nxd_optim(
+        lambda state: state["base_state"][0].__setitem__("exp_avg", torch.zeros(1).expand(13, 2**24))),
+        (RANK_FILE,), "exp_avg"),
+    "torch: a record length of 2 GiB": Attack("torch", index_edit(retarget("model.0.weight", length=2**31)),
+                                              NATIVE_FILES, "0.weight"),
+    "torch: an expanded tensor as lr": Attack("torch", expanded_group_entry, NATIVE_FILES, "lr"),
+    "nxd_smp: bytearray(2**31) in extra.pt": Attack("nxd_smp", lambda p, h: edit_pt(
+        p, EXTRA, lambda saved: saved["extra"].__setitem__("blob", Allocates(2**31))), (EXTRA,), "bytearray"),
+}
+
+REFUSED_LATE = {  # refused today only after the live objects changed
+    "nxd_smp: hyper not a dict": Attack("nxd_smp", meta_edit(
+        lambda meta: meta["optimizer"]["groups"][0].__setitem__("hyper", 7)), (META,), "hyper"),
+    "nxd_smp: scheduler state 7": Attack("nxd_smp", scheduler_state(lambda state: 7), (EXTRA,), "scheduler"),
+    "nxd: scheduler state 7": Attack("nxd", nxd_scheduler(lambda state: 7), ("scheduler.pt",), "scheduler"),
+    "nxd_smp: no step": Attack("nxd_smp", no_step, (META, INDEX), "step"),
+    "nxd: no step": Attack("nxd", nxd_optim(base_state(lambda e: e.pop("step"))), (RANK_FILE,), "step"),
+    "xla: no step": Attack("xla", lambda d, h: edit_file(d / RANK_FILE, base_state(lambda e: e.pop("step"))),
+                           (RANK_FILE,), "step"),
+    "torch: no step": Attack("torch", native_state(lambda e: e.pop("step")), NATIVE_FILES, "step"),
+    "nxd: a quantized weight": Attack("nxd", weight(torch.quantize_per_tensor(torch.ones(6), 0.1, 0, torch.qint8)),
+                                      (RANK_FILE,), "2.bias"),
+    "nxd: a meta-device weight": Attack("nxd", weight(torch.empty(6, device="meta")), (RANK_FILE,), "2.bias"),
+    "nxd: a sparse exp_avg": Attack("nxd", nxd_optim(base_state(
+        lambda e: e.__setitem__("exp_avg", e["exp_avg"].to_sparse()))), (RANK_FILE,), "exp_avg"),
+}
+
+BAD_VALUES = {  # accepted today, or refused with a raw error instead of a CheckpointError
+    "nxd_smp: params in hyper": Attack("nxd_smp", hyper(0, params=["0.weight", "2.weight"]), (META,), "params"),
+    "nxd_smp: lr a string": Attack("nxd_smp", hyper(0, lr="0.01"), (META,), "lr"),
+    "nxd_smp: lr an expanded tensor": Attack("nxd_smp", hyper(0, lr=torch.zeros(1).expand(2**28)), (META,), "lr"),
+    "torch: lr a string": Attack("torch", native_edit(lambda msd, osd: osd["param_groups"][0].update(lr="0.01")),
+                                 NATIVE_FILES, "lr"),
+    "nxd_smp: scheduler state with an optimizer": Attack("nxd_smp", scheduler_state(
+        lambda state: {**state, "optimizer": {"lr": 1.0}}), (EXTRA,), "optimizer"),
+    "nxd: scheduler state with an optimizer": Attack("nxd", nxd_scheduler(
+        lambda state: {**state, "optimizer": {"lr": 1.0}}), ("scheduler.pt",), "optimizer"),
+    "nxd: a float64 weight of 1e300": Attack("nxd", weight(torch.full((6,), 1e300, dtype=torch.float64)),
+                                            (RANK_FILE,), "2.bias"),
+    "nxd: an int64 weight": Attack("nxd", weight(torch.full((6,), 7, dtype=torch.int64)), (RANK_FILE,), "2.bias"),
+    "nxd: a complex weight": Attack("nxd", weight(torch.full((6,), 1 + 2j, dtype=torch.complex64)),
+                                    (RANK_FILE,), "2.bias"),
+    "nxd: exp_avg a string": Attack("nxd", nxd_optim(base_state(lambda e: e.__setitem__("exp_avg", "x"))),
+                                    (RANK_FILE,), "exp_avg"),
+    "xla: exp_avg a string": Attack("xla", lambda d, h: edit_file(d / RANK_FILE, base_state(
+        lambda e: e.__setitem__("exp_avg", "x"))), (RANK_FILE,), "exp_avg"),
+    "nxd_smp: a negative shape in the index": Attack("nxd_smp", index_edit(claim("model/0.bias", (-13,))),
+                                                     (INDEX,), "0.bias"),
+    "read: a negative shape in the index": Attack("nxd_smp", index_edit(claim("model/0.bias", (-13,))),
+                                                  (INDEX,), "0.bias", loader="read"),
+}
+
+CLI = {  # python -m nxd_smp inspect: one error line, exit code 2
+    "a negative shape in the index": BAD_VALUES["read: a negative shape in the index"],
+    "hyper not a dict": REFUSED_LATE["nxd_smp: hyper not a dict"],
+    "a dtype that is a string": Attack("nxd_smp", index_edit(retarget("model/0.bias", dtype="float32")),
+                                       (INDEX,), "0.bias"),
+}
+
+
+# ---------------------------------------------------------------- judging a refusal
+def without(root: Path, message: str) -> str:
+    """``message`` with the test's temporary directory left out: a name in the path (a test's
+    own) must not pass for the field the refusal should name."""
+    for prefix in {str(root.resolve()), str(root)}:
+        message = message.replace(prefix, "<tmp>")
+    return message
+
+
+def names_problems(message: str, attack: Attack) -> list[str]:
+    problems = []
+    if not any(f in message for f in attack.files):
+        problems.append(f"it names none of the files {list(attack.files)}")
+    if attack.field is not None and attack.field not in message:
+        problems.append(f"it does not name {attack.field!r}")
+    return problems
+
+
+def assert_names(message: str, attack: Attack) -> None:
+    problems = names_problems(message, attack)
+    assert not problems, f"{'; '.join(problems)}: {message}"
+
+
+def assert_refused(attack: Attack, healthy: Healthy, tmp_path: Path) -> None:
+    """The crafted folder is refused with a CheckpointError naming its file and field, and the
+    live objects are as they were (every way it is not, reported at once)."""
+    path = make(attack, healthy, tmp_path / "hostile")
+    model, opt, scheduler = live(attack.load_with())
+    before = snapshot(model, opt, scheduler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (a folder without masters warns once loaded)
+            load(attack.load_with(), path, model, opt, scheduler)
+        error = None
+    except Exception as e:  # noqa: BLE001 - judged below
+        error = e
+    message = without(tmp_path, str(error))
+    if error is None:
+        problems = ["the load was accepted"]
+    elif not isinstance(error, CheckpointError):
+        problems = [f"refused with {type(error).__name__}, not a CheckpointError: {message}"]
+    else:
+        problems = [f"{p}: {message}" for p in names_problems(message, attack)]
+    found = changes(before, model, opt, scheduler)
+    problems += [f"the live objects changed: {found[:8]}"] if found else []
+    assert not problems, problems
+
+
+# ---------------------------------------------------------------- the child processes
+def slug(name: str) -> str:
+    return re.sub(r"\W+", "_", name).strip("_")
+
+
+def case_of(name: str, attack: Attack, healthy: Healthy, where: Path) -> dict[str, Any]:
+    return {"name": name, "loader": attack.load_with(), "path": str(make(attack, healthy, where / slug(name))),
+            "limit_s": CASE_LIMIT_S}
+
+
+_TERMINAL = {"crash": {"refused", "stepped", "step_failed", "hung"}, "memory": {"refused", "accepted", "hung"}}
+
+
+def run_children(mode: str, cases: list[dict[str, Any]], where: Path, warmup=()) -> dict[str, dict[str, Any]]:
+    """Run ``cases`` through ``tests.hostile_worker`` in one child process, and a fresh one for
+    the rest after each case that crashed or hung it. Returns each case's last event (for a case
+    that ended the process: ``crashed``/``hung`` with the exit code and the end of stderr), and
+    the warm-up's events under ``"warmup"``."""
+    results_file = where / f"{mode}.jsonl"
+    remaining = list(cases)
+    events: dict[str, list[dict[str, Any]]] = {}
+    final: dict[str, dict[str, Any]] = {}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    while remaining:
+        spec = where / f"{mode}-spec.json"
+        spec.write_text(json.dumps({"warmup": list(warmup), "cases": remaining}))
+        results_file.write_text("")
+        cmd = [sys.executable, "-m", "tests.hostile_worker", mode, str(spec), str(results_file)]
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=sum(c["limit_s"] for c in remaining) + 60)
+            rc, stderr = proc.returncode, proc.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, stderr = "timeout", e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+        for line in results_file.read_text().splitlines():
+            event = json.loads(line)
+            events.setdefault(event["case"], []).append(event)
+        started = [c["name"] for c in remaining if events.get(c["name"])]
+        ended = [name for name in started if events[name][-1]["event"] in _TERMINAL[mode]]
+        running = [name for name in started if name not in ended]
+        for name in ended:
+            final[name] = events[name][-1]
+        for name in running[:1]:  # the case the process died in
+            final[name] = {"event": "crashed", "rc": rc, "stderr": (stderr or "")[-3000:],
+                           "events": [e["event"] for e in events[name]]}
+        if not ended and not running:  # died before the first case: every case fails with it
+            final.update({c["name"]: {"event": "crashed", "rc": rc, "stderr": (stderr or "")[-3000:]}
+                          for c in remaining})
+        remaining = [c for c in remaining if c["name"] not in final]
+    final["warmup"] = {"events": events.get("warmup", [])}
+    return final
+
+
+def child_problems(result: dict[str, Any], attack: Attack, root: Path) -> list[str]:
+    """What is wrong with a child's outcome for ``attack``: anything but a CheckpointError naming
+    the file and field, with the live objects unchanged."""
+    event = result["event"]
+    if event == "crashed":
+        return [f"the process died (exit code {result['rc']}) after {result.get('events')}: {result['stderr']}"]
+    if event == "hung":
+        return [f"the load did not return within {result['limit_s']} s"]
+    if event in ("accepted", "stepped", "step_failed"):
+        return [f"the load was accepted ({event}{': ' + result.get('message', '') if event == 'step_failed' else ''})"]
+    message = without(root, result["message"])
+    problems = [] if result["checkpoint_error"] else [f"refused with {result['type']}, not a CheckpointError"]
+    problems += names_problems(message, attack)
+    problems += [f"it changed {result['changes'][:6]}"] if result["changes"] else []
+    return [f"{p}: {message}" for p in problems]
+
+
+# -- one child for the loads that crash or hang (today), one for the memory cases
+CRASHES = {**{f"0-dim moments, {k}": v for k, v in ZERO_DIM.items()}, **{f"fifo, {k}": v for k, v in FIFOS.items()}}
+CONTROL = "control: a healthy nxd_smp folder"
+BALLAST = "control: 256 MiB taken"
+
+
+@pytest.fixture(scope="module")
+def crashes(healthy, tmp_path_factory) -> tuple[dict[str, dict[str, Any]], Path]:
+    where = tmp_path_factory.mktemp("crash")
+    cases = [case_of(name, attack, healthy, where) for name, attack in CRASHES.items()]
+    cases.append({"name": CONTROL, "loader": "nxd_smp", "path": str(copy_of(healthy, "nxd_smp", where / "control")),
+                  "limit_s": CASE_LIMIT_S})
+    return run_children("crash", cases, where), where
+
+
+@pytest.fixture(scope="module")
+def memory(healthy, tmp_path_factory) -> tuple[dict[str, dict[str, Any]], Path, dict[str, int]]:
+    where = tmp_path_factory.mktemp("memory")
+    cases = [case_of(name, attack, healthy, where) for name, attack in MEMORY.items()]
+    sizes = {c["name"]: sum(f.lstat().st_size for f in Path(c["path"]).resolve().parent.rglob("*")) for c in cases}
+    warmup = [{"name": "warmup", "loader": loader, "path": str(copy_of(healthy, source, where / f"warm_{loader}")),
+               "limit_s": CASE_LIMIT_S}
+              for loader, source in (("nxd_smp", "nxd_smp"), ("nxd", "nxd"), ("torch", "torch"), ("read", "nxd_smp"))]
+    cases.append({"name": CONTROL, "loader": "nxd_smp", "path": warmup[0]["path"], "limit_s": CASE_LIMIT_S})
+    cases.append({"name": BALLAST, "loader": "ballast", "path": "", "limit_s": CASE_LIMIT_S})
+    return run_children("memory", cases, where, warmup), where, sizes
+
+
+# ---------------------------------------------------------------- the tests
+def test_the_crafting_keeps_a_healthy_folder_loadable(healthy, tmp_path):
+    """The control: every crafting helper with an edit that changes nothing leaves a folder that
+    loads and installs the saved weights; a refusal below is the loader's, not the crafting's."""
+    same = lambda *args: None  # noqa: E731
+    crafted = [
+        ("nxd_smp", lambda p, h: (edit_index(p, same), edit_pt(p, META, same), edit_pt(p, EXTRA, same))),
+        ("format1", lambda p, h: edit_index(p, same)),
+        ("nxd", lambda tag, h: (edit_nxd(tag, "model", same), edit_nxd(tag, "optim", same))),
+        ("nxd", lambda tag, h: without_masters(tag)),  # (the masters are then rebuilt, with a warning)
+        ("xser", lambda tag, h: None),  # written by save_xser, forged references and all
+        ("torch", native_edit(same)),
+        ("xla", lambda d, h: edit_file(d / RANK_FILE, same)),
+    ]
+    for i, (source, craft) in enumerate(crafted):
+        attack = Attack(source, craft, (), None)
+        path = make(attack, healthy, tmp_path / str(i))
+        model, opt, scheduler = live(attack.load_with())
+        before = snapshot(model, opt, scheduler)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load(attack.load_with(), path, model, opt, scheduler)
+        assert changes(before, model, opt, scheduler), f"{source}: the load changed nothing"
+        if source in healthy.weights:
+            for key, value in healthy.weights[source].items():
+                assert torch.equal(model.state_dict()[key], value), (source, key)
+
+
+def test_the_child_processes_tell_a_healthy_load_from_a_refusal(crashes, memory):
+    """The control of the child processes: a healthy folder is accepted and steps; the warm-up
+    loads succeed; the memory meter measures."""
+    crash_results, _ = crashes
+    memory_results, _, _ = memory
+    assert crash_results[CONTROL]["event"] == "stepped", crash_results[CONTROL]
+    assert memory_results[CONTROL]["event"] == "accepted", memory_results[CONTROL]
+    assert memory_results[CONTROL]["growth_mib"] < GROWTH_LIMIT_MIB, memory_results[CONTROL]
+    assert memory_results[BALLAST]["growth_mib"] >= 200, memory_results[BALLAST]
+    warmups = memory_results["warmup"]["events"]
+    assert len(warmups) >= 4 and all(e["outcome"] == "accepted" for e in warmups), warmups
+
+
+@pytest.mark.parametrize("loader", sorted(ZERO_DIM))
+def test_zero_dim_moments_are_refused_before_a_step_can_corrupt_memory(crashes, loader):
+    results, root = crashes
+    problems = child_problems(results[f"0-dim moments, {loader}"], ZERO_DIM[loader], root)
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("case", sorted(FIFOS))
+def test_a_fifo_for_a_data_file_is_refused_without_blocking(crashes, case):
+    results, root = crashes
+    problems = child_problems(results[f"fifo, {case}"], FIFOS[case], root)
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("case", sorted(OUTSIDE))
+def test_nothing_is_read_from_outside_the_folder(healthy, tmp_path, case):
+    assert_refused(OUTSIDE[case], healthy, tmp_path)
+
+
+@pytest.mark.parametrize("source", ["nxd_smp", "format1"])
+def test_a_missing_and_a_present_file_outside_are_refused_alike(healthy, tmp_path, source):
+    """A path outside the folder is refused before anything looks at it: the refusal is the same
+    whether the file exists (here: too short, which a reader would call truncated) or not, so it
+    tells an attacker nothing about which files exist."""
+    key, field = ("model/0.bias", "file") if source == "nxd_smp" else ("model/lin1.bias", "relative_path")
+    path = copy_of(healthy, source, tmp_path)
+    edit_index(path, retarget(key, **{field: "../elsewhere.bin"}))
+    model, opt, scheduler = live(source)
+    before = snapshot(model, opt, scheduler)
+    refusals = []
+    for exists in (False, True):
+        if exists:
+            (path.resolve().parent / "elsewhere.bin").write_bytes(b"abc")
+        with pytest.raises(CheckpointError) as refused:
+            load(source, path, model, opt, scheduler)
+        refusals.append(without(tmp_path, str(refused.value)))
+    missing, present = refusals
+    assert missing == present, f"the refusal tells whether the file exists:\n{missing}\n{present}"
+    assert INDEX in present and key.removeprefix("model/") in present, present
+    assert not any(word in present.lower() for word in ("truncated", "no such file", "missing", "exist")), present
+    assert_unchanged(before, model, opt, scheduler)
+
+
+@pytest.mark.parametrize("case", sorted(MEMORY))
+def test_a_folder_of_a_few_kb_allocates_no_gigabytes(memory, case):
+    results, root, sizes = memory
+    result = results[case]
+    assert sizes[case] < 256 << 10, f"the crafted folder holds {sizes[case]} bytes: not a few KB"
+    problems = child_problems(result, MEMORY[case], root)
+    if "growth_mib" in result and result["growth_mib"] >= GROWTH_LIMIT_MIB:
+        problems.append(f"the peak resident memory grew by {result['growth_mib']:.0f} MiB "
+                        f"(at most {GROWTH_LIMIT_MIB}; peak reset: {result['peak_reset']})")
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_LATE))
+def test_a_refused_load_changes_nothing(healthy, tmp_path, case):
+    assert_refused(REFUSED_LATE[case], healthy, tmp_path)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_VALUES))
+def test_values_of_the_wrong_kind_are_refused(healthy, tmp_path, case):
+    assert_refused(BAD_VALUES[case], healthy, tmp_path)
+
+
+def test_an_unexpected_error_on_one_rank_is_a_checkpoint_error_on_every_rank(healthy):
+    """At DP 2 on gloo, rank 1's ``torch.load`` raises a RuntimeError (no check expects it) while
+    rank 0 reads a healthy folder: both ranks raise a CheckpointError within seconds (none waits
+    for the other to exit), for each loader, and nothing changes."""
+    folders = [("nxd_smp", str(healthy.root / "nxd_smp" / "ckpt")), ("nxd", str(healthy.root / "nxd" / TAG)),
+               ("torch", str(healthy.root / "torch"))]
+    ranks = run_ranks(2, one_rank_fails_unexpectedly, folders)
+    problems = []
+    for rank, outcomes in enumerate(ranks):
+        for (loader, _), outcome in zip(folders, outcomes):
+            where = f"rank {rank}, {loader}"
+            if outcome["type"] is None:
+                problems.append(f"{where}: the load was accepted (the sabotage fired {outcome['fired']} times)")
+            elif not outcome["checkpoint_error"]:
+                problems.append(f"{where}: {outcome['type']}, not a CheckpointError: {outcome['message'][:300]}")
+            if "Connection closed" in outcome["message"] or outcome["seconds"] >= 20:
+                problems.append(f"{where}: the ranks did not agree ({outcome['seconds']:.1f} s): "
+                                f"{outcome['message'][:300]}")
+            if outcome["changes"]:
+                problems.append(f"{where}: changed {outcome['changes'][:6]}")
+        if len(outcomes) < len(folders):
+            problems.append(f"rank {rank}: stopped after {[o['loader'] for o in outcomes]}")
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("case", sorted(CLI))
+def test_inspect_refuses_a_hostile_folder_with_one_error_line(healthy, tmp_path, capsys, case):
+    from nxd_smp.cli import main
+
+    attack = CLI[case]
+    path = make(attack, healthy, tmp_path / "hostile")
+    try:
+        rc = main(["inspect", str(path)])
+    except Exception:  # noqa: BLE001 - the failure this test is about
+        pytest.fail(f"inspect ended in a traceback:\n{traceback.format_exc()}")
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error:"), (rc, err)
+    assert_names(without(tmp_path, lines[0]), attack)
