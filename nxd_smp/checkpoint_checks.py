@@ -52,6 +52,7 @@ __all__ = [
     "check_scheduler_state",
     "state_kinds",
     "check_state_entry",
+    "check_torch_optimizer_state",
     "load_objects",
 ]
 
@@ -357,11 +358,11 @@ def check_scheduler_state(saved: Any, scheduler: Any, where: str) -> None:
 
 
 def state_kinds(optimizer: Any) -> dict[str, bool] | None:
-    """The inner optimizer's own state keys, each True for a tensor shaped like its parameter
+    """The inner optimizer's (or a torch optimizer's) own state keys, each True for a tensor shaped like its parameter
     (a moment) and False for a 0-dim one (``step``): from its live state, or, before its first
     step, from a throwaway instance of its class stepped once on a two-element parameter. None
     when the class cannot be built that way (then only ``step`` may be 0-dim)."""
-    inner = optimizer.inner_optimizer
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
     for entry in inner.state.values():
         if entry:
             return {key: isinstance(v, torch.Tensor) and v.dim() > 0 for key, v in entry.items()}
@@ -407,6 +408,39 @@ def check_state_entry(entry: Any, kinds: Mapping[str, bool] | None, shape: tuple
         elif not moment and value.dim() != 0:
             problems.append(f"{where}/{key}: shape {tuple(value.shape)}, the optimizer keeps it 0-dim")
     return problems
+
+
+def check_torch_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, source: str) -> None:
+    """``saved`` is a ``state_dict()`` of ``optimizer`` (a plain torch optimizer: NxD's with
+    ZeRO-1 off): as many groups of as many parameters, hyperparameters of the groups' kinds,
+    per parameter id the optimizer's own state keys, moments shaped like the parameter.
+
+    Raises:
+        CheckpointError: naming ``source`` and every field that does not fit.
+    """
+    groups, state = (saved.get("param_groups"), saved.get("state")) if isinstance(saved, Mapping) else (None, None)
+    if not isinstance(groups, list) or not isinstance(state, Mapping) or not all(
+            isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups):
+        raise CheckpointError(f"{source} is not a torch optimizer state dict ('state' and 'param_groups').")
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        raise CheckpointError(f"{source} holds param groups of {[len(g['params']) for g in groups]} parameters, the "
+                              f"optimizer {[len(g['params']) for g in optimizer.param_groups]}.")
+    shapes = {i: tuple(p.shape) for saved_group, group in zip(groups, optimizer.param_groups)
+              for i, p in zip(saved_group["params"], group["params"])}
+    problems = []
+    for i, (saved_group, group) in enumerate(zip(groups, optimizer.param_groups)):
+        try:
+            check_hyperparameters({k: v for k, v in saved_group.items() if k != "params"}, group, f"param group {i}")
+        except CheckpointError as e:
+            problems.append(str(e).rstrip("."))
+    kinds = state_kinds(optimizer)
+    for i, entry in state.items():
+        if i not in shapes:
+            problems.append(f"state for parameter {i!r}, which the param groups do not list")
+        else:
+            problems += check_state_entry(entry, kinds, shapes[i], f"parameter {i}")
+    if problems:
+        raise CheckpointError(f"{source}: the optimizer state does not fit: " + "; ".join(problems) + ".")
 
 
 # ---------------------------------------------------------------------------- objects

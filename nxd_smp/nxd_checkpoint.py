@@ -51,6 +51,7 @@ from .checkpoint_checks import (
     CheckpointError,
     check_cast,
     check_scheduler_state,
+    check_torch_optimizer_state,
     inside,
     load_file,
     load_objects,
@@ -579,6 +580,8 @@ def _read_state_dicts(tag: Path, model: Any, optimizer: Any, scheduler: Any, str
                 zero1.check_state_dict(optimizer_state)
             except ValueError as e:
                 raise CheckpointError(f"{source}: {e}") from None
+        elif isinstance(getattr(optimizer, "optimizer", optimizer), torch.optim.Optimizer):  # ZeRO-1 off
+            check_torch_optimizer_state(optimizer_state, getattr(optimizer, "optimizer", optimizer), str(source))
     scheduler_state = _scheduler_state(tag, scheduler)
     user_content = _read(tag, USER_CONTENT_FILE) if os.path.lexists(tag / USER_CONTENT_FILE) else None
     return weights, optimizer_state, scheduler_state, user_content

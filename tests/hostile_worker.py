@@ -11,9 +11,11 @@ happens, so that the parent learns which case was running when the process died:
   AdamW moments corrupt memory). Events: ``started``, then ``refused`` or ``accepted`` and
   ``stepped``; a case past its ``limit_s`` is ``hung`` (the process then exits with 124).
 * ``memory``: the load (after healthy loads of every loader, so that what the libraries
-  allocate once is not counted), its peak resident memory over the resident memory before
-  it. Linux resets the peak through ``/proc/self/clear_refs``; where it cannot, the peak is
-  measured from the baseline after the warm-up.
+  allocate once is not counted), the peak of its anonymous resident memory (``RssAnon``:
+  what it allocates, not the library pages the kernel evicts and reloads when the machine is
+  busy) over that before it, sampled every millisecond while it runs; filling a gigabyte takes
+  far longer. Where ``RssAnon`` is not reported, the peak resident memory over the baseline
+  after the warm-up.
 """
 
 from __future__ import annotations
@@ -198,22 +200,36 @@ def _peak_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def _resident_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return _peak_kib()
-
-
-def _reset_peak() -> bool:
-    """Reset this process's peak resident memory (Linux >= 4.0); False where it cannot."""
+def _anonymous_kib() -> int | None:
+    """This process's anonymous resident memory (Linux), None where it is not reported."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1])
     except OSError:
-        return False
+        pass
+    return None
+
+
+class _AnonymousPeak:
+    """The highest ``RssAnon`` seen while the ``with`` block runs, sampled every millisecond."""
+
+    def __enter__(self):
+        self.start = self.peak = _anonymous_kib()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.001):
+            self.peak = max(self.peak, _anonymous_kib())
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, _anonymous_kib())
 
 
 def _attempt(case: dict[str, Any]):
@@ -259,12 +275,16 @@ def main(mode: str, spec_file: str, results_file: str) -> None:
         watchdog.daemon = True
         watchdog.start()
         gc.collect()  # what an earlier case left in reference cycles (a refusal's traceback) goes first
-        reset = mode == "memory" and _reset_peak()
-        resident = _resident_kib() if reset else baseline
+        anonymous = mode == "memory" and _anonymous_kib() is not None
         start = time.monotonic()
-        model, opt, scheduler, outcome = _attempt(case)
-        outcome["growth_mib"] = (_peak_kib() - resident) / 1024
-        outcome["peak_reset"] = reset
+        if anonymous:
+            with _AnonymousPeak() as meter:
+                model, opt, scheduler, outcome = _attempt(case)
+            outcome["growth_mib"] = (meter.peak - meter.start) / 1024
+        else:
+            model, opt, scheduler, outcome = _attempt(case)
+            outcome["growth_mib"] = (_peak_kib() - baseline) / 1024
+        outcome["anonymous_memory"] = anonymous
         outcome["seconds"] = time.monotonic() - start
         report(name, outcome.pop("event"), **outcome)
         if mode == "crash" and model is not None and outcome.get("type") is None:

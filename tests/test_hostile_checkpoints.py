@@ -817,7 +817,7 @@ def test_a_folder_of_a_few_kb_allocates_no_gigabytes(memory, case):
     problems = child_problems(result, MEMORY[case], root)
     if "growth_mib" in result and result["growth_mib"] >= GROWTH_LIMIT_MIB:
         problems.append(f"the peak resident memory grew by {result['growth_mib']:.0f} MiB "
-                        f"(at most {GROWTH_LIMIT_MIB}; peak reset: {result['peak_reset']})")
+                        f"(at most {GROWTH_LIMIT_MIB}; anonymous memory sampled: {result['anonymous_memory']})")
     assert not problems, problems
 
 
