@@ -50,6 +50,7 @@ __all__ = [
     "check_cast",
     "check_hyperparameters",
     "check_scheduler_state",
+    "is_scheduler",
     "state_kinds",
     "check_state_entry",
     "check_torch_optimizer_state",
@@ -114,23 +115,118 @@ def open_regular(path: str | os.PathLike) -> io.FileIO:
 
 # ---------------------------------------------------------------------------- pickled files
 def _constructors() -> frozenset[str]:
-    """The globals torch's ``weights_only`` unpickler admits that allocate by a size given as a
-    number (a few bytes of pickle could ask for gigabytes): refused before loading."""
+    """The globals torch's ``weights_only`` unpickler admits whose call allocates by a size given
+    as a number (a few bytes of pickle could ask for gigabytes): ``bytearray(n)``,
+    ``torch.Tensor(n)``, the legacy ``torch.FloatTensor(n)``. As arguments they are harmless."""
     legacy = {f"{cls.__module__} {cls.__name__}" for cls in torch._tensor_classes}
-    return frozenset({"builtins bytearray", "__builtin__ bytearray", *legacy})
+    return frozenset({"builtins bytearray", "__builtin__ bytearray", "torch Tensor", *legacy})
 
 
-_REFUSED_GLOBALS = _constructors()
+_REFUSED_CALLS = _constructors()
+
+
+class _Global(str):
+    """A global a pickle names (``"module name"``), as the scan below sees it."""
+
+
+_MARK, _OPAQUE = object(), object()
+
+
+def _storage_bytes(pid: Any) -> tuple[str, int] | None:
+    """``(record key, bytes)`` that a ``torch.save`` storage reference ``("storage", type, key,
+    location, numel)`` makes torch take from the record ``data/<key>``; None if it is no such one."""
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _Global)
+            and isinstance(pid[2], str) and isinstance(pid[4], int) and pid[4] >= 0):
+        return None
+    module, _, name = pid[1].partition(" ")
+    if name == "UntypedStorage":
+        return pid[2], pid[4]
+    cls = getattr(torch, name, None) if module == "torch" else None
+    dtype = getattr(cls, "dtype", None)
+    return (pid[2], pid[4] * dtype.itemsize) if isinstance(dtype, torch.dtype) else None
+
+
+def _scan_pickle(stream: Any, source: str) -> list[tuple[str, int]]:
+    """Walk a ``torch.save`` pickle as torch's ``weights_only`` unpickler would, keeping only
+    the names, strings and numbers on its stack: refuse a call of a constructor that allocates
+    by a number (``_REFUSED_CALLS``), and return every storage reference's ``(key, bytes)``.
+    Opcodes that loader does not accept are refused here too."""
+    stack: list[Any] = []
+    memo: dict[int, Any] = {}
+    storages = []
+
+    def to_mark() -> list[Any]:
+        i = len(stack) - 1 - stack[::-1].index(_MARK)
+        items = stack[i + 1:]
+        del stack[i:]
+        return items
+
+    for opcode, arg, _ in pickletools.genops(stream):
+        op = opcode.name
+        if op in ("PROTO", "STOP", "FRAME"):
+            continue
+        if op == "GLOBAL":
+            stack.append(_Global(arg))
+        elif op in ("BINUNICODE", "SHORT_BINUNICODE", "SHORT_BINSTRING", "BININT", "BININT1", "BININT2", "LONG1",
+                    "BINFLOAT"):
+            stack.append(arg)
+        elif op in ("NONE", "NEWTRUE", "NEWFALSE"):
+            stack.append({"NONE": None, "NEWTRUE": True, "NEWFALSE": False}[op])
+        elif op in ("EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"):
+            stack.append(_OPAQUE)
+        elif op == "MARK":
+            stack.append(_MARK)
+        elif op == "TUPLE":
+            stack.append(tuple(to_mark()))
+        elif op in ("TUPLE1", "TUPLE2", "TUPLE3"):
+            n = int(op[-1])
+            items = tuple(stack[len(stack) - n:]) if len(stack) >= n else None
+            if items is None:
+                raise IndexError(op)
+            del stack[len(stack) - n:]
+            stack.append(items)
+        elif op in ("BINPUT", "LONG_BINPUT"):
+            memo[arg] = stack[-1]
+        elif op == "MEMOIZE":
+            memo[len(memo)] = stack[-1]
+        elif op in ("BINGET", "LONG_BINGET"):
+            stack.append(memo.get(arg, _OPAQUE))
+        elif op in ("APPEND", "BUILD"):
+            stack.pop()
+        elif op == "SETITEM":
+            del stack[-2:]
+        elif op in ("APPENDS", "SETITEMS"):
+            to_mark()
+        elif op in ("REDUCE", "NEWOBJ"):
+            stack.pop()
+            func = stack.pop()
+            if op == "REDUCE" and func in _REFUSED_CALLS:
+                raise CheckpointError(f"{source} asks to call {func.replace(' ', '.')}(...), which allocates by a "
+                                      f"number it is given: a few bytes could claim any amount of memory. Refused "
+                                      f"(save bytes or tensors instead).")
+            stack.append(_OPAQUE)
+        elif op == "BINPERSID":
+            reference = _storage_bytes(stack.pop())
+            if reference is None:
+                raise CheckpointError(f"{source} holds a persistent reference that is not a torch.save storage.")
+            storages.append(reference)
+            stack.append(_OPAQUE)
+        else:
+            raise CheckpointError(f"{source} uses the pickle opcode {op}, which torch.load(weights_only=True) does "
+                                  f"not accept; refused.")
+    return storages
 
 
 def _check_archive(file: Any, size: int, source: str) -> None:
     """``file`` (``size`` bytes) is a ``torch.save`` zip archive that allocates no more than its
-    size: every record stored (not compressed) inside the file, and a pickle that calls no
-    constructor taking a size (``bytearray(n)``). Torch's own loader then enforces the rest."""
+    size: every record stored (not compressed) inside the file, a pickle that calls no
+    constructor taking a size (``bytearray(n)``), and every storage it refers to no larger than
+    the record that holds its bytes (torch would take the size from the pickle and read past the
+    record). Torch's own loader then enforces the rest."""
     try:
         with zipfile.ZipFile(file) as archive:
             records = archive.infolist()
-            pickles = [r for r in records if r.filename.endswith("data.pkl") and r.filename.count("/") == 1]
+            pickles = [r for r in records if r.filename.endswith("/data.pkl") and r.filename.count("/") == 1]
             for record in records:
                 if record.compress_type != zipfile.ZIP_STORED or record.header_offset + record.file_size > size:
                     raise CheckpointError(f"{source}: the record {record.filename!r} is compressed or claims more "
@@ -138,18 +234,21 @@ def _check_archive(file: Any, size: int, source: str) -> None:
             if len(pickles) != 1:
                 raise CheckpointError(f"{source} is not a torch.save archive (no data.pkl record).")
             with archive.open(pickles[0]) as stream:
-                for opcode, arg, _ in pickletools.genops(stream):
-                    if opcode.name == "GLOBAL" and arg in _REFUSED_GLOBALS:
-                        raise CheckpointError(
-                            f"{source} asks to build {arg.replace(' ', '.')}(...) from a size, which lets a few "
-                            f"bytes claim any amount of memory; refused (save bytes, or tensors, instead).")
+                storages = _scan_pickle(stream, source)
+            sizes = {r.filename: r.file_size for r in records}
+            prefix = pickles[0].filename.rsplit("/", 1)[0]
+            for key, nbytes in storages:
+                held = sizes.get(f"{prefix}/data/{key}")
+                if held is None or held < nbytes:
+                    raise CheckpointError(f"{source}: a storage claims {nbytes} bytes from the record data/{key}, "
+                                          f"which holds {held or 0}; refused (a crafted file).")
     except zipfile.BadZipFile:
         raise CheckpointError(f"{source} is not a torch.save zip archive (the format torch has written since 1.6); "
                               f"nxd_smp reads no other.") from None
-    except (ValueError, EOFError) as e:
+    except (ValueError, EOFError, IndexError, KeyError) as e:
         if isinstance(e, CheckpointError):
             raise
-        raise CheckpointError(f"{source} holds a damaged pickle: {e}") from None
+        raise CheckpointError(f"{source} holds a damaged pickle: {type(e).__name__}: {e}") from None
     finally:
         file.seek(0)
 
@@ -219,7 +318,7 @@ def _overlaps_itself(tensor: torch.Tensor) -> bool:
     return False
 
 
-def check_tensors(value: Any, source: str, *, at: tuple = ()) -> None:
+def check_tensors(value: Any, source: str, *, at: tuple = (), seen: set[int] | None = None) -> None:
     """Every tensor inside ``value`` (dicts, lists, tuples, sets) is a dense strided CPU tensor
     that does not overlap itself: no sparse, quantized, nested or meta tensor, no expanded one.
 
@@ -228,6 +327,11 @@ def check_tensors(value: Any, source: str, *, at: tuple = ()) -> None:
     """
     if len(at) > 64:
         raise CheckpointError(f"{source} nests containers more than 64 deep; refused.")
+    seen = set() if seen is None else seen
+    if id(value) in seen:  # a container or tensor the file refers to twice is checked once
+        return
+    if isinstance(value, (torch.Tensor, Mapping, list, tuple, set, frozenset)):
+        seen.add(id(value))
     if isinstance(value, torch.Tensor):
         where = "/".join(map(str, at)) or "the top level"
         if value.layout != torch.strided or value.is_quantized or value.is_nested or value.device.type != "cpu":
@@ -240,11 +344,11 @@ def check_tensors(value: Any, source: str, *, at: tuple = ()) -> None:
                                   f"(strides {value.stride()}: elements shared, more than its storage holds). Refused.")
     elif isinstance(value, Mapping):
         for key, item in value.items():
-            check_tensors(key, source, at=(*at, "<key>"))
-            check_tensors(item, source, at=(*at, key))
+            check_tensors(key, source, at=(*at, "<key>"), seen=seen)
+            check_tensors(item, source, at=(*at, key), seen=seen)
     elif isinstance(value, (list, tuple, set, frozenset)):
         for i, item in enumerate(value):
-            check_tensors(item, source, at=(*at, i))
+            check_tensors(item, source, at=(*at, i), seen=seen)
 
 
 def check_cast(value: Any, dtype: torch.dtype, where: str) -> None:
@@ -273,27 +377,41 @@ def check_cast(value: Any, dtype: torch.dtype, where: str) -> None:
 _PLAIN = (type(None), bool, int, float, str)
 
 
-def _fits(saved: Any, live: Any) -> bool:
-    """Whether ``saved`` is a value of the kind ``live`` is (the same for a hyperparameter or a
-    scheduler field): numbers for numbers (finite; never a bool for one), bools for bools, the
-    same length for tuples and lists, a tensor of the same shape or a number for a tensor."""
+def _misfit(saved: Any, live: Any, finite: bool = True, at: str = "") -> str | None:
+    """Where and how ``saved`` is not a value of the kind ``live`` is (a hyperparameter, a
+    scheduler field), None if it is: a real number for a number or a one-element tensor (finite
+    where ``finite``; never a bool), bools for bools, the same length for tuples and lists, the
+    same keys for dicts (never ``optimizer``), recursively. ``at``: the path so far."""
+    here = f"{at} = {_describe(saved)} where the live value is {_describe(live)}"
     if isinstance(live, bool):
-        return isinstance(saved, bool)
-    if isinstance(live, (int, float)):
-        return isinstance(saved, (int, float)) and not isinstance(saved, bool) and math.isfinite(saved)
-    if isinstance(live, torch.Tensor):
+        return None if isinstance(saved, bool) else here
+    if isinstance(live, (int, float, torch.Tensor)):
         if isinstance(saved, torch.Tensor):
-            return saved.shape == live.shape and not saved.dtype.is_complex and bool(torch.isfinite(saved).all())
-        return _fits(saved, 0.0)
+            shape_ok = saved.shape == live.shape if isinstance(live, torch.Tensor) else saved.numel() == 1
+            ok = (shape_ok and not saved.dtype.is_complex and saved.dtype != torch.bool
+                  and (not finite or bool(torch.isfinite(saved).all())))
+        else:
+            ok = isinstance(saved, (int, float)) and not isinstance(saved, bool) and (not finite or math.isfinite(saved))
+        return None if ok else here
     if isinstance(live, (tuple, list)):
-        return isinstance(saved, (tuple, list)) and len(saved) == len(live) and all(map(_fits, saved, live))
+        if not isinstance(saved, (tuple, list)) or len(saved) != len(live):
+            return here
+        return next((m for i, (s, v) in enumerate(zip(saved, live)) if (m := _misfit(s, v, finite, f"{at}[{i}]"))),
+                    None)
     if live is None:
-        return isinstance(saved, _PLAIN) or (isinstance(saved, (tuple, list)) and all(isinstance(v, _PLAIN) for v in saved))
+        plain = isinstance(saved, _PLAIN) or (isinstance(saved, (tuple, list)) and all(isinstance(v, _PLAIN) for v in saved))
+        return None if plain else here
     if isinstance(live, str):
-        return isinstance(saved, str)
+        return None if isinstance(saved, str) else here
     if isinstance(live, Mapping):
-        return isinstance(saved, Mapping)
-    return type(saved) is type(live)
+        if not isinstance(saved, Mapping):
+            return here
+        if "optimizer" in saved:
+            return f"{at}['optimizer'] (a scheduler's state never holds its optimizer)"
+        if set(saved) != set(live):
+            return f"{at} has the keys {sorted(map(str, saved))}, the live one {sorted(map(str, live))}"
+        return next((m for k in live if (m := _misfit(saved[k], live[k], finite, f"{at}[{k!r}]"))), None)
+    return None if type(saved) is type(live) else here
 
 
 def _describe(value: Any) -> str:
@@ -320,11 +438,14 @@ def check_hyperparameters(saved: Any, group: Mapping[str, Any], where: str) -> d
         elif key == "params":
             problems.append("'params', which is not a hyperparameter (a group's parameters are the live ones)")
         elif key in KERNEL_OPTIONS:
-            if not isinstance(value, _PLAIN):
-                problems.append(f"{key!r} = {_describe(value)}")
+            if value is not None and not isinstance(value, bool):
+                problems.append(f"{key!r} = {_describe(value)}, not True, False or None")
+        elif key == "param_names":  # torch >= 2.7 writes the names of named parameters
+            if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
+                problems.append(f"'param_names' = {_describe(value)}, not a list of names")
         elif key in group:
-            if not _fits(value, group[key]):
-                problems.append(f"{key!r} = {_describe(value)} where the group holds {_describe(group[key])}")
+            if misfit := _misfit(value, group[key], at=repr(key)):
+                problems.append(misfit)
         elif not isinstance(value, _PLAIN):
             problems.append(f"{key!r} = {_describe(value)}, unknown to the group and not a plain value")
     if problems:
@@ -334,7 +455,9 @@ def check_hyperparameters(saved: Any, group: Mapping[str, Any], where: str) -> d
 
 def check_scheduler_state(saved: Any, scheduler: Any, where: str) -> None:
     """``saved`` has exactly the keys the scheduler's own ``state_dict()`` has, each of the kind
-    it holds there, and no ``optimizer`` (which would replace the scheduler's optimizer).
+    it holds there (nested states too: ``SequentialLR``'s), and no ``optimizer`` (which would
+    replace the scheduler's optimizer). Non-finite numbers are kept (``ReduceLROnPlateau``'s
+    ``best`` starts at infinity).
 
     Raises:
         CheckpointError: naming ``where`` and the keys.
@@ -350,22 +473,34 @@ def check_scheduler_state(saved: Any, scheduler: Any, where: str) -> None:
         problems.append(f"missing {lacking}")
     if surplus:
         problems.append(f"keys the scheduler does not have {surplus[:8]}")
-    problems += [f"{key!r} = {_describe(saved[key])} where the scheduler holds {_describe(live[key])}"
-                 for key in sorted(set(saved) & set(live), key=str) if not _fits(saved[key], live[key])]
+    problems += [m for key in sorted(set(saved) & set(live), key=str)
+                 if (m := _misfit(saved[key], live[key], finite=False, at=repr(key)))]
     if problems:
         raise CheckpointError(f"{where}: the scheduler state does not fit {type(scheduler).__name__}: "
                               + "; ".join(problems) + ".")
 
 
-def state_kinds(optimizer: Any) -> dict[str, bool] | None:
+def _kind(value: Any) -> bool | None:
+    """A state value's kind: True a tensor shaped like its parameter, False a 0-dim tensor, None
+    a Python number (transformers' Adafactor keeps ``step`` so)."""
+    return (value.dim() > 0) if isinstance(value, torch.Tensor) else None
+
+
+def is_scheduler(obj: Any) -> bool:
+    """Whether ``obj`` is one of torch's LR schedulers (its state is checked as a scheduler's)."""
+    lr = torch.optim.lr_scheduler
+    return isinstance(obj, (lr.LRScheduler, lr.ReduceLROnPlateau))
+
+
+def state_kinds(optimizer: Any) -> dict[str, bool | None] | None:
     """The inner optimizer's (or a torch optimizer's) own state keys, each True for a tensor shaped like its parameter
-    (a moment) and False for a 0-dim one (``step``): from its live state, or, before its first
+    (a moment), False for a 0-dim one (``step``), None for a Python number: from its live state, or, before its first
     step, from a throwaway instance of its class stepped once on a two-element parameter. None
     when the class cannot be built that way (then only ``step`` may be 0-dim)."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     for entry in inner.state.values():
         if entry:
-            return {key: isinstance(v, torch.Tensor) and v.dim() > 0 for key, v in entry.items()}
+            return {key: _kind(v) for key, v in entry.items()}
     cls = type(inner)
     try:
         accepted = inspect.signature(cls.__init__).parameters
@@ -375,12 +510,12 @@ def state_kinds(optimizer: Any) -> dict[str, bool] | None:
         probe = cls([{**group, "params": [param]}], **kwargs)
         param.grad = torch.zeros(2)
         probe.step()
-        return {key: isinstance(v, torch.Tensor) and v.dim() > 0 for key, v in probe.state[param].items()}
+        return {key: _kind(v) for key, v in probe.state[param].items()}
     except Exception:  # noqa: BLE001 - a class that cannot be probed; the fallback rule applies
         return None
 
 
-def check_state_entry(entry: Any, kinds: Mapping[str, bool] | None, shape: tuple[int, ...], where: str) -> list[str]:
+def check_state_entry(entry: Any, kinds: Mapping[str, bool | None] | None, shape: tuple[int, ...], where: str) -> list[str]:
     """The problems of one parameter's saved optimizer state ``entry`` (``{key: tensor}``)
     against the inner optimizer's ``kinds`` (``state_kinds``): the same keys (or none: a
     parameter without state yet), tensors of real dtype, shaped like the parameter (``shape``)
@@ -395,6 +530,10 @@ def check_state_entry(entry: Any, kinds: Mapping[str, bool] | None, shape: tuple
         problems.append(f"{where}: state keys {sorted(map(str, entry))}, the optimizer's are {sorted(kinds)}"
                         + (f" (missing {lacking})" if lacking else "") + (f" (unknown {surplus})" if surplus else ""))
     for key, value in entry.items():
+        if kinds is not None and kinds.get(key, False) is None:  # the optimizer's own is a number
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                problems.append(f"{where}/{key} is a {type(value).__name__}, not a number")
+            continue
         if not isinstance(value, torch.Tensor):
             problems.append(f"{where}/{key} is a {type(value).__name__}, not a tensor")
             continue

@@ -28,6 +28,7 @@ from .checkpoint_checks import (
     check_hyperparameters,
     check_scheduler_state,
     check_state_entry,
+    is_scheduler,
     load_objects,
     state_kinds,
 )
@@ -133,8 +134,9 @@ def _saved_objects(saved: Any, form: str, objects: Mapping[str, Any], source: Pa
             f"the checkpoint holds no state for {missing}; it has {sorted(saved['objects']) or 'none'}. "
             f"Load without them, or from a checkpoint saved with them."
         )
-    if SCHEDULER in objects:
-        check_scheduler_state(saved["objects"][SCHEDULER], objects[SCHEDULER], f"{source} ({SCHEDULER})")
+    for name, obj in objects.items():
+        if name == SCHEDULER or is_scheduler(obj):
+            check_scheduler_state(saved["objects"][name], obj, f"{source} ({name})")
     return saved
 
 
@@ -232,8 +234,8 @@ def _check_optimizer(saved_opt: Mapping[str, Any] | None, names: list[str], opti
     kinds = state_kinds(optimizer)
     tensors, scalars = set(saved_opt["tensor_keys"]), set(saved_opt["scalar_keys"])
     if tensors or scalars:
-        expected = ({k for k, moment in kinds.items() if moment}, {k for k, moment in kinds.items() if not moment}) \
-            if kinds is not None else (tensors, scalars & {"step"})
+        expected = (tensors, scalars & {"step"}) if kinds is None else (
+            {k for k, moment in kinds.items() if moment}, {k for k, moment in kinds.items() if moment is False})
         if (tensors, scalars) != expected:
             raise CheckpointError(
                 f"{source}: the optimizer state keys do not fit {type(optimizer.inner_optimizer).__name__}: "

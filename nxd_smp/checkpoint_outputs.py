@@ -29,6 +29,8 @@ from .checkpoint_links import fsync_dir
 
 __all__ = ["check_target", "write_file", "write_directory"]
 
+#: What ``link(2)`` answers on a filesystem without hard links.
+_NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK)
 #: What ``rename(2)`` or ``link(2)`` answer when something is already at the target.
 _TAKEN = (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR)
 
@@ -93,9 +95,13 @@ def write_file(out: str | os.PathLike, write: Callable[[BinaryIO], None], *, ove
         else:
             try:
                 os.link(staging, out)  # never over anything, a dangling link included
+                staging.unlink()
             except OSError as e:
-                _refuse_if_taken(e, out)
-            staging.unlink()
+                if e.errno not in _NO_HARD_LINKS:
+                    _refuse_if_taken(e, out)
+                if os.path.lexists(out):  # a filesystem without hard links (vfat): check, then rename
+                    _refuse_if_taken(OSError(errno.EEXIST, "exists"), out)
+                os.rename(staging, out)
     except BaseException:
         staging.unlink(missing_ok=True)
         raise

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .checkpoint_checks import CheckpointError, inside, load_bytes, load_file, open_regular
+from .checkpoint_checks import CheckpointError, check_cast, inside, load_bytes, load_file, open_regular
 
 __all__ = [
     "ChecksumError",
@@ -350,7 +350,7 @@ def _stored(path: Path, key: str, meta: TensorStorageMetadata, info: Any, direct
     nbytes = dtype.itemsize
     for d in shape:
         nbytes *= d
-    if raw and length != nbytes:
+    if raw and length != nbytes or not raw and length < nbytes:
         raise CheckpointError(f"{path}: entry {key!r} claims {length} bytes for a {shape} {dtype} tensor of {nbytes}.")
     if name not in files:
         file = inside(directory, name, source=f"{path}: entry {key!r}")
@@ -402,9 +402,12 @@ def read_tensors(
                 elif stored.raw:
                     staging = torch.empty(stored.shape, dtype=stored.dtype)
                     _read_raw(f, key, stored, staging, verify)
+                    check_cast(staging, target.dtype, f"{key} in {stored.file}")
                     target.copy_(staging)
                 else:
-                    target.copy_(_read_record(f, key, stored))
+                    record = _read_record(f, key, stored)
+                    check_cast(record, target.dtype, f"{key} in {stored.file}")
+                    target.copy_(record)
 
     jobs = list(per_file.items())
     if len(jobs) <= 1 or threads <= 1:

@@ -300,7 +300,7 @@ def _read_entry(directory: Path, key: str, entry: _Entry) -> Any:
         if not isinstance(dtype, torch.dtype) or not all(isinstance(d, int) and d >= 0 for d in size):
             raise CheckpointError(f"{directory}: the index gives {key!r} the shape {size} and dtype {dtype!r}.")
         whole = torch.empty(size, dtype=dtype)
-        covered = 0
+        covered = torch.zeros(size, dtype=torch.bool)
         for chunk in entry.meta.chunks:
             offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
             info = entry.records.get(offsets)
@@ -312,10 +312,14 @@ def _read_entry(directory: Path, key: str, entry: _Entry) -> Any:
             if not isinstance(piece, torch.Tensor) or tuple(piece.shape) != sizes or piece.dtype != dtype:
                 raise CheckpointError(f"{directory}: the record of {key!r} at {offsets} is not the {sizes} "
                                       f"{dtype} tensor its index says.")
-            whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].copy_(piece)
-            covered += math.prod(sizes)
-        if covered != whole.numel():
-            raise CheckpointError(f"{directory}: the chunks of {key!r} cover {covered} of its {whole.numel()} elements.")
+            span = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+            if bool(covered[span].any()):
+                raise CheckpointError(f"{directory}: the chunks of {key!r} overlap at {offsets}.")
+            whole[span].copy_(piece)
+            covered[span] = True
+        if not bool(covered.all()):
+            raise CheckpointError(f"{directory}: the chunks of {key!r} cover {int(covered.sum())} of its "
+                                  f"{whole.numel()} elements.")
         return whole
     except UnsafeFileError as e:
         raise CheckpointError(f"the checkpoint at {directory} was refused: {e}") from None
@@ -467,7 +471,7 @@ def _read_and_check(directory: Path, model: nn.Module, optimizer: Zero1Optimizer
         except CheckpointError as e:
             problems.append(str(e))
     if problems:
-        raise CheckpointError(" ".join(problems))
+        raise CheckpointError("; ".join(problems) + ".")
     masters = {name: native_model[name] for name in names} if optimizer.mixed_precision.use_master_weights else None
     check_full_optimizer_state(model, optimizer, state, hypers, masters, source=directory / ".metadata")
     return native_model, state, hypers, masters

@@ -136,10 +136,23 @@ def _read(tag: Path, name: str) -> Any:
     with _XSER_ADMISSION, torch.serialization.safe_globals([(_TensorReference, XSER_REFERENCE)]):
         data = load_file(path, folder=tag, name=name)
 
+    done: dict[int, Any] = {}  # by id: a tensor or container referred to twice is restored once
+
     def restore(value: Any) -> Any:
+        key = getattr(value, "tid", None) if isinstance(value, _TensorReference) else id(value)
+        if isinstance(key, int) and not isinstance(key, bool) and key in done:
+            return done[key] if isinstance(value, _TensorReference) else done[key][1]
+        out = _restore(value)
+        if isinstance(value, _TensorReference):
+            done[key] = out
+        elif isinstance(value, (dict, list, tuple)):
+            done[key] = (value, out)  # (the original kept alive, so its id is not reused)
+        return out
+
+    def _restore(value: Any) -> Any:
         if isinstance(value, _TensorReference):
             tid = getattr(value, "tid", None)
-            if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+            if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < 1 << 62:
                 raise CheckpointError(f"{path} holds a tensor reference without an integer id.")
             file = tensors / f"tensor_{tid}.pt"
             if not os.path.lexists(file):

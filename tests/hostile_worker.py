@@ -11,11 +11,8 @@ happens, so that the parent learns which case was running when the process died:
   AdamW moments corrupt memory). Events: ``started``, then ``refused`` or ``accepted`` and
   ``stepped``; a case past its ``limit_s`` is ``hung`` (the process then exits with 124).
 * ``memory``: the load (after healthy loads of every loader, so that what the libraries
-  allocate once is not counted), the peak of its anonymous resident memory (``RssAnon``:
-  what it allocates, not the library pages the kernel evicts and reloads when the machine is
-  busy) over that before it, sampled every millisecond while it runs; filling a gigabyte takes
-  far longer. Where ``RssAnon`` is not reported, the peak resident memory over the baseline
-  after the warm-up.
+  allocate once is not counted), its peak resident memory over the resident memory before it,
+  less the library pages it read back (``_PeakGrowth``).
 """
 
 from __future__ import annotations
@@ -200,36 +197,47 @@ def _peak_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def _anonymous_kib() -> int | None:
-    """This process's anonymous resident memory (Linux), None where it is not reported."""
+def _status_kib() -> dict[str, int]:
+    """This process's ``VmHWM`` (peak resident), ``VmRSS`` and ``RssFile`` (Linux), {} elsewhere."""
+    out = {}
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1])
+                key = line.split(":")[0]
+                if key in ("VmHWM", "VmRSS", "RssFile"):
+                    out[key] = int(line.split()[1])
     except OSError:
         pass
-    return None
+    return out
 
 
-class _AnonymousPeak:
-    """The highest ``RssAnon`` seen while the ``with`` block runs, sampled every millisecond."""
+class _PeakGrowth:
+    """How much the ``with`` block grew the peak resident memory, less what it grew the
+    resident library pages by: the peak is reset to the current memory first
+    (``/proc/self/clear_refs``), and pages of shared libraries the kernel evicted on a busy
+    machine and the block read back are not the block's allocations. ``exact``: False where the
+    peak cannot be reset (then the growth is over the baseline after the warm-up)."""
+
+    def __init__(self, baseline_kib: int):
+        self.baseline = baseline_kib
 
     def __enter__(self):
-        self.start = self.peak = _anonymous_kib()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.exact = True
+        except OSError:
+            self.exact = False
+        self.before = _status_kib()
         return self
 
-    def _sample(self) -> None:
-        while not self._done.wait(0.001):
-            self.peak = max(self.peak, _anonymous_kib())
-
     def __exit__(self, *exc):
-        self._done.set()
-        self._thread.join()
-        self.peak = max(self.peak, _anonymous_kib())
+        after = _status_kib()
+        if self.exact and "VmHWM" in after:
+            files = max(0, after.get("RssFile", 0) - self.before.get("RssFile", 0))
+            self.growth_mib = (after["VmHWM"] - self.before["VmRSS"] - files) / 1024
+        else:
+            self.growth_mib = (_peak_kib() - self.baseline) / 1024
 
 
 def _attempt(case: dict[str, Any]):
@@ -275,16 +283,11 @@ def main(mode: str, spec_file: str, results_file: str) -> None:
         watchdog.daemon = True
         watchdog.start()
         gc.collect()  # what an earlier case left in reference cycles (a refusal's traceback) goes first
-        anonymous = mode == "memory" and _anonymous_kib() is not None
         start = time.monotonic()
-        if anonymous:
-            with _AnonymousPeak() as meter:
-                model, opt, scheduler, outcome = _attempt(case)
-            outcome["growth_mib"] = (meter.peak - meter.start) / 1024
-        else:
+        with _PeakGrowth(baseline) as meter:
             model, opt, scheduler, outcome = _attempt(case)
-            outcome["growth_mib"] = (_peak_kib() - baseline) / 1024
-        outcome["anonymous_memory"] = anonymous
+        outcome["growth_mib"] = meter.growth_mib
+        outcome["peak_reset"] = meter.exact
         outcome["seconds"] = time.monotonic() - start
         report(name, outcome.pop("event"), **outcome)
         if mode == "crash" and model is not None and outcome.get("type") is None:

@@ -817,7 +817,7 @@ def test_a_folder_of_a_few_kb_allocates_no_gigabytes(memory, case):
     problems = child_problems(result, MEMORY[case], root)
     if "growth_mib" in result and result["growth_mib"] >= GROWTH_LIMIT_MIB:
         problems.append(f"the peak resident memory grew by {result['growth_mib']:.0f} MiB "
-                        f"(at most {GROWTH_LIMIT_MIB}; anonymous memory sampled: {result['anonymous_memory']})")
+                        f"(at most {GROWTH_LIMIT_MIB}; peak reset: {result['peak_reset']})")
     assert not problems, problems
 
 
@@ -870,3 +870,92 @@ def test_inspect_refuses_a_hostile_folder_with_one_error_line(healthy, tmp_path,
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error:"), (rc, err)
     assert_names(without(tmp_path, lines[0]), attack)
+
+
+# ---------------------------------------------------------------- the pickled files themselves
+def _torch_saved(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _with_record_cut(data: bytes, suffix: str, keep: int) -> bytes:
+    """``data`` (a torch.save archive) with the record ending in ``suffix`` cut to ``keep`` bytes."""
+    import zipfile
+
+    source, out = zipfile.ZipFile(io.BytesIO(data)), io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
+        for info in source.infolist():
+            record = source.read(info.filename)
+            archive.writestr(info, record[:keep] if info.filename.endswith(suffix) else record)
+    return out.getvalue()
+
+
+class _SizedCall:
+    """Unpickling it calls ``fn(n)``: a few bytes asking for ``n`` elements."""
+
+    def __init__(self, fn, n):
+        self.fn, self.n = fn, n
+
+    def __reduce__(self):
+        return (self.fn, (self.n,))
+
+
+@pytest.mark.parametrize("case", ["a storage longer than its record", "torch.Tensor(n)", "bytearray(n)"])
+def test_a_pickled_file_cannot_claim_more_than_it_holds(case):
+    """torch takes a storage's size from the pickle and its bytes from a record: a record cut
+    short would be read past its end (a crash when copied). ``torch.Tensor(n)`` and
+    ``bytearray(n)`` are on torch's allow-list and allocate whatever ``n`` says."""
+    from nxd_smp.checkpoint_checks import load_bytes
+
+    data = {
+        "a storage longer than its record": lambda: _with_record_cut(_torch_saved(torch.ones(1 << 20)), "data/0", 16),
+        "torch.Tensor(n)": lambda: _torch_saved({"x": _SizedCall(torch.Tensor, 2**29)}),
+        "bytearray(n)": lambda: _torch_saved({"x": _SizedCall(bytearray, 2**31)}),
+    }[case]()
+    assert len(data) < 4096
+    with pytest.raises(CheckpointError, match="extra.pt"):
+        load_bytes(data, "extra.pt")
+
+
+def test_a_file_referring_to_one_container_many_times_is_checked_once():
+    """``x = [x, x]`` forty deep is a few hundred bytes and 2**40 paths: walked by identity."""
+    from nxd_smp.checkpoint_checks import load_bytes
+
+    nested: Any = [torch.zeros(1)]
+    for _ in range(40):
+        nested = [nested, nested]
+    assert load_bytes(_torch_saved(nested), "extra.pt")[0][0] is not None
+
+
+def test_schedulers_with_infinite_or_nested_state_resume(tmp_path):
+    """The scheduler check does not refuse what torch's schedulers really hold:
+    ReduceLROnPlateau's infinite ``best``, SequentialLR's nested states (each checked, so an
+    ``optimizer`` inside one is refused)."""
+    from nxd_smp import MixedPrecisionConfig, Zero1Optimizer, load_checkpoint, save_checkpoint
+    from tests.oracle import batch, loss_fn, make_model, param_groups
+
+    model = make_model(0)
+    opt = Zero1Optimizer(param_groups(model, lr_a=1e-2, lr_b=3e-2), torch.optim.AdamW,
+                         mixed_precision=MixedPrecisionConfig(use_master_weights_in_ckpt=True))
+    lr = torch.optim.lr_scheduler
+
+    def sequential():
+        return lr.SequentialLR(opt, [lr.LinearLR(opt), lr.StepLR(opt, 3)], milestones=[2])
+
+    plateau, chain = lr.ReduceLROnPlateau(opt), sequential()
+    loss_fn(model, *batch(0, 0, 0, 0)).backward()
+    opt.step()
+    chain.step()
+    save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt, scheduler=chain, stateful={"plateau": plateau})
+    fresh_plateau, fresh_chain = lr.ReduceLROnPlateau(opt), sequential()
+    load_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt, scheduler=fresh_chain,
+                    stateful={"plateau": fresh_plateau})
+    assert fresh_plateau.best == plateau.best == float("inf") and fresh_chain.last_epoch == chain.last_epoch
+
+    state = chain.state_dict()
+    state["_schedulers"][0]["optimizer"] = "not the scheduler's"
+    with pytest.raises(CheckpointError, match="optimizer"):
+        from nxd_smp.checkpoint_checks import check_scheduler_state
+
+        check_scheduler_state(state, sequential(), "scheduler.pt")
