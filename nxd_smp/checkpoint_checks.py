@@ -42,6 +42,8 @@ from .param_groups import KERNEL_OPTIONS
 
 __all__ = [
     "CheckpointError",
+    "is_size",
+    "is_shape",
     "inside",
     "open_regular",
     "load_file",
@@ -65,6 +67,16 @@ class CheckpointError(ValueError):
 
 
 # ---------------------------------------------------------------------------- files
+def is_size(value: Any) -> bool:
+    """Whether ``value`` is a size, offset or length: a non-negative int (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def is_shape(value: Any) -> bool:
+    """Whether ``value`` is a shape: a tuple or list of sizes."""
+    return isinstance(value, (tuple, list)) and all(is_size(d) for d in value)
+
+
 def inside(folder: str | os.PathLike, name: Any, *, source: str = "the checkpoint") -> Path:
     """The file ``name`` (as an index or a reference names it) of the checkpoint ``folder``,
     resolved: a relative path with no ``..`` whose real location (links followed) lies inside
@@ -419,12 +431,12 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def check_hyperparameters(saved: Any, group: Mapping[str, Any], where: str) -> dict[str, Any]:
+def check_hyperparameters(saved: Any, group: Mapping[str, Any], where: str) -> None:
     """``saved``, one param group's hyperparameters from a checkpoint, checked against the live
     ``group``: a dict of string keys, never ``params``, each key the group has holding a value
     of the kind the group holds (``lr`` a real number, ``betas`` a pair of them, ...). A key the
     group lacks (an LR scheduler's ``initial_lr``, an option of another torch version) is kept
-    when its value is a plain number, bool, string or None. Returns it as a dict.
+    when its value is a plain number, bool, string or None.
 
     Raises:
         CheckpointError: naming ``where`` and every key that does not fit.
@@ -450,7 +462,6 @@ def check_hyperparameters(saved: Any, group: Mapping[str, Any], where: str) -> d
             problems.append(f"{key!r} = {_describe(value)}, unknown to the group and not a plain value")
     if problems:
         raise CheckpointError(f"{where}: hyperparameters that do not fit the param group: " + "; ".join(problems) + ".")
-    return dict(saved)
 
 
 def check_scheduler_state(saved: Any, scheduler: Any, where: str) -> None:
@@ -496,7 +507,9 @@ def state_kinds(optimizer: Any) -> dict[str, bool | None] | None:
     """The inner optimizer's (or a torch optimizer's) own state keys, each True for a tensor shaped like its parameter
     (a moment), False for a 0-dim one (``step``), None for a Python number: from its live state, or, before its first
     step, from a throwaway instance of its class stepped once on a two-element parameter. None
-    when the class cannot be built that way (then only ``step`` may be 0-dim)."""
+    when the class cannot be built that way (then only ``step`` may be 0-dim). The probe runs
+    the class's ``__init__`` and ``step`` on a CPU tensor: an element-wise optimizer's, as
+    ``Zero1Optimizer`` requires, touches nothing else."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     for entry in inner.state.values():
         if entry:

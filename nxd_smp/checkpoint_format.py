@@ -31,13 +31,13 @@ import os
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn as nn
 
-from .checkpoint_checks import CheckpointError, inside, open_regular
-from .checkpoint_storage import IO_THREADS, StoredTensor, read_tensors, safe_load
+from .checkpoint_checks import CheckpointError, inside, is_shape, load_file, open_regular
+from .checkpoint_storage import IO_THREADS, StoredTensor, read_tensors
 from .checkpoint_storage import read_index as storage_index
 from .param_groups import index_groups
 from .zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
@@ -220,7 +220,7 @@ def completion_record(target: Path) -> dict[str, Any]:
     with open_regular(inside(target, COMPLETE_FILE)) as f:
         try:
             record = json.loads(f.read())
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise CheckpointError(f"{path} is damaged: {e}") from None
     if not isinstance(record, dict) or record.get("format") not in (FORMAT, FORMAT_V1):
         found = record.get("format") if isinstance(record, dict) else record
@@ -264,12 +264,7 @@ def load_small_file(path: Path) -> Any:
             ``torch.load(weights_only=True)`` refuses, or for memory it does not hold, naming
             the file and what it asked for.
     """
-    return safe_load(path)
-
-
-def _sizes(value: Any) -> bool:
-    return isinstance(value, (tuple, list)) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                    for d in value)
+    return load_file(path)
 
 
 def _dtype_name(value: Any) -> bool:
@@ -285,7 +280,7 @@ def check_meta(meta: Any, source: Path) -> None:
     Raises:
         CheckpointError: naming ``source`` and the field.
     """
-    def refuse(what: str) -> None:
+    def refuse(what: str) -> NoReturn:
         raise CheckpointError(f"{source} is damaged or crafted: {what}; refused.")
 
     if not isinstance(meta, Mapping) or meta.get("format") not in (FORMAT, FORMAT_V1):
@@ -294,7 +289,7 @@ def check_meta(meta: Any, source: Path) -> None:
     if not isinstance(model, Mapping):
         refuse("'model' is not a dict")
     for key, info in model.items():
-        if not isinstance(key, str) or not isinstance(info, Mapping) or not _sizes(info.get("shape")) \
+        if not isinstance(key, str) or not isinstance(info, Mapping) or not is_shape(info.get("shape")) \
                 or not _dtype_name(info.get("dtype")):
             refuse(f"the model entry {key!r} is not {{'shape': sizes, 'dtype': a torch dtype}}")
     opt = meta.get("optimizer")
@@ -316,7 +311,7 @@ def check_meta(meta: Any, source: Path) -> None:
         if not isinstance(group.get("hyper"), Mapping):
             refuse(f"param group {i}'s hyperparameters are a {type(group.get('hyper')).__name__}, not a dict")
     for name, info in opt["params"].items():
-        if not isinstance(info, Mapping) or not _sizes(info.get("shape")) or not _dtype_name(info.get("dtype")):
+        if not isinstance(info, Mapping) or not is_shape(info.get("shape")) or not _dtype_name(info.get("dtype")):
             refuse(f"the optimizer's parameter {name!r} is not {{'shape': sizes, 'dtype': a torch dtype}}")
         numel = 1
         for d in info["shape"]:
@@ -325,7 +320,7 @@ def check_meta(meta: Any, source: Path) -> None:
         if not isinstance(pieces, list):
             refuse(f"the pieces of {name!r} are not a list")
         for piece in pieces:
-            if not (isinstance(piece, (tuple, list)) and len(piece) == 2 and _sizes(piece) and piece[0] == end
+            if not (isinstance(piece, (tuple, list)) and len(piece) == 2 and is_shape(piece) and piece[0] == end
                     and piece[1] > piece[0]):
                 refuse(f"the pieces of {name!r} do not tile its {numel} elements in order ({piece!r} after {end})")
             end = piece[1]

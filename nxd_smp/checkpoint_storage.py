@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .checkpoint_checks import CheckpointError, check_cast, inside, load_bytes, load_file, open_regular
+from .checkpoint_checks import CheckpointError, check_cast, inside, is_shape, is_size, load_bytes, load_file, open_regular
 
 __all__ = [
     "ChecksumError",
@@ -56,7 +56,6 @@ __all__ = [
     "read_metadata",
     "read_record",
     "read_tensors",
-    "safe_load",
     "write_metadata",
     "write_tensors",
 ]
@@ -132,15 +131,6 @@ class SafeUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafeFileError(f"{self._source} holds a persistent reference; refused.")
-
-
-def safe_load(path: str | os.PathLike) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU of a regular file, bounded by its size
-    (``checkpoint_checks.load_file``); a refusal is a ``CheckpointError`` naming the file and what
-    it asked for. Plain containers, numbers, strings and tensors load; a class of the caller's
-    own loads once allowed with ``torch.serialization.add_safe_globals([TheClass])`` (torch's
-    rule since 2.6)."""
-    return load_file(path)
 
 
 # ---------------------------------------------------------------------------- writing
@@ -323,15 +313,11 @@ def read_index(directory: str | os.PathLike) -> dict[str, StoredTensor]:
     return out
 
 
-def _natural(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _stored(path: Path, key: str, meta: TensorStorageMetadata, info: Any, directory: str | os.PathLike,
             files: dict[str, tuple[Path, int]]) -> StoredTensor:
     """One index entry, checked: shape, dtype, where its bytes are, within its file."""
     shape = tuple(meta.size) if isinstance(meta.size, (tuple, list)) else None
-    if shape is None or not all(_natural(d) for d in shape):
+    if shape is None or not is_shape(shape):
         raise CheckpointError(f"{path}: entry {key!r} has the shape {meta.size!r}, not a tuple of sizes.")
     if isinstance(info, RawItem):
         name, offset, length, crc, dtype, raw = info.file, info.offset, info.length, info.crc32, info.dtype, True
@@ -344,7 +330,7 @@ def _stored(path: Path, key: str, meta: TensorStorageMetadata, info: Any, direct
         dtype = getattr(meta.properties, "dtype", None)
     else:
         raise CheckpointError(f"{path}: entry {key!r} is stored as {type(info).__name__}; nxd_smp writes no such entry.")
-    if not isinstance(dtype, torch.dtype) or not _natural(offset) or not _natural(length):
+    if not isinstance(dtype, torch.dtype) or not is_size(offset) or not is_size(length):
         raise CheckpointError(f"{path}: entry {key!r} has the dtype {dtype!r}, offset {offset!r} and length "
                               f"{length!r}; refused.")
     nbytes = dtype.itemsize
@@ -450,7 +436,7 @@ def read_record(directory: str | os.PathLike, file: str, offset: int, length: in
 
 def _load_record(f, key: str, file: str, offset: int, length: int) -> Any:
     size = os.fstat(f.fileno()).st_size
-    if not (_natural(offset) and _natural(length)) or offset + length > size:
+    if not (is_size(offset) and is_size(length)) or offset + length > size:
         raise ChecksumError(f"{key}: its record claims bytes [{offset}, {offset}+{length}) of {file}, which holds "
                             f"{size} (truncated, or a crafted index).")
     f.seek(offset)
