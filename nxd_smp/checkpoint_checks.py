@@ -29,6 +29,7 @@ import inspect
 import io
 import math
 import os
+import pickle
 import pickletools
 import stat
 import zipfile
@@ -266,8 +267,6 @@ def _check_archive(file: Any, size: int, source: str) -> None:
 
 
 def _torch_load(file: Any, source: str) -> Any:
-    import pickle
-
     try:
         value = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
