@@ -110,9 +110,10 @@ class MasterWeights:
         self._versions = [p._version for p in self._params]
 
     def changed(self) -> list[int]:
-        """Parameters written in place since ``record_versions``."""
-        self._backend.check_param_storage()
-        return [i for i, p in enumerate(self._params) if p._version != self._versions[i]]
+        """Parameters written in place since ``record_versions``, or whose storage was replaced
+        and taken back (``Backend.adopt_param_storage``)."""
+        adopted = set(self._backend.adopt_param_storage())
+        return [i for i, p in enumerate(self._params) if i in adopted or p._version != self._versions[i]]
 
     def publish(self) -> None:
         """The parameters become the masters (cast, gathered on every rank); with remainders

@@ -214,8 +214,14 @@ class Backend(ABC):
         """Make every rank's parameters the gathered ``shards`` (one per bucket, any float
         dtype; cast to the parameter dtype)."""
 
-    def check_param_storage(self) -> None:
-        """Raise if a parameter's storage was replaced behind the backend's back."""
+    def adopt_param_storage(self) -> list[int]:
+        """Take back parameters whose storage was replaced behind the backend's back by a tensor
+        of the same dtype on the same device (their new values kept); return their indices.
+
+        Raises:
+            RuntimeError: a parameter was moved to another device or dtype.
+        """
+        return []
 
     def bitcast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``tensor``'s bits read as ``dtype`` (of the same size), on the device."""

@@ -152,6 +152,7 @@ class EagerBackend(Backend):
         """Each parameter becomes a view into its bucket's flat buffer, which the all-gather
         fills in place."""
         self._params = list(params)
+        self._homes: dict[int, torch.Tensor] = {}  # parameter index -> its slice of a flat buffer
         for layout in layouts:
             first = params[layout.param_indices[0]]
             flat = staggered_empty(layout.padded_numel, first.dtype, self.device, "param").zero_()
@@ -159,6 +160,7 @@ class EagerBackend(Backend):
                 start, end = layout.param_range(i)
                 flat[start:end].copy_(params[index].detach().reshape(-1))
                 params[index].data = flat[start:end].view(params[index].shape)
+                self._homes[index] = flat[start:end]
             self._flat_params.append(flat)
         self._ptrs = [p.data_ptr() for p in self._params]
 
@@ -175,16 +177,29 @@ class EagerBackend(Backend):
             for flat in self._flat_params:
                 dist.all_gather_into_tensor(flat, self._shard(flat), group=self.group)
 
-    def check_param_storage(self) -> None:
+    @torch.no_grad()
+    def adopt_param_storage(self) -> list[int]:
+        """Parameters whose storage was replaced by a tensor of the same dtype on the same device
+        (``model.to(torch.device("cpu", 0))``, which the Trainer and accelerate call under
+        torchrun, copies every CPU tensor; ``load_state_dict(assign=True)``) go back into their
+        flat buffer with their new values; returns their indices."""
+        adopted = []
         for i, p in enumerate(self._params):
-            if p.data_ptr() != self._ptrs[i]:
+            if p.data_ptr() == self._ptrs[i]:
+                continue
+            home = self._homes[i]
+            if p.dtype != home.dtype or p.device != home.device:
                 raise RuntimeError(
-                    f"parameter {i} (shape {tuple(p.shape)}) no longer lives in the optimizer's flat "
-                    f"buffer: its storage was replaced after the optimizer was built (model.to(...), "
-                    f"load_state_dict(assign=True), or assigning .data). Build the optimizer after the "
-                    f"model has its final device and dtype, and change weights in place "
-                    f"(load_state_dict, copy_), which step() picks up."
+                    f"parameter {i} (shape {tuple(p.shape)}) was moved to {p.dtype} on {p.device} after the "
+                    f"optimizer was built for {home.dtype} on {home.device} (model.to(...), "
+                    f"load_state_dict(assign=True), or assigning .data). Build the optimizer after the model "
+                    f"has its final device and dtype."
                 )
+            home.copy_(p.detach().reshape(-1))
+            p.data = home.view(p.shape)
+            self._ptrs[i] = p.data_ptr()
+            adopted.append(i)
+        return adopted
 
     # ---------------------------------------------------------------- host side
     def random_generator(self, seed: int) -> torch.Generator:
