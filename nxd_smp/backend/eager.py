@@ -98,6 +98,7 @@ class EagerBackend(Backend):
     def __init__(self, device: torch.device, group: GroupSpec = None):
         self.device = device
         self.group = _check_group(group)
+        self._built_alone = not _dist_active()  # before torch.distributed was initialised
         if _dist_active():
             self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         else:
@@ -141,6 +142,19 @@ class EagerBackend(Backend):
             return PendingShard(out.copy_(flat))
         work = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
         return PendingShard(out, work, flat)
+
+    def begin_step(self) -> None:
+        """Refuse to step alone among ranks: an optimizer built before torch.distributed was
+        initialised holds the whole model as one rank's shard, and every rank would train on
+        its own gradients (the Trainer and accelerate initialise it in ``TrainingArguments`` /
+        ``Accelerator()``, which scripts often build after the optimizer)."""
+        if self._built_alone and _dist_active() and dist.get_world_size() > 1:
+            raise RuntimeError(
+                f"this optimizer was built before torch.distributed was initialised, so it is a DP group of "
+                f"one, but the process group now has {dist.get_world_size()} ranks: each rank would train "
+                f"alone. Build the optimizer after the process group exists (after TrainingArguments(...) "
+                f"for the Trainer, after Accelerator() for accelerate, or after init_process_group)."
+            )
 
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         if self.world_size > 1:
