@@ -11,6 +11,14 @@ Training itself is right without this callback; the callback makes the Trainer's
     trainer = Trainer(model, args, train_dataset=data, optimizers=(optimizer, None),
                       callbacks=[Zero1TrainerCallback()])
 
+At DP > 1 the Trainer wraps the model in DDP, whose all-reduce of ``.grad`` finds the
+gradients already taken by the optimizer's hooks: it sends zeros, a full bf16 gradient's traffic
+per step. Give the callback the trainer and it replaces that all-reduce with nothing (a DDP
+communication hook that returns the bucket as it is)::
+
+    trainer = Trainer(model, args, train_dataset=data, optimizers=(optimizer, None))
+    trainer.add_callback(Zero1TrainerCallback(trainer))
+
 Importing this module imports ``transformers``; ``import nxd_smp`` does not.
 """
 
@@ -19,11 +27,29 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
 from .zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
 
-__all__ = ["Zero1TrainerCallback"]
+__all__ = ["Zero1TrainerCallback", "skip_ddp_allreduce"]
+
+
+def _return_bucket(state, bucket):  # (DDP checks the annotations: none, or dist.GradBucket)
+    """A DDP communication hook that communicates nothing: the bucket comes back as it is."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def skip_ddp_allreduce(model: Any) -> bool:
+    """Stop DDP from all-reducing ``.grad`` of ``model`` (a ``DistributedDataParallel``), whose
+    gradients a nxd_smp optimizer reduces itself: DDP would send zeros. Returns whether ``model``
+    is DDP (otherwise nothing is done). Call it before the first backward; DDP takes one hook."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return False
+    model.register_comm_hook(None, _return_bucket)
+    return True
 
 
 class Zero1TrainerCallback(TrainerCallback):
@@ -37,13 +63,18 @@ class Zero1TrainerCallback(TrainerCallback):
       callbacks after this one and in ``state.log_history``, by the optimizer's fp32 norm of
       the last step before clipping.
 
+    * Given the ``trainer`` (``trainer.add_callback(Zero1TrainerCallback(trainer))``), at the
+      start of training DDP's all-reduce of ``.grad`` is replaced by nothing
+      (``skip_ddp_allreduce(trainer.model_wrapped)``): the optimizer reduces the gradients.
+
     Raises:
         TypeError: at the start of training, when the Trainer's optimizer is not a nxd_smp
             ``Zero1Optimizer`` (pass ``optimizers=(Zero1Optimizer(...), None)``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, trainer: Any = None) -> None:
         self._optimizer: Zero1Optimizer | None = None
+        self._trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         zero1 = zero1_optimizer_of(optimizer)  # (accelerate and NxD's wrapper hold it in .optimizer)
@@ -64,6 +95,8 @@ class Zero1TrainerCallback(TrainerCallback):
                 stacklevel=2,
             )
         zero1.set_clipping(clip, float(max_grad_norm) if clip else None)
+        if self._trainer is not None:  # (the Trainer wraps the model before this call)
+            skip_ddp_allreduce(getattr(self._trainer, "model_wrapped", None))
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if logs is None or "grad_norm" not in logs or self._optimizer is None or self._optimizer.grad_norm is None:

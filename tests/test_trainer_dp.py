@@ -30,13 +30,16 @@ def _env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("trainer_dp")
-    commands = {
-        "dp2": [TORCHRUN, "--standalone", "--nproc-per-node", "2", "tests/trainer_dp_worker.py", str(out / "dp2")],
-        "dp1": [sys.executable, "tests/trainer_dp_worker.py", str(out / "dp1")],
+    dp2 = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "tests/trainer_dp_worker.py"]
+    commands = {  # name: (command, DDP's all-reduce skipped)
+        "dp2": (dp2 + [str(out / "dp2")], True),
+        "dp2_ddp_allreduce": (dp2 + [str(out / "dp2_ddp_allreduce")], False),
+        "dp1": ([sys.executable, "tests/trainer_dp_worker.py", str(out / "dp1")], False),
     }
     results = {}
-    for name, command in commands.items():
-        proc = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    for name, (command, skip) in commands.items():
+        env = {**_env(), "SKIP_DDP_ALLREDUCE": "1" if skip else "0"}
+        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         results[name] = [torch.load(f, weights_only=True) for f in sorted((out / name).glob("rank*.pt"))]
     return results
@@ -47,8 +50,9 @@ def test_the_trainer_runs_on_two_ranks_on_the_device_accelerate_chose(runs):
     assert all(r["device"] == "cpu:0" for r in runs["dp2"])  # the copy the optimizer had to take back
 
 
-def test_the_ranks_agree_and_equal_the_dp1_run_with_the_same_global_batch(runs):
-    (rank0, rank1), (single,) = runs["dp2"], runs["dp1"]
+@pytest.mark.parametrize("dp2", ["dp2", "dp2_ddp_allreduce"])
+def test_the_ranks_agree_and_equal_the_dp1_run_with_the_same_global_batch(runs, dp2):
+    (rank0, rank1), (single,) = runs[dp2], runs["dp1"]
     for name, value in single["params"].items():
         assert torch.equal(rank0["params"][name], rank1["params"][name]), name
         assert torch.equal(rank0["params"][name], value), name
@@ -80,3 +84,13 @@ def test_an_optimizer_built_before_the_process_group_is_refused_at_its_first_ste
     proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", str(script)], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.count("REFUSED") == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_ddp_all_reduces_a_bf16_gradient_per_step_unless_the_callback_skips_it(runs):
+    """DDP's reducer sends every parameter's bf16 ``.grad`` (zeros: the optimizer's hooks took
+    them) each step: 2 bytes per parameter, counted by a hook that does DDP's own all-reduce.
+    ``Zero1TrainerCallback(trainer)`` replaces it by a hook that sends nothing, and the run is
+    the same (above)."""
+    counted, (single,) = runs["dp2_ddp_allreduce"][0], runs["dp1"]
+    per_step = 2 * sum(p.numel() for p in single["params"].values())
+    assert sum(counted["ddp_bytes"]) == per_step * counted["steps"]
