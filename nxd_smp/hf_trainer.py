@@ -25,6 +25,7 @@ Importing this module imports ``transformers``; ``import nxd_smp`` does not.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -42,13 +43,31 @@ def _return_bucket(state, bucket):  # (DDP checks the annotations: none, or dist
     return future
 
 
-def skip_ddp_allreduce(model: Any) -> bool:
+_SKIPPED: weakref.WeakSet = weakref.WeakSet()  # the DDP modules given the hook (DDP takes one)
+
+
+def skip_ddp_allreduce(model: Any, optimizer: Any = None) -> bool:
     """Stop DDP from all-reducing ``.grad`` of ``model`` (a ``DistributedDataParallel``), whose
-    gradients a nxd_smp optimizer reduces itself: DDP would send zeros. Returns whether ``model``
-    is DDP (otherwise nothing is done). Call it before the first backward; DDP takes one hook."""
+    gradients a nxd_smp optimizer reduces itself: DDP would send zeros. Returns whether the hook
+    is on (a model that is not DDP is left alone). Call it before the first backward; a second
+    call for the same model does nothing.
+
+    Raises:
+        ValueError: ``optimizer`` (a nxd_smp optimizer, or one holding it) is given and does not
+            manage every parameter of ``model`` that takes a gradient: DDP's all-reduce is
+            those parameters' only reduction.
+    """
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return False
-    model.register_comm_hook(None, _return_bucket)
+    if optimizer is not None:
+        managed = {id(p) for p in zero1_optimizer_of(optimizer).managed_params}
+        others = [n for n, p in model.module.named_parameters() if p.requires_grad and id(p) not in managed]
+        if others:
+            raise ValueError(f"the optimizer does not manage {others[:8]}: their gradients need DDP's all-reduce; "
+                             f"keep it (leave the trainer out of Zero1TrainerCallback).")
+    if model not in _SKIPPED:
+        model.register_comm_hook(None, _return_bucket)
+        _SKIPPED.add(model)
     return True
 
 
@@ -96,7 +115,7 @@ class Zero1TrainerCallback(TrainerCallback):
             )
         zero1.set_clipping(clip, float(max_grad_norm) if clip else None)
         if self._trainer is not None:  # (the Trainer wraps the model before this call)
-            skip_ddp_allreduce(getattr(self._trainer, "model_wrapped", None))
+            skip_ddp_allreduce(getattr(self._trainer, "model_wrapped", None), zero1)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if logs is None or "grad_norm" not in logs or self._optimizer is None or self._optimizer.grad_norm is None:

@@ -62,3 +62,29 @@ def test_it_takes_nxds_wrapper_from_initialize_parallel_optimizer():
     with pytest.warns(UserWarning, match="clips as TrainingArguments says"):
         begin(Zero1TrainerCallback(), Wrapped(opt), 0.25)  # accelerate's wrapper around NxD's
     assert (opt.optimizer.grad_clipping, opt.optimizer.max_norm) == (True, 0.25)
+
+
+def ddp_skip_checks(rank: int, world: int) -> dict:
+    from nxd_smp.hf_trainer import skip_ddp_allreduce
+
+    model = make_model()
+    partial = Zero1Optimizer(list(model.lin1.parameters()), torch.optim.AdamW)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    refused = ""
+    try:
+        skip_ddp_allreduce(ddp, Wrapped(partial))
+    except ValueError as e:
+        refused = str(e)
+    full = Zero1Optimizer(model.parameters(), torch.optim.AdamW)
+    return {"refused": refused, "first": skip_ddp_allreduce(ddp, full), "again": skip_ddp_allreduce(ddp, full),
+            "not_ddp": skip_ddp_allreduce(model)}
+
+
+def test_ddps_all_reduce_is_skipped_only_where_the_optimizer_reduces_every_gradient():
+    """Parameters the nxd_smp optimizer does not manage need DDP's all-reduce: refused then. The
+    hook goes on once (DDP takes one), and a model that is not DDP is left alone."""
+    from tests.distributed import run_ranks
+
+    for result in run_ranks(2, ddp_skip_checks):
+        assert "the optimizer does not manage" in result["refused"], result
+        assert result["first"] and result["again"] and not result["not_ddp"]
