@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 import torch
 import torch.nn as nn
 
-from .checkpoint_checks import CheckpointError, inside, is_shape, load_file, open_regular
+from .checkpoint_checks import CheckpointError, inside, is_shape, is_size, load_file, open_regular
 from .checkpoint_storage import IO_THREADS, StoredTensor, read_tensors
 from .checkpoint_storage import read_index as storage_index
 from .param_groups import index_groups
@@ -227,7 +227,7 @@ def completion_record(target: Path) -> dict[str, Any]:
         raise CheckpointError(f"{target} has format {found!r}; this nxd_smp reads {FORMAT!r} and {FORMAT_V1!r}.")
     files = record.get("files")
     if not isinstance(files, dict) or not all(
-        isinstance(entry, list) and len(entry) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
+        isinstance(entry, list) and len(entry) == 2 and all(is_size(v) for v in entry)
         for entry in files.values()
     ):
         raise CheckpointError(f"{path} is damaged: its 'files' are not name -> [size, CRC-32].")

@@ -54,7 +54,7 @@ from .checkpoint import (
     param_group_names,
     read_checkpoint,
 )
-from .checkpoint_checks import check_cast
+from .checkpoint_checks import check_cast, is_shape, is_size
 from .checkpoint_format import check_args, group_hyperparameters
 from .checkpoint_load import agree, check_full_optimizer_state, install_full_optimizer_state, name_differences
 from .checkpoint_outputs import check_target, write_directory, write_file
@@ -270,7 +270,7 @@ def _native_index(directory: Path) -> dict[tuple, tuple[str, _Entry]]:
         name = info.relative_path
         if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
             raise CheckpointError(f"{index.fqn!r} in {directory} points outside the directory ({name!r}).")
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (info.offset, info.length)):
+        if not (is_size(info.offset) and is_size(info.length)):
             raise CheckpointError(f"{index.fqn!r} in {directory} has the offset {info.offset!r} and length "
                                   f"{info.length!r}; refused.")
         entries[index.fqn].records[None if index.offset is None else tuple(index.offset)] = info
@@ -297,7 +297,7 @@ def _read_entry(directory: Path, key: str, entry: _Entry) -> Any:
                 raise CheckpointError(f"{directory}: no record for {key!r}.")
             return read_record(directory, info.relative_path, info.offset, info.length, key)
         size, dtype = tuple(entry.meta.size), entry.meta.properties.dtype
-        if not isinstance(dtype, torch.dtype) or not all(isinstance(d, int) and d >= 0 for d in size):
+        if not isinstance(dtype, torch.dtype) or not is_shape(size):
             raise CheckpointError(f"{directory}: the index gives {key!r} the shape {size} and dtype {dtype!r}.")
         whole = torch.empty(size, dtype=dtype)
         covered = torch.zeros(size, dtype=torch.bool)

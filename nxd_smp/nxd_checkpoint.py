@@ -136,24 +136,14 @@ def _read(tag: Path, name: str) -> Any:
     with _XSER_ADMISSION, torch.serialization.safe_globals([(_TensorReference, XSER_REFERENCE)]):
         data = load_file(path, folder=tag, name=name)
 
-    done: dict[int, Any] = {}  # by id: a tensor or container referred to twice is restored once
+    tensors_by_id: dict[int, torch.Tensor] = {}  # a tensor referred to twice is loaded once
+    containers: dict[int, tuple[Any, Any]] = {}  # by id(): a container referred to twice is rebuilt once
 
-    def restore(value: Any) -> Any:
-        key = getattr(value, "tid", None) if isinstance(value, _TensorReference) else id(value)
-        if isinstance(key, int) and not isinstance(key, bool) and key in done:
-            return done[key] if isinstance(value, _TensorReference) else done[key][1]
-        out = _restore(value)
-        if isinstance(value, _TensorReference):
-            done[key] = out
-        elif isinstance(value, (dict, list, tuple)):
-            done[key] = (value, out)  # (the original kept alive, so its id is not reused)
-        return out
-
-    def _restore(value: Any) -> Any:
-        if isinstance(value, _TensorReference):
-            tid = getattr(value, "tid", None)
-            if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < 1 << 62:
-                raise CheckpointError(f"{path} holds a tensor reference without an integer id.")
+    def tensor(reference: _TensorReference) -> torch.Tensor:
+        tid = getattr(reference, "tid", None)
+        if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < 1 << 62:
+            raise CheckpointError(f"{path} holds a tensor reference without an integer id.")
+        if tid not in tensors_by_id:
             file = tensors / f"tensor_{tid}.pt"
             if not os.path.lexists(file):
                 raise CheckpointError(
@@ -163,12 +153,19 @@ def _read(tag: Path, name: str) -> Any:
             t = load_file(file, folder=tag, name=f"{tensors_name}/tensor_{tid}.pt")
             if not isinstance(t, torch.Tensor):
                 raise CheckpointError(f"{file} does not hold a tensor.")
-            return t
-        if isinstance(value, dict):
-            return type(value)((k, restore(v)) for k, v in value.items())
-        if isinstance(value, (list, tuple)):
-            return type(value)(restore(v) for v in value)
-        return value
+            tensors_by_id[tid] = t
+        return tensors_by_id[tid]
+
+    def restore(value: Any) -> Any:
+        if isinstance(value, _TensorReference):
+            return tensor(value)
+        if not isinstance(value, (dict, list, tuple)):
+            return value
+        if id(value) not in containers:  # (the original kept alive with it, so its id is not reused)
+            rebuilt = (type(value)((k, restore(v)) for k, v in value.items()) if isinstance(value, dict)
+                       else type(value)(restore(v) for v in value))
+            containers[id(value)] = (value, rebuilt)
+        return containers[id(value)][1]
 
     return restore(data)
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .checkpoint_checks import is_shape
 from .checkpoint_format import CheckpointError, check_args, load_small_file, param_group_names
 from .checkpoint_load import load_full_optimizer_state
 from .checkpoint_outputs import check_target, write_directory
@@ -149,8 +150,7 @@ def full_state(
     first = records[0]
     shapes = first.get("shape_info") if isinstance(first, Mapping) else None
     if not isinstance(shapes, Mapping) or sorted(shapes, key=str) != list(range(len(shapes))) or not all(
-        isinstance(shape, (tuple, list)) and len(shape) > 0
-        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape) for shape in shapes.values()
+        is_shape(shape) and len(shape) > 0 for shape in shapes.values()
     ):
         raise CheckpointError(f"{files[0]}: its shape_info is not {{parameter index: shape}} for parameters 0..n-1.")
     if len(shapes) != len(order):
