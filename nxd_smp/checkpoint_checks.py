@@ -31,7 +31,9 @@ import math
 import os
 import pickle
 import pickletools
+import re
 import stat
+import warnings
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -58,6 +60,9 @@ __all__ = [
     "check_state_entry",
     "check_torch_optimizer_state",
     "load_objects",
+    "REFERENCE_FOLDER",
+    "is_reference",
+    "check_reference",
 ]
 
 
@@ -155,7 +160,9 @@ def _storage_bytes(pid: Any) -> tuple[str, int] | None:
     if name == "UntypedStorage":
         return pid[2], pid[4]
     cls = getattr(torch, name, None) if module == "torch" else None
-    dtype = getattr(cls, "dtype", None)
+    with warnings.catch_warnings():  # (a typed storage class's dtype warns that typed storages are deprecated)
+        warnings.simplefilter("ignore", UserWarning)
+        dtype = getattr(cls, "dtype", None)
     return (pid[2], pid[4] * dtype.itemsize) if isinstance(dtype, torch.dtype) else None
 
 
@@ -615,3 +622,42 @@ def load_objects(objects: Mapping[str, Any], states: Mapping[str, Any], source: 
             raise CheckpointError(f"{source}: {name} refused its saved state: {type(e).__name__}: {e}") from e
         done.append((obj, before))
     return undo
+
+
+# ---------------------------------------------------------------------------- references
+#: What a ``Zero1Optimizer`` hands a training loop that keeps one rank's optimizer file (the
+#: Hugging Face Trainer's ``optimizer.pt``, accelerate's ``optimizer.bin``) once every rank's
+#: state is in the nxd_smp checkpoint ``REFERENCE_FOLDER`` beside that file
+#: (``nxd_smp.loop_checkpoints``): a small dict naming that checkpoint by the id of its save.
+REFERENCE_FORMAT = "nxd_smp.checkpoint_reference/1"
+REFERENCE_FOLDER = "nxd_smp"
+_REFERENCE_KEYS = {"format", "checkpoint", "id", "dp_size", "note"}
+
+
+def is_reference(value: Any) -> bool:
+    """Whether ``value`` claims to be a checkpoint reference (``check_reference`` says if it is one)."""
+    return isinstance(value, Mapping) and value.get("format") == REFERENCE_FORMAT
+
+
+def check_reference(value: Any, source: str) -> dict[str, Any]:
+    """``value`` (read from ``source``) as a checkpoint reference, checked: its own keys, the
+    folder name nxd_smp writes (never a path), a 32-digit hex id and a positive DP size.
+
+    Raises:
+        CheckpointError: naming what does not fit.
+    """
+    if not isinstance(value, Mapping) or set(value) != _REFERENCE_KEYS or value["format"] != REFERENCE_FORMAT:
+        raise CheckpointError(f"{source}: not an nxd_smp checkpoint reference (keys {sorted(_REFERENCE_KEYS)}).")
+    problems = []
+    if value["checkpoint"] != REFERENCE_FOLDER:
+        problems.append(f"checkpoint {value['checkpoint']!r} (nxd_smp writes {REFERENCE_FOLDER!r})")
+    if not isinstance(value["id"], str) or not re.fullmatch(r"[0-9a-f]{32}", value["id"]):
+        problems.append(f"id {_describe(value['id'])} (32 hex digits)")
+    if not is_size(value["dp_size"]) or value["dp_size"] < 1:
+        problems.append(f"dp_size {_describe(value['dp_size'])}")
+    if not isinstance(value["note"], str) or len(value["note"]) > 1000:
+        problems.append("note (text)")
+    if problems:
+        raise CheckpointError(f"{source}: the nxd_smp checkpoint reference is damaged or crafted: "
+                              + "; ".join(problems) + ".")
+    return dict(value)

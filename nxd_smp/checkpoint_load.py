@@ -349,6 +349,7 @@ def commit_optimizer(
     for group, hyper in zip(optimizer.param_groups, hypers):
         group.update(hyper)
     optimizer.zero_grad()
+    optimizer.refer_to_checkpoint(None)  # (a reference it held named the state it had)
     if not optimizer.mixed_precision.use_master_weights:
         return
     if masters is not None:

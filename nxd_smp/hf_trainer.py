@@ -19,18 +19,34 @@ communication hook that returns the bucket as it is)::
     trainer = Trainer(model, args, train_dataset=data, optimizers=(optimizer, None))
     trainer.add_callback(Zero1TrainerCallback(trainer))
 
+Given the trainer, the callback also makes the Trainer's checkpoints hold every rank's state.
+The Trainer writes ``checkpoint-N/optimizer.pt`` from rank 0 only (on XLA every rank calls
+``state_dict()`` and the master writes), and on resume hands that one file to every rank. So
+when the Trainer is about to save (``on_step_end``/``on_epoch_end`` with ``should_save``, before
+its own files and its rotation of old checkpoints), every rank writes the nxd_smp checkpoint
+``checkpoint-N/nxd_smp`` (``nxd_smp.loop_checkpoints``) and ``optimizer.pt`` becomes a reference
+to it. On ``resume_from_checkpoint`` the optimizer's ``load_state_dict(reference)`` loads that
+checkpoint first, at this DP size, from ``TrainingArguments.output_dir/checkpoint-<step>``.
+
 Importing this module imports ``transformers``; ``import nxd_smp`` does not.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 import warnings
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer import OPTIMIZER_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .checkpoint_checks import REFERENCE_FOLDER, CheckpointError, is_reference
+from .loop_checkpoints import load_beside, save_beside
 from .zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
 
 __all__ = ["Zero1TrainerCallback", "skip_ddp_allreduce"]
@@ -85,15 +101,34 @@ class Zero1TrainerCallback(TrainerCallback):
     * Given the ``trainer`` (``trainer.add_callback(Zero1TrainerCallback(trainer))``), at the
       start of training DDP's all-reduce of ``.grad`` is replaced by nothing
       (``skip_ddp_allreduce(trainer.model_wrapped)``): the optimizer reduces the gradients.
+    * Given the ``trainer``, its checkpoints (``save_steps``, ``save_strategy``) hold every
+      rank's optimizer state and, with ``use_master_weights_in_ckpt``, the fp32 masters, in
+      ``checkpoint-N/nxd_smp``; ``resume_from_checkpoint`` loads them at any DP size (the
+      module's docstring says how). Without it, at DP > 1 a Trainer that saves is refused at
+      the start of training: its ``optimizer.pt`` would hold rank 0's shard only.
 
     Raises:
-        TypeError: at the start of training, when the Trainer's optimizer is not a nxd_smp
-            ``Zero1Optimizer`` (pass ``optimizers=(Zero1Optimizer(...), None)``).
+        TypeError: the Trainer's optimizer is not a nxd_smp ``Zero1Optimizer`` (pass
+            ``optimizers=(Zero1Optimizer(...), None)``): here given the trainer, else at the
+            start of training.
+        ValueError: at the start of training, at DP > 1, a Trainer that saves checkpoints and
+            a callback without the trainer.
     """
 
     def __init__(self, trainer: Any = None) -> None:
         self._optimizer: Zero1Optimizer | None = None
         self._trainer = trainer
+        self._saved_step: int | None = None  # the step whose nxd_smp checkpoint was written
+        self._warned_late = False
+        if trainer is not None:
+            zero1 = zero1_optimizer_of(getattr(trainer, "optimizer", None))
+            if zero1 is None:
+                raise TypeError(
+                    f"Zero1TrainerCallback(trainer) needs the Trainer's optimizer to be a nxd_smp Zero1Optimizer, "
+                    f"got {type(getattr(trainer, 'optimizer', None)).__name__}; pass "
+                    f"optimizers=(Zero1Optimizer(...), None) to the Trainer."
+                )
+            zero1.register_load_state_dict_pre_hook(self._load_beside)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         zero1 = zero1_optimizer_of(optimizer)  # (accelerate and NxD's wrapper hold it in .optimizer)
@@ -116,6 +151,74 @@ class Zero1TrainerCallback(TrainerCallback):
         zero1.set_clipping(clip, float(max_grad_norm) if clip else None)
         if self._trainer is not None:  # (the Trainer wraps the model before this call)
             skip_ddp_allreduce(getattr(self._trainer, "model_wrapped", None), zero1)
+        elif zero1.world_size > 1 and args.save_strategy != "no" and not args.save_only_model:
+            raise ValueError(
+                f"at DP {zero1.world_size} the Trainer's checkpoints keep rank 0's optimizer shard only: give the "
+                f"callback the trainer, trainer.add_callback(Zero1TrainerCallback(trainer)), and every rank's state is "
+                f"saved beside them (or set save_strategy='no')."
+            )
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_folder(self, args: Any, step: int) -> Path:
+        return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"  # the Trainer's own name
+
+    def _save_beside(self, args: Any, state: Any) -> bool:
+        """Write every rank's state to ``checkpoint-<step>/nxd_smp`` unless done for this step;
+        whether it was written now."""
+        if self._trainer is None or args.save_only_model or self._saved_step == state.global_step:
+            return False
+        save_beside(self._checkpoint_folder(args, state.global_step), self._trainer.model, self._trainer.optimizer)
+        self._saved_step = state.global_step
+        return True
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if control.should_save:  # (set by DefaultFlowCallback, which runs first)
+            self._save_beside(args, state)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if control.should_save:
+            self._save_beside(args, state)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """A save decided after ``on_step_end`` (``save_strategy="best"``, or a callback after this
+        one): nxd_smp's files come after the Trainer's, and ``optimizer.pt`` is replaced by the
+        reference to them."""
+        if not self._save_beside(args, state):
+            return
+        if not self._warned_late:
+            self._warned_late = True
+            warnings.warn(
+                "Zero1TrainerCallback: the Trainer decided to save after on_step_end (save_strategy='best'?), so "
+                "nxd_smp's checkpoint was written after the Trainer's files and after its rotation of old "
+                "checkpoints: a crash in between leaves the newest checkpoint without it.",
+                stacklevel=2,
+            )
+        file = self._checkpoint_folder(args, state.global_step) / OPTIMIZER_NAME
+        if args.should_save and file.exists():
+            descriptor, staging = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.")
+            os.close(descriptor)
+            torch.save(self._trainer.optimizer.state_dict(), staging)  # (the reference)
+            os.replace(staging, file)
+
+    def _load_beside(self, optimizer: Zero1Optimizer, state_dict: Any) -> None:
+        """The optimizer's load pre-hook: the Trainer hands every rank ``optimizer.pt``; a
+        reference loads the nxd_smp checkpoint beside it first."""
+        if not is_reference(state_dict):
+            return
+        held = optimizer.checkpoint_reference
+        if held is not None and held["id"] == state_dict.get("id"):
+            return
+        trainer = self._trainer
+        folder = self._checkpoint_folder(trainer.args, trainer.state.global_step)
+        if not os.path.lexists(folder / REFERENCE_FOLDER):
+            raise CheckpointError(
+                f"the Trainer's optimizer.pt refers to the nxd_smp checkpoint saved beside it (every rank's "
+                f"optimizer state, step {trainer.state.global_step}); the callback looks for it where the Trainer "
+                f"saved it, {folder / REFERENCE_FOLDER}, and it is not there. Resume from a checkpoint inside "
+                f"TrainingArguments.output_dir ({trainer.args.output_dir}): copy the checkpoint folder there "
+                f"whole (cp -a: hidden entries and links included)."
+            )
+        load_beside(folder, trainer.model, optimizer, state_dict)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if logs is None or "grad_norm" not in logs or self._optimizer is None or self._optimizer.grad_norm is None:

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .backend import Backend, GroupSpec, NormGroupSpec, norm_backends, select_backend
-from .checkpoint_checks import check_hyperparameters, check_state_entry, state_kinds
+from .checkpoint_checks import check_hyperparameters, check_reference, check_state_entry, is_reference, state_kinds
 from .backend.eager import DEFAULT_BUCKET_CAP_MB
 from .backend.xla import DEFAULT_BUCKET_CAP_MB as DEFAULT_XLA_BUCKET_CAP_MB
 from .fused_adamw import CompiledAdamW, applies_to
@@ -205,6 +205,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._config = config
         self._mp = config.mixed_precision
         self._scaler = None if loss_scaler is None else loss_scaler.to(device)
+        self._reference: dict[str, Any] | None = None  # refer_to_checkpoint's, until the next step
         self._optimizer_class = optimizer_class
         chosen = inner_hyperparameters(optimizer_class, defaults)
         self._inner_defaults = self._inner_kwargs(optimizer_class, dict(chosen), loss_scaler is not None,
@@ -520,6 +521,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         elif closure is not None:
             inner_args["closure"] = closure
         self._backend.begin_step()
+        self._reference = None  # the state changes: a checkpoint reference no longer stands for it
         self._masters.adopt_changes()  # weights written since the last step are the truth
         grads = self._reduce_gradients()  # reduce
         norm = self._global_norm(grads)  # norm
@@ -668,12 +670,40 @@ class Zero1Optimizer(torch.optim.Optimizer):
             for layout in self._layouts
         ]
 
+    def refer_to_checkpoint(self, reference: dict[str, Any] | None) -> None:
+        """Until the next ``step()`` (or another load), ``state_dict()`` returns ``reference``
+        instead of this rank's state, and ``load_state_dict(reference)`` is accepted and changes
+        nothing: every rank's state is in the nxd_smp checkpoint it names, just saved or loaded.
+        ``nxd_smp.loop_checkpoints`` calls it around the saves of training loops that keep one
+        rank's optimizer file (the Hugging Face Trainer, accelerate); None ends it.
+
+        Raises:
+            CheckpointError: ``reference`` is not a checkpoint reference.
+        """
+        self._reference = None if reference is None else check_reference(reference, "refer_to_checkpoint")
+
+    @property
+    def checkpoint_reference(self) -> dict[str, Any] | None:
+        """The reference ``refer_to_checkpoint`` holds (a copy), None if none."""
+        return None if self._reference is None else dict(self._reference)
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: inner optimizer state over its shards, hyperparameters,
         the layout it was written with, and the master shards if
         ``use_master_weights_in_ckpt``. Load it at the same DP size and rank; to
         change the DP size use ``nxd_smp.checkpoint``. Parameters changed in place since
-        the last step are taken up first, so the master weights match the model."""
+        the last step are taken up first, so the master weights match the model. While
+        ``refer_to_checkpoint`` holds a reference, that reference instead. torch's state-dict
+        hooks (``register_state_dict_pre_hook`` / ``_post_hook``) run around it."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state = dict(self._reference) if self._reference is not None else self._rank_state()
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state)
+            state = state if result is None else result
+        return state
+
+    def _rank_state(self) -> dict[str, Any]:
         self._require_initialized()
         self.adopt_param_changes()
         ids = index_groups([len(g["params"]) for g in self.param_groups])
@@ -710,6 +740,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         for key, mine in (("world_size", self._backend.world_size), ("rank", self._backend.rank)):
             if state_dict.get(key) != mine:
                 problems.append(f"{key} {state_dict.get(key)} (this optimizer: {mine})")
+        one_rank = ("rank" in problems[-1]) if problems else False  # (another rank's file)
         if state_dict.get("layout") != self._layout_signature():
             problems.append("bucket layout (parameters, shapes, dtypes, groups or bucket size differ)")
         if len(state_dict.get("param_groups", [])) != len(self.param_groups):
@@ -730,6 +761,10 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 "this state dict does not fit the optimizer: " + "; ".join(problems) + ". "
                 "Rank-local state dicts load only into the same model, DP size and rank; "
                 "use nxd_smp.checkpoint to change the DP size."
+                + (" A training loop that writes one rank's optimizer file (the Hugging Face Trainer, "
+                   "accelerate's save_state) keeps every rank's state only with nxd_smp's hooks: "
+                   "Zero1TrainerCallback(trainer), nxd_smp.loop_checkpoints.register_accelerate_hooks "
+                   "(docs/training_loops.md)." if one_rank else "")
             )
 
     def _inner_state_problems(self, inner: Any, groups: Any) -> list[str]:
@@ -764,9 +799,52 @@ class Zero1Optimizer(torch.optim.Optimizer):
         model's weights loaded before or after this call are taken up at the next
         ``step()`` (precision below the parameter dtype is lost; a warning says so when
         the state comes from training). Everything is checked before anything changes
-        (``check_state_dict``).
+        (``check_state_dict``); at DP > 1 every rank calls it, and if one rank's state dict
+        does not fit, every rank refuses. A checkpoint reference (``refer_to_checkpoint``) is accepted
+        only once the checkpoint it names was loaded, and then changes nothing. torch's
+        load-state-dict hooks run around it (a pre-hook may load that checkpoint).
+
+        Raises:
+            ValueError: the state dict does not fit, naming how; a reference to a checkpoint
+                that was not loaded, naming the call that loads it.
         """
-        self.check_state_dict(state_dict)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        if is_reference(state_dict):
+            self._accept_reference(state_dict)
+        else:
+            self._load_rank_state(state_dict)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _accept_reference(self, reference: dict[str, Any]) -> None:
+        reference = check_reference(reference, "the state dict")
+        if self._reference is not None and self._reference["id"] == reference["id"]:
+            return
+        loaded = "" if self._reference is None else f" (the one loaded is save {self._reference['id']})"
+        raise ValueError(
+            f"this state dict only refers to the nxd_smp checkpoint {reference['checkpoint']!r} saved beside the "
+            f"file it came from (save {reference['id']}, DP {reference['dp_size']}), which holds every rank's "
+            f"optimizer state and was not loaded{loaded}. With the Hugging Face Trainer add "
+            f"Zero1TrainerCallback(trainer) before train(); with accelerate call "
+            f"nxd_smp.loop_checkpoints.register_accelerate_hooks(accelerator, model, optimizer) before load_state(); "
+            f"else nxd_smp.load_checkpoint(<that folder>/{reference['checkpoint']}, model=..., optimizer=...)."
+        )
+
+    def _load_rank_state(self, state_dict: dict[str, Any]) -> None:
+        try:
+            self.check_state_dict(state_dict)
+            problem = None
+        except ValueError as e:
+            problem = e
+        if self._backend.world_size > 1:  # every rank loads (the masters are published to all): all refuse
+            failures = [f for f in self._backend.coordinator.all_gather(None if problem is None else str(problem)) if f]
+            if problem is None and failures:
+                raise ValueError(f"another rank refused its state dict, so this one loads nothing either: {failures[0]}")
+        if problem is not None:
+            raise problem
+        self._reference = None
         masters = state_dict.get("master_weights")
         if self._scaler is not None and "loss_scaler" in state_dict:
             self._scaler.load_state_dict(state_dict["loss_scaler"])

@@ -1,11 +1,13 @@
 """The Hugging Face ``Trainer`` with a nxd_smp optimizer at DP 2, launched as its users launch
 it (``torchrun --nproc-per-node 2``, gloo on the CPU), against the same run at DP 1 with the
-same global batch (``tests/trainer_dp_worker.py``).
+same global batch, and its own checkpoints (``save_steps``, ``resume_from_checkpoint``) against
+the uninterrupted run (``tests/trainer_dp_worker.py``: one launch per DP size runs every scenario).
 
 Under torchrun the Trainer moves the model to ``cpu:0``, which copies every parameter after
 the optimizer was built; the optimizer takes the copies back into its flat buffers. The DP 2
 step reduces the gradients of two batches of two as the DP 1 run accumulates them (accelerate
-gives rank r the r-th batch of each pair), so the runs agree bit for bit.
+gives rank r the r-th batch of each pair), so the runs agree bit for bit, and a resume at
+either DP size continues either run exactly.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from nxd_smp.checkpoint import read_checkpoint
+from nxd_smp.checkpoint_checks import check_reference
+
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
@@ -28,37 +33,102 @@ def _env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[dict]]:
+def out(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("trainer_dp")
-    dp2 = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "tests/trainer_dp_worker.py"]
-    commands = {  # name: (command, DDP's all-reduce skipped)
-        "dp2": (dp2 + [str(out / "dp2")], True),
-        "dp2_ddp_allreduce": (dp2 + [str(out / "dp2_ddp_allreduce")], False),
-        "dp1": ([sys.executable, "tests/trainer_dp_worker.py", str(out / "dp1")], False),
-    }
-    results = {}
-    for name, (command, skip) in commands.items():
-        env = {**_env(), "SKIP_DDP_ALLREDUCE": "1" if skip else "0"}
-        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    commands = [  # DP 1 first: the DP 2 launch resumes from its checkpoint
+        [sys.executable, "tests/trainer_dp_worker.py", str(out / "dp1")],
+        [TORCHRUN, "--standalone", "--nproc-per-node", "2", "tests/trainer_dp_worker.py", str(out / "dp2"),
+         str(out / "dp1")],
+    ]
+    for command in commands:
+        proc = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-        results[name] = [torch.load(f, weights_only=True) for f in sorted((out / name).glob("rank*.pt"))]
-    return results
+    return out
 
 
-def test_the_trainer_runs_on_two_ranks_on_the_device_accelerate_chose(runs):
-    assert [r["world"] for r in runs["dp2"]] == [2, 2]
-    assert all(r["device"] == "cpu:0" for r in runs["dp2"])  # the copy the optimizer had to take back
+def ranks(out: Path, dp: str, scenario: str) -> list[dict]:
+    return [torch.load(f, weights_only=True) for f in sorted((out / dp / scenario).glob("rank*.pt"))]
 
 
-@pytest.mark.parametrize("dp2", ["dp2", "dp2_ddp_allreduce"])
-def test_the_ranks_agree_and_equal_the_dp1_run_with_the_same_global_batch(runs, dp2):
-    (rank0, rank1), (single,) = runs[dp2], runs["dp1"]
+def assert_same_run(got: dict, expected: dict) -> None:
+    assert got["error"] is None, got["error"]
+    for name, value in expected["params"].items():
+        assert torch.equal(got["params"][name], value), name
+    for a, b in zip(got["masters"], expected["masters"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_trainer_runs_on_two_ranks_on_the_device_accelerate_chose(out):
+    assert [r["world"] for r in ranks(out, "dp2", "full")] == [2, 2]
+    assert all(r["device"] == "cpu:0" for r in ranks(out, "dp2", "full"))  # the copy the optimizer had to take back
+
+
+@pytest.mark.parametrize("scenario", ["full", "ddp_bytes"])
+def test_the_ranks_agree_and_equal_the_dp1_run_with_the_same_global_batch(out, scenario):
+    """``full`` skips DDP's all-reduce (the callback has the trainer), ``ddp_bytes`` keeps it."""
+    (rank0, rank1), (single,) = ranks(out, "dp2", scenario), ranks(out, "dp1", "full")
     for name, value in single["params"].items():
         assert torch.equal(rank0["params"][name], rank1["params"][name]), name
         assert torch.equal(rank0["params"][name], value), name
     masters = torch.cat([rank0["masters"][0], rank1["masters"][0]])
     n = min(masters.numel(), single["masters"][0].numel())
     assert torch.equal(masters[:n], single["masters"][0][:n])
+
+
+@pytest.mark.parametrize("dp", ["dp1", "dp2"])
+@pytest.mark.parametrize("scenario", ["resumed", "xla_order", "xla_order_resumed"])
+def test_a_resume_from_step_3_continues_the_uninterrupted_run_exactly_on_every_rank(out, dp, scenario):
+    """``save_steps=3`` then ``resume_from_checkpoint`` (from a copy of checkpoint-3), through the
+    Trainer's CPU call order and its torch_xla one (every rank calls ``state_dict()``)."""
+    for got, expected in zip(ranks(out, dp, scenario), ranks(out, dp, "full"), strict=True):
+        assert_same_run(got, expected)
+
+
+def test_a_resume_at_another_dp_size_reshards(out):
+    """DP 1's checkpoint-3 resumed at DP 2 continues like the DP 2 run (which equals DP 1's)."""
+    for got, expected in zip(ranks(out, "dp2", "from_dp1"), ranks(out, "dp2", "full"), strict=True):
+        assert_same_run(got, expected)
+
+
+@pytest.mark.parametrize("scenario", ["full", "xla_order"])
+def test_the_trainers_optimizer_file_refers_to_every_ranks_state_saved_beside_it(out, scenario):
+    """``optimizer.pt`` (rank 0's file) is the reference; the nxd_smp checkpoint beside it holds
+    what DP 1's holds at the same step: the DP 1 run's masters and moments, bit for bit."""
+    checkpoint = out / "dp2" / scenario / "checkpoint-3"
+    reference = check_reference(torch.load(checkpoint / "optimizer.pt", weights_only=True), "optimizer.pt")
+    assert reference["dp_size"] == 2 and reference["checkpoint"] == "nxd_smp"
+    saved, single = (read_checkpoint(c / "nxd_smp")["optimizer"]
+                     for c in (checkpoint, out / "dp1" / "full" / "checkpoint-3"))
+    for name, master in single["master_weights"].items():
+        assert torch.equal(saved["master_weights"][name], master), name
+        for key, value in single["state"][name].items():
+            assert torch.equal(saved["state"][name][key], value), (name, key)
+
+
+def test_rotation_removes_nxd_smps_files_with_the_trainers(out):
+    """``save_total_limit=1``: checkpoint-6 replaces the checkpoint-3 resumed from, nxd_smp's
+    version folder and link included; nothing of nxd_smp is left beside the checkpoints."""
+    run = out / "dp2" / "resumed"
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-6", "rank0.pt", "rank1.pt"]
+    beside = sorted(p.name for p in (run / "checkpoint-6").iterdir() if "nxd_smp" in p.name)
+    assert len(beside) == 2 and beside[1] == "nxd_smp" and (run / "checkpoint-6" / "nxd_smp").is_symlink()
+
+
+def test_a_checkpoint_missing_one_ranks_shard_is_refused_on_every_rank_naming_it_and_changes_nothing(out):
+    version = (out / "dp2" / "full" / "checkpoint-3" / "nxd_smp").resolve()
+    missing = min(f.name for f in version.iterdir() if f.name.startswith("__1_"))  # what the worker removed
+    for rank in ranks(out, "dp2", "missing_shard"):
+        assert rank["error"].startswith("CheckpointError") and f"{missing} is missing" in rank["error"], rank["error"]
+        before = rank["at_load"]  # when the Trainer handed over optimizer.pt
+        for a, b in zip(rank["masters"], before["masters"], strict=True):
+            assert torch.equal(a, b)
+        for name, value in before["params"].items():
+            assert torch.equal(rank["params"][name], value), name
+
+
+def test_saving_at_dp2_without_the_trainer_is_refused_before_training(out):
+    for rank in ranks(out, "dp2", "saving_without_the_trainer"):
+        assert rank["error"].startswith("ValueError") and "Zero1TrainerCallback(trainer)" in rank["error"]
 
 
 def test_an_optimizer_built_before_the_process_group_is_refused_at_its_first_step(tmp_path):
@@ -86,11 +156,11 @@ def test_an_optimizer_built_before_the_process_group_is_refused_at_its_first_ste
     assert proc.returncode == 0 and proc.stdout.count("REFUSED") == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
-def test_ddp_all_reduces_a_bf16_gradient_per_step_unless_the_callback_skips_it(runs):
+def test_ddp_all_reduces_a_bf16_gradient_per_step_unless_the_callback_skips_it(out):
     """DDP's reducer sends every parameter's bf16 ``.grad`` (zeros: the optimizer's hooks took
     them) each step: 2 bytes per parameter, counted by a hook that does DDP's own all-reduce.
     ``Zero1TrainerCallback(trainer)`` replaces it by a hook that sends nothing, and the run is
     the same (above)."""
-    counted, (single,) = runs["dp2_ddp_allreduce"][0], runs["dp1"]
+    counted, (single,) = ranks(out, "dp2", "ddp_bytes")[0], ranks(out, "dp1", "full")
     per_step = 2 * sum(p.numel() for p in single["params"].values())
     assert sum(counted["ddp_bytes"]) == per_step * counted["steps"]
