@@ -46,6 +46,17 @@ def out(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def on_xla(tmp_path_factory) -> Path:
+    """DP 1 on the XLA CPU device: the Trainer's torch_xla branches, run by the Trainer itself."""
+    out = tmp_path_factory.mktemp("trainer_xla")
+    env = {**_env(), "PJRT_DEVICE": "CPU", "USE_TORCH_XLA": "1"}
+    proc = subprocess.run([sys.executable, "tests/trainer_dp_worker.py", str(out / "dp1")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out
+
+
 def ranks(out: Path, dp: str, scenario: str) -> list[dict]:
     return [torch.load(f, weights_only=True) for f in sorted((out / dp / scenario).glob("rank*.pt"))]
 
@@ -82,6 +93,15 @@ def test_a_resume_from_step_3_continues_the_uninterrupted_run_exactly_on_every_r
     Trainer's CPU call order and its torch_xla one (every rank calls ``state_dict()``)."""
     for got, expected in zip(ranks(out, dp, scenario), ranks(out, dp, "full"), strict=True):
         assert_same_run(got, expected)
+
+
+def test_on_the_xla_device_the_trainers_own_xla_order_resumes_exactly(on_xla):
+    (full,), (resumed,) = ranks(on_xla, "dp1", "full"), ranks(on_xla, "dp1", "resumed")
+    assert full["device"] == "xla:0" and full["error"] is None
+    reference = check_reference(torch.load(on_xla / "dp1" / "resumed" / "checkpoint-6" / "optimizer.pt",
+                                           weights_only=True), "optimizer.pt")  # written by xm.save
+    assert reference["dp_size"] == 1
+    assert_same_run(resumed, full)
 
 
 def test_a_resume_at_another_dp_size_reshards(out):

@@ -1,6 +1,8 @@
 """The Hugging Face ``Trainer`` with a nxd_smp optimizer, as its users launch it: ``torchrun
 --nproc-per-node 2 tests/trainer_dp_worker.py OUT [DP1_OUT]`` (gloo on the CPU), or at DP 1 with
-``python tests/trainer_dp_worker.py OUT`` (the global batch kept by gradient accumulation).
+``python tests/trainer_dp_worker.py OUT`` (the global batch kept by gradient accumulation), or at
+DP 1 on the XLA CPU device with ``PJRT_DEVICE=CPU`` (the Trainer's own torch_xla paths: ``xm.save``
+of every rank's ``state_dict()``; ``full`` and ``resumed`` only).
 
 One launch runs every scenario of its DP size in turn, each with a fresh model, optimizer and
 Trainer (``SCENARIOS``), and each rank writes what each ended with to ``OUT/<scenario>/rank<r>.pt``:
@@ -33,7 +35,9 @@ import sys
 import warnings
 from pathlib import Path
 
-os.environ["USE_TORCH_XLA"] = "0"  # else the Trainer asks for the xla backend
+ON_XLA = os.environ.get("PJRT_DEVICE") == "CPU"  # the Trainer's torch_xla paths, on the XLA CPU device
+if not ON_XLA:
+    os.environ["USE_TORCH_XLA"] = "0"  # else the Trainer asks for the xla backend
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -80,6 +84,10 @@ def train(out: Path, *, resume: bool = False, save: bool = True, save_total_limi
         train_sampling_strategy="sequential",
     )
     model = make_model(torch.bfloat16)
+    if ON_XLA:  # the Trainer would move it there: the optimizer is built on the final device
+        import torch_xla
+
+        model = model.to(torch_xla.device())
     optimizer = nxd_smp.Zero1Optimizer(
         model.parameters(), torch.optim.AdamW, lr=LR, betas=(0.9, 0.95), weight_decay=0.0,
         mixed_precision=nxd_smp.MixedPrecisionConfig(use_master_weights_in_ckpt=True))
@@ -91,8 +99,8 @@ def train(out: Path, *, resume: bool = False, save: bool = True, save_total_limi
     at_load: dict = {}  # the state when the Trainer hands over optimizer.pt, before nxd_smp loads
 
     def snapshot(opt, state_dict):
-        at_load.update(masters=[m.clone() for m in opt.master_shards],
-                       params={n: p.detach().clone() for n, p in model.named_parameters()})
+        at_load.update(masters=[m.cpu().clone() for m in opt.master_shards],
+                       params={n: p.detach().cpu().clone() for n, p in model.named_parameters()})
 
     optimizer.register_load_state_dict_pre_hook(snapshot, prepend=True)
     error = None
@@ -102,8 +110,8 @@ def train(out: Path, *, resume: bool = False, save: bool = True, save_total_limi
             trainer.train(resume_from_checkpoint=resume or None)
         except Exception as e:  # noqa: BLE001 - a refused resume is a result
             error = f"{type(e).__name__}: {e}"
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "masters": [m.clone() for m in optimizer.master_shards], "at_load": at_load, "error": error,
+    return {"params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
+            "masters": [m.cpu().clone() for m in optimizer.master_shards], "at_load": at_load, "error": error,
             "world": world, "device": str(trainer.args.device), "ddp_bytes": sent, "steps": STEPS}
 
 
@@ -148,10 +156,11 @@ def main(out: str, dp1_out: str | None = None) -> None:
     scenarios = {
         "full": lambda o: train(o),
         "resumed": lambda o: (copy_checkpoint(checkpoint_3, o), train(o, resume=True, save_total_limit=1))[1],
-        "xla_order": lambda o: train(o, xla_order=True),
-        "xla_order_resumed": lambda o: (copy_checkpoint(out_dir / "xla_order" / f"checkpoint-{SAVE_AT}", o),
-                                        train(o, resume=True, xla_order=True))[1],
     }
+    if not ON_XLA:  # (on the XLA device the Trainer takes its torch_xla branch itself)
+        scenarios["xla_order"] = lambda o: train(o, xla_order=True)
+        scenarios["xla_order_resumed"] = lambda o: (
+            copy_checkpoint(out_dir / "xla_order" / f"checkpoint-{SAVE_AT}", o), train(o, resume=True, xla_order=True))[1]
     if world > 1:
         if dp1_out is not None:
             scenarios["from_dp1"] = lambda o: (copy_checkpoint(Path(dp1_out) / "full" / f"checkpoint-{SAVE_AT}", o),
