@@ -81,6 +81,23 @@ print("checked")
 '''
 
 
+# The DP 2 checkpoint snippets: ``train()`` and ``train(<checkpoint>)`` end alike on each rank
+# (parameters and this rank's fp32 masters), and both trained.
+RESUMED_LIKE_UNINTERRUPTED = '''
+import os
+import torch.distributed as dist
+from nxd_smp.zero1_optimizer import zero1_optimizer_of
+{initial}
+assert dist.get_world_size() == 2 and zero1_optimizer_of(opt).world_size == 2
+assert not all(torch.equal(a, b) for a, b in zip(initial.parameters(), model.parameters())), "nothing trained"
+for (name, a), b in zip(model.named_parameters(), resumed.parameters(), strict=True):
+    assert torch.equal(a.detach(), b.detach()), name
+for a, b in zip(zero1_optimizer_of(opt).master_shards, zero1_optimizer_of(resumed_opt).master_shards, strict=True):
+    assert torch.equal(a, b)
+print("checked")
+'''
+
+
 def same_as_saved(path: str, check: str, model: str = "model") -> str:
     return _SAME_AS_SAVED.format(path=path, model=model, check=check)
 
@@ -174,6 +191,18 @@ assert type(opt) is nxd_smp.NeuronZero1Optimizer
 masters = read_checkpoint("checkpoint-3/shards")["optimizer"]["master_weights"]
 assert all(torch.equal(p, masters[n].bfloat16()) for n, p in model.named_parameters())
 ''',
+    # 2 ranks under torchrun (LAUNCHED): the resumed run is the uninterrupted one on each rank
+    "The Trainer at DP > 1, with its checkpoints": RESUMED_LIKE_UNINTERRUPTED.format(initial='''
+from transformers import LlamaForCausalLM
+torch.manual_seed(0)
+initial = LlamaForCausalLM(config).to(torch.bfloat16)
+assert os.path.islink("runs/hf_dp/checkpoint-2/nxd_smp") and os.path.isfile("runs/hf_dp/checkpoint-2/optimizer.pt")
+'''),
+    "accelerate at DP > 1, with save_state and load_state": RESUMED_LIKE_UNINTERRUPTED.format(initial='''
+torch.manual_seed(0)
+initial = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)).to(torch.bfloat16)
+assert os.path.islink("runs/accelerate_dp/step_4/nxd_smp")
+'''),
     "InternEvo's NaiveAMPModel": '''
 import torch.nn.functional as F
 x = torch.randn(4, 8)
@@ -208,13 +237,17 @@ def snippets() -> list[tuple[str, str]]:
 
 # Snippets that call NxD's names, run with the stand-in packages on the path (tests/stand_ins).
 STAND_INS = {"NxD Training, with nxd_smp under it", "optimum-neuron, with nxd_smp under it"}
-# Snippets run as a launcher runs them, with how many ranks: each rank prints its check.
-LAUNCHED = {"An NxD Llama-style setup: tensor and sequence parallelism with ZeRO-1": 4}
+# Snippets run as a launcher runs them, with how many ranks: each rank prints its check (and
+# what PRINTS says the snippet prints).
+LAUNCHED = {"An NxD Llama-style setup: tensor and sequence parallelism with ZeRO-1": 4,
+            "The Trainer at DP > 1, with its checkpoints": 2,
+            "accelerate at DP > 1, with save_state and load_state": 2}
+PRINTS = {"An NxD Llama-style setup: tensor and sequence parallelism with ZeRO-1": "grad norm"}
 
 
 def test_every_loop_has_a_snippet_and_a_check():
     headings = [h for h, _ in snippets()]
-    assert len(headings) == len(set(headings)) == 13 and set(headings) == set(CHECKS), headings
+    assert len(headings) == len(set(headings)) == 15 and set(headings) == set(CHECKS), headings
     assert set(SETUPS) <= set(headings)
 
 
@@ -239,6 +272,6 @@ def test_the_snippet_computes_what_it_says(tmp_path, heading, code):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     if ranks:
-        assert out.stdout.count("checked") == ranks and "grad norm" in out.stdout, out.stdout
+        assert out.stdout.count("checked") == ranks and PRINTS.get(heading, "") in out.stdout, out.stdout
     else:
         assert lines[:-1] and lines[-1] == "checked", out.stdout
