@@ -151,7 +151,13 @@ class Zero1TrainerCallback(TrainerCallback):
         zero1.set_clipping(clip, float(max_grad_norm) if clip else None)
         if self._trainer is not None:  # (the Trainer wraps the model before this call)
             skip_ddp_allreduce(getattr(self._trainer, "model_wrapped", None), zero1)
-        elif zero1.world_size > 1 and args.save_strategy != "no" and not args.save_only_model:
+        saving = getattr(args, "save_strategy", "no") != "no" and not getattr(args, "save_only_model", False)
+        if self._trainer is not None and saving and getattr(state, "is_hyper_param_search", False):
+            raise ValueError(
+                "Zero1TrainerCallback(trainer) writes nxd_smp's checkpoint into output_dir/checkpoint-N, and a "
+                "hyperparameter search saves into a folder per trial: search with save_strategy='no'."
+            )
+        if self._trainer is None and zero1.world_size > 1 and saving:
             raise ValueError(
                 f"at DP {zero1.world_size} the Trainer's checkpoints keep rank 0's optimizer shard only: give the "
                 f"callback the trainer, trainer.add_callback(Zero1TrainerCallback(trainer)), and every rank's state is "

@@ -1,7 +1,7 @@
 """The Hugging Face ``Trainer`` with a nxd_smp optimizer, as its users launch it: ``torchrun
 --nproc-per-node 2 tests/trainer_dp_worker.py OUT [DP1_OUT]`` (gloo on the CPU), or at DP 1 with
 ``python tests/trainer_dp_worker.py OUT`` (the global batch kept by gradient accumulation), or at
-DP 1 on the XLA CPU device with ``PJRT_DEVICE=CPU`` (the Trainer's own torch_xla paths: ``xm.save``
+DP 1 on the XLA CPU device with ``USE_TORCH_XLA=1 PJRT_DEVICE=CPU`` (the Trainer's own torch_xla paths: ``xm.save``
 of every rank's ``state_dict()``; ``full`` and ``resumed`` only).
 
 One launch runs every scenario of its DP size in turn, each with a fresh model, optimizer and
@@ -35,7 +35,7 @@ import sys
 import warnings
 from pathlib import Path
 
-ON_XLA = os.environ.get("PJRT_DEVICE") == "CPU"  # the Trainer's torch_xla paths, on the XLA CPU device
+ON_XLA = os.environ.get("USE_TORCH_XLA") == "1"  # the Trainer's torch_xla paths, on the XLA CPU device
 if not ON_XLA:
     os.environ["USE_TORCH_XLA"] = "0"  # else the Trainer asks for the xla backend
 
