@@ -740,7 +740,6 @@ class Zero1Optimizer(torch.optim.Optimizer):
         for key, mine in (("world_size", self._backend.world_size), ("rank", self._backend.rank)):
             if state_dict.get(key) != mine:
                 problems.append(f"{key} {state_dict.get(key)} (this optimizer: {mine})")
-        one_rank = ("rank" in problems[-1]) if problems else False  # (another rank's file)
         if state_dict.get("layout") != self._layout_signature():
             problems.append("bucket layout (parameters, shapes, dtypes, groups or bucket size differ)")
         if len(state_dict.get("param_groups", [])) != len(self.param_groups):
@@ -764,7 +763,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 + (" A training loop that writes one rank's optimizer file (the Hugging Face Trainer, "
                    "accelerate's save_state) keeps every rank's state only with nxd_smp's hooks: "
                    "Zero1TrainerCallback(trainer), nxd_smp.loop_checkpoints.register_accelerate_hooks "
-                   "(docs/training_loops.md)." if one_rank else "")
+                   "(docs/training_loops.md)." if state_dict.get("rank") != self._backend.rank else "")
             )
 
     def _inner_state_problems(self, inner: Any, groups: Any) -> list[str]:

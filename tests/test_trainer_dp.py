@@ -104,6 +104,17 @@ def test_on_the_xla_device_the_trainers_own_xla_order_resumes_exactly(on_xla):
     assert_same_run(resumed, full)
 
 
+def test_a_save_the_trainer_decides_after_the_step_is_written_late_and_resumes_exactly(out):
+    """``save_strategy="best"``: the Trainer decides after evaluating, past ``on_step_end``; the
+    callback writes nxd_smp's files in ``on_save``, warns of the window, and replaces
+    ``optimizer.pt`` (rank 0's state by then) by the reference."""
+    (best,), (resumed,), (full,) = (ranks(out, "dp1", s) for s in ("best", "best_resumed", "full"))
+    assert_same_run(best, full)
+    assert_same_run(resumed, full)
+    assert any("after the Trainer's files" in w for w in best["warnings"]), best["warnings"]
+    check_reference(torch.load(out / "dp1" / "best" / "checkpoint-3" / "optimizer.pt", weights_only=True), "optimizer.pt")
+
+
 def test_a_resume_at_another_dp_size_reshards(out):
     """DP 1's checkpoint-3 resumed at DP 2 continues like the DP 2 run (which equals DP 1's)."""
     for got, expected in zip(ranks(out, "dp2", "from_dp1"), ranks(out, "dp2", "full"), strict=True):

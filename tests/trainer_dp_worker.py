@@ -13,6 +13,9 @@ parameters, fp32 masters, and the error a refused resume raised. The scenarios:
   ``save_total_limit=1`` (checkpoint-6 replaces it);
 * ``xla_order`` / ``xla_order_resumed``: the same through the Trainer's torch_xla call order
   (``state_dict()`` on every rank after a rendezvous, the master writes), reproduced on gloo;
+* ``best`` / ``best_resumed`` (DP 1): ``save_strategy="best"`` (evaluated at step 3), which the
+  Trainer decides after ``on_step_end``: the callback writes in ``on_save``, and a resume from
+  that checkpoint;
 * ``from_dp1`` (DP 2, given DP1_OUT): resumed from the DP 1 launch's checkpoint-3;
 * ``missing_shard`` (DP 2): resumed from a copy of checkpoint-3 without one of nxd_smp's files
   (the state when the Trainer hands the optimizer ``optimizer.pt`` is kept, to compare);
@@ -69,7 +72,7 @@ def xla_order_trainer():
 
 
 def train(out: Path, *, resume: bool = False, save: bool = True, save_total_limit: int | None = None,
-          xla_order: bool = False, give_trainer: bool = True, count_ddp: bool = False) -> dict:
+          xla_order: bool = False, give_trainer: bool = True, count_ddp: bool = False, best: bool = False) -> dict:
     from transformers import Trainer, TrainingArguments
 
     import nxd_smp
@@ -79,7 +82,9 @@ def train(out: Path, *, resume: bool = False, save: bool = True, save_total_limi
     args = TrainingArguments(  # first: it initialises torch.distributed, which the optimizer needs
         output_dir=str(out), per_device_train_batch_size=PER_DEVICE, gradient_accumulation_steps=2 // world,
         max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", report_to="none",
-        save_strategy="steps" if save else "no", save_steps=SAVE_AT, save_total_limit=save_total_limit,
+        save_strategy=("best" if best else "steps") if save else "no", save_steps=SAVE_AT,
+        save_total_limit=save_total_limit, eval_strategy="steps" if best else "no", eval_steps=SAVE_AT,
+        metric_for_best_model="runtime" if best else None,  # (the first evaluation is a new best)
         use_cpu=True, seed=0, disable_tqdm=True, max_grad_norm=1.0, dataloader_drop_last=True,
         train_sampling_strategy="sequential",
     )
@@ -93,7 +98,8 @@ def train(out: Path, *, resume: bool = False, save: bool = True, save_total_limi
         mixed_precision=nxd_smp.MixedPrecisionConfig(use_master_weights_in_ckpt=True))
     data = [{"input_ids": t, "labels": t} for t in markov_data(PER_DEVICE * 2 * STEPS, seed=1)]
     trainer = (xla_order_trainer() if xla_order else Trainer)(
-        model=model, args=args, train_dataset=data, optimizers=(optimizer, None))
+        model=model, args=args, train_dataset=data, eval_dataset=data[:2] if best else None,
+        optimizers=(optimizer, None))
     trainer.add_callback(Zero1TrainerCallback(trainer if give_trainer else None))
     sent = count_ddp_bytes(trainer) if count_ddp else []
     at_load: dict = {}  # the state when the Trainer hands over optimizer.pt, before nxd_smp loads
@@ -104,15 +110,16 @@ def train(out: Path, *, resume: bool = False, save: bool = True, save_total_limi
 
     optimizer.register_load_state_dict_pre_hook(snapshot, prepend=True)
     error = None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         try:
             trainer.train(resume_from_checkpoint=resume or None)
         except Exception as e:  # noqa: BLE001 - a refused resume is a result
             error = f"{type(e).__name__}: {e}"
     return {"params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
             "masters": [m.cpu().clone() for m in optimizer.master_shards], "at_load": at_load, "error": error,
-            "world": world, "device": str(trainer.args.device), "ddp_bytes": sent, "steps": STEPS}
+            "world": world, "device": str(trainer.args.device), "ddp_bytes": sent, "steps": STEPS,
+            "warnings": [str(w.message) for w in caught if "Zero1TrainerCallback" in str(w.message)]}
 
 
 def count_ddp_bytes(trainer) -> list[int]:
@@ -157,6 +164,10 @@ def main(out: str, dp1_out: str | None = None) -> None:
         "full": lambda o: train(o),
         "resumed": lambda o: (copy_checkpoint(checkpoint_3, o), train(o, resume=True, save_total_limit=1))[1],
     }
+    if world == 1 and not ON_XLA:  # the save decided after on_step_end, and a resume from it
+        scenarios["best"] = lambda o: train(o, best=True)
+        scenarios["best_resumed"] = lambda o: (copy_checkpoint(out_dir / "best" / f"checkpoint-{SAVE_AT}", o),
+                                               train(o, resume=True, best=True))[1]
     if not ON_XLA:  # (on the XLA device the Trainer takes its torch_xla branch itself)
         scenarios["xla_order"] = lambda o: train(o, xla_order=True)
         scenarios["xla_order_resumed"] = lambda o: (
