@@ -260,3 +260,14 @@ def assert_params_close(
         total += a.numel()
         flips += int(differ.sum())
     assert flips <= max(2, max_flip_fraction * total), f"{flips} of {total} elements differ"
+
+
+def assert_same_run(got: dict, expected: dict) -> None:
+    """A run that resumed (or ran elsewhere) ended bit for bit as ``expected``: ``{"error",
+    "params": {name: tensor}, "masters": [this rank's shard per bucket]}`` as the loop workers
+    (tests/trainer_dp_worker.py, tests/accelerate_dp_worker.py) record them."""
+    assert got["error"] is None, got["error"]
+    for name, value in expected["params"].items():
+        assert torch.equal(got["params"][name], value), name
+    for a, b in zip(got["masters"], expected["masters"], strict=True):
+        assert torch.equal(a, b)

@@ -22,6 +22,7 @@ import torch
 
 from nxd_smp.checkpoint import read_checkpoint
 from nxd_smp.checkpoint_checks import check_reference
+from tests.oracle import assert_same_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -59,14 +60,6 @@ def on_xla(tmp_path_factory) -> Path:
 
 def ranks(out: Path, dp: str, scenario: str) -> list[dict]:
     return [torch.load(f, weights_only=True) for f in sorted((out / dp / scenario).glob("rank*.pt"))]
-
-
-def assert_same_run(got: dict, expected: dict) -> None:
-    assert got["error"] is None, got["error"]
-    for name, value in expected["params"].items():
-        assert torch.equal(got["params"][name], value), name
-    for a, b in zip(got["masters"], expected["masters"], strict=True):
-        assert torch.equal(a, b)
 
 
 def test_the_trainer_runs_on_two_ranks_on_the_device_accelerate_chose(out):
