@@ -33,8 +33,6 @@ Importing this module imports ``transformers``; ``import nxd_smp`` does not.
 
 from __future__ import annotations
 
-import os
-import tempfile
 import warnings
 import weakref
 from pathlib import Path
@@ -45,7 +43,8 @@ from transformers import TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .checkpoint_checks import REFERENCE_FOLDER, CheckpointError, is_reference
+from .checkpoint_checks import is_reference
+from .checkpoint_outputs import write_file
 from .loop_checkpoints import load_beside, save_beside
 from .zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
 
@@ -201,10 +200,8 @@ class Zero1TrainerCallback(TrainerCallback):
             )
         file = self._checkpoint_folder(args, state.global_step) / OPTIMIZER_NAME
         if args.should_save and file.exists():
-            descriptor, staging = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.")
-            os.close(descriptor)
-            torch.save(self._trainer.optimizer.state_dict(), staging)  # (the reference)
-            os.replace(staging, file)
+            reference = self._trainer.optimizer.state_dict()
+            write_file(file, lambda f: torch.save(reference, f), overwrite=True)
 
     def _load_beside(self, optimizer: Zero1Optimizer, state_dict: Any) -> None:
         """The optimizer's load pre-hook: the Trainer hands every rank ``optimizer.pt``; a
@@ -215,16 +212,10 @@ class Zero1TrainerCallback(TrainerCallback):
         if held is not None and held["id"] == state_dict.get("id"):
             return
         trainer = self._trainer
-        folder = self._checkpoint_folder(trainer.args, trainer.state.global_step)
-        if not os.path.lexists(folder / REFERENCE_FOLDER):
-            raise CheckpointError(
-                f"the Trainer's optimizer.pt refers to the nxd_smp checkpoint saved beside it (every rank's "
-                f"optimizer state, step {trainer.state.global_step}); the callback looks for it where the Trainer "
-                f"saved it, {folder / REFERENCE_FOLDER}, and it is not there. Resume from a checkpoint inside "
-                f"TrainingArguments.output_dir ({trainer.args.output_dir}): copy the checkpoint folder there "
-                f"whole (cp -a: hidden entries and links included)."
-            )
-        load_beside(folder, trainer.model, optimizer, state_dict)
+        load_beside(self._checkpoint_folder(trainer.args, trainer.state.global_step), trainer.model, optimizer,
+                    state_dict, where=f"The callback looks for it where the Trainer saved it: resume from a checkpoint "
+                                      f"inside TrainingArguments.output_dir ({trainer.args.output_dir}), copied there "
+                                      f"whole (cp -a: hidden entries and links included).")
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if logs is None or "grad_norm" not in logs or self._optimizer is None or self._optimizer.grad_norm is None:

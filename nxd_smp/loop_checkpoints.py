@@ -85,10 +85,12 @@ def save_beside(folder: str | os.PathLike, model: nn.Module, optimizer: Any) -> 
     return reference
 
 
-def load_beside(folder: str | os.PathLike, model: nn.Module, optimizer: Any, reference: Any) -> None:
+def load_beside(folder: str | os.PathLike, model: nn.Module, optimizer: Any, reference: Any, *,
+                where: str = "Copy the whole folder, hidden entries and links included (cp -a).") -> None:
     """Load the nxd_smp checkpoint that ``reference`` names in ``folder`` into ``model`` and
     ``optimizer`` at this DP size (every rank calls it), after checking it is that save; the
-    optimizer then accepts ``load_state_dict(reference)`` until the next step.
+    optimizer then accepts ``load_state_dict(reference)`` until the next step. ``where``: the
+    advice when the checkpoint is not in ``folder``.
 
     Raises:
         CheckpointError: the reference is damaged, the checkpoint is missing, another save, or
@@ -100,8 +102,7 @@ def load_beside(folder: str | os.PathLike, model: nn.Module, optimizer: Any, ref
     if not os.path.lexists(path):
         raise CheckpointError(
             f"{path} is missing: the optimizer file in {folder} refers to the nxd_smp checkpoint saved there "
-            f"(save {reference['id']}), which holds every rank's optimizer state. Copy the whole folder, hidden "
-            f"entries and links included (cp -a)."
+            f"(save {reference['id']}), which holds every rank's optimizer state. {where}"
         )
     try:
         load_checkpoint(path, model=model, optimizer=zero1, stateful={_IDENTITY: _SaveIdentity(reference["id"])})
@@ -144,20 +145,22 @@ def register_accelerate_hooks(accelerator: Any, model: nn.Module, optimizer: Any
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be the torch.nn.Module the optimizer trains, got {type(model).__name__}.")
 
-    def optimizer_file(folder: str) -> Path:
+    def prepared_index() -> int:
+        """Where accelerate keeps the optimizer (the reference is written only if it does)."""
         prepared = [zero1_optimizer_of(o) for o in getattr(accelerator, "_optimizers", [])]
         if zero1 not in prepared:
             raise ValueError("the nxd_smp optimizer was not prepared by this Accelerator: call "
                              "accelerator.prepare(optimizer) before save_state/load_state.")
-        index = prepared.index(zero1)
-        return Path(folder) / ("optimizer.bin" if index == 0 else f"optimizer_{index}.bin")  # accelerate's names
+        return prepared.index(zero1)
 
     def save(models: list, weights: list, output_dir: str) -> None:
-        optimizer_file(output_dir)  # (prepared: accelerate writes the reference)
+        prepared_index()
         save_beside(output_dir, model, zero1)
 
     def load(models: list, input_dir: str) -> None:
-        reference = read_reference(optimizer_file(input_dir))
+        index = prepared_index()
+        name = "optimizer.bin" if index == 0 else f"optimizer_{index}.bin"  # accelerate's names
+        reference = read_reference(Path(input_dir) / name)
         if reference is not None:
             load_beside(input_dir, model, zero1, reference)
 

@@ -105,7 +105,7 @@ class EagerBackend(Backend):
             self.rank, self.world_size = 0, 1
         self._flat_params: list[torch.Tensor] = []
         self._params: list[torch.Tensor] = []
-        self._ptrs: list[int] = []
+        self._homes: dict[int, torch.Tensor] = {}  # parameter index -> its slice of a flat buffer
         self._coordinator: Coordinator | None = None
 
     @property
@@ -166,7 +166,7 @@ class EagerBackend(Backend):
         """Each parameter becomes a view into its bucket's flat buffer, which the all-gather
         fills in place."""
         self._params = list(params)
-        self._homes: dict[int, torch.Tensor] = {}  # parameter index -> its slice of a flat buffer
+        self._homes = {}
         for layout in layouts:
             first = params[layout.param_indices[0]]
             flat = staggered_empty(layout.padded_numel, first.dtype, self.device, "param").zero_()
@@ -176,7 +176,6 @@ class EagerBackend(Backend):
                 params[index].data = flat[start:end].view(params[index].shape)
                 self._homes[index] = flat[start:end]
             self._flat_params.append(flat)
-        self._ptrs = [p.data_ptr() for p in self._params]
 
     def param_shard(self, b: int) -> torch.Tensor:
         return self._shard(self._flat_params[b])
@@ -199,9 +198,9 @@ class EagerBackend(Backend):
         flat buffer with their new values; returns their indices."""
         adopted = []
         for i, p in enumerate(self._params):
-            if p.data_ptr() == self._ptrs[i]:
-                continue
             home = self._homes[i]
+            if p.data_ptr() == home.data_ptr():
+                continue
             if p.dtype != home.dtype or p.device != home.device:
                 raise RuntimeError(
                     f"parameter {i} (shape {tuple(p.shape)}) was moved to {p.dtype} on {p.device} after the "
@@ -211,7 +210,6 @@ class EagerBackend(Backend):
                 )
             home.copy_(p.detach().reshape(-1))
             p.data = home.view(p.shape)
-            self._ptrs[i] = p.data_ptr()
             adopted.append(i)
         return adopted
 
