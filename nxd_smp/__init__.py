@@ -1,13 +1,25 @@
 """nxd_smp: a ZeRO-1 sharded optimizer with standard mixed precision, compatible with
-neuronx-distributed's ``NeuronZero1Optimizer`` and ``mixed_precision_config``."""
+neuronx-distributed's ``NeuronZero1Optimizer`` and ``mixed_precision_config``.
 
-from . import fused_adamw, precision_ops
-from .checkpoint import CheckpointError, finalize_checkpoint, has_checkpoint, load_checkpoint, save_checkpoint
-from .loss_scaler import DynamicLossScaler
-from .mixed_precision_config import ConfigError, MixedPrecisionConfig, OptimizerConfig, Zero1Config
-from .nxd_patch import patch_neuronx_distributed
-from .trainer import ClippedOptimizer, NxDOptimizer, initialize_parallel_optimizer, neuronx_distributed_config
-from .zero1_optimizer import NeuronZero1Optimizer, Zero1Optimizer
+The names here, and the modules the README lists as entry points, are the public surface; the
+rest of the package (``core``, ``backend``, ``optim``, ``checkpointing`` and ``interop``'s insides) is
+internal. ``docs/design.md`` draws the layers.
+"""
+
+from . import precision_ops
+from .checkpoint import finalize_checkpoint, has_checkpoint, load_checkpoint, save_checkpoint
+from .core.errors import CheckpointError, ConfigError
+from .interop.nxd import (
+    ClippedOptimizer,
+    NeuronZero1Optimizer,
+    NxDOptimizer,
+    initialize_parallel_optimizer,
+    neuronx_distributed_config,
+    patch_neuronx_distributed,
+)
+from .mixed_precision_config import MixedPrecisionConfig, OptimizerConfig, Zero1Config
+from .optim.loss_scaler import DynamicLossScaler
+from .zero1_optimizer import Zero1Optimizer
 
 __version__ = "0.1.0"
 
@@ -16,17 +28,18 @@ __all__ = [
     "ClippedOptimizer",
     "ConfigError",
     "DynamicLossScaler",
-    "finalize_checkpoint",
-    "has_checkpoint",
     "MixedPrecisionConfig",
     "NeuronZero1Optimizer",
     "NxDOptimizer",
     "OptimizerConfig",
     "Zero1Config",
     "Zero1Optimizer",
+    "finalize_checkpoint",
+    "has_checkpoint",
     "initialize_parallel_optimizer",
     "load_checkpoint",
     "neuronx_distributed_config",
     "patch_neuronx_distributed",
+    "precision_ops",
     "save_checkpoint",
 ]

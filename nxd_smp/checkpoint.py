@@ -1,14 +1,15 @@
 """Sharded, reshardable, atomic checkpoints of a model, its ``Zero1Optimizer``, and the
 caller's scheduler and other stateful objects; saved synchronously or in the background.
-The public entry points; the work is done in rooms of one job each:
+The public entry points; the work is done in ``nxd_smp.checkpointing``, a room per job:
 
-* ``checkpoint_format``: the files and keys, the records, the completion record, safe reads;
-* ``checkpoint_save`` / ``checkpoint_load``: saving, and loading with the resharding plan
-  (the piece arithmetic is ``resharding``, beside ``layout``);
-* ``checkpoint_writer``: the background writer of asynchronous saves;
-* ``checkpoint_links``: the version links, their atomic swap and the retention;
-* ``checkpoint_storage``: the bytes on disk;
-* ``checkpoint_tools``: the offline tools (process-local: they never communicate).
+* ``format``: the files and keys, the records, the completion record;
+* ``save`` / ``load``: saving, and loading with the resharding plan (``resharding``);
+* ``publish``: the ranks' one write-and-publish, and the atomic moves into place;
+* ``links``: the version links and the retention; ``writer``: the background writer;
+* ``storage``: the bytes on disk; ``dcp_index``: the one DCP index reader; ``paths``: the one
+  safe open; ``reader``: the strict reader of pickled files; ``values``: checks of values read;
+* ``tools``: the offline tools (process-local: they never communicate);
+* ``formats``: other tools' checkpoint folders, which ``nxd_smp.interop`` registers (NxD's).
 
 A checkpoint saved at DP size N loads at any DP size M; ``path`` always names a complete
 checkpoint (the old one or the new one); a refused load changes nothing; loading never runs
@@ -30,13 +31,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .backend import Backend, select_backend, this_replica
-from .checkpoint_format import CheckpointError, check_args, error_text, managed_param_names, param_group_names, stateful_objects
-from .checkpoint_links import checkpoint_links, replaceable_folder, resolve, unpublish, version_prefix
-from .checkpoint_load import load, load_full_optimizer_state
-from .checkpoint_save import save
-from .checkpoint_tools import consolidate, inspect_checkpoint, read_checkpoint
-from .checkpoint_writer import finalize_checkpoint, finish_save_in_flight, save_in_flight
-from .nxd_checkpoint import DONE_FILE, is_nxd_checkpoint, load_nxd, load_state_dicts, nxd_tags, remove_tag, save_state_dicts
+from .backend.agreement import error_text
+from .checkpointing.format import check_args, stateful_objects
+from .checkpointing.formats import folder_format_of, registered_formats, state_dict_format
+from .checkpointing.links import checkpoint_links, replaceable_folder, resolve, unpublish, version_prefix
+from .checkpointing.load import load, load_full_optimizer_state
+from .checkpointing.save import save
+from .checkpointing.tools import consolidate, inspect_checkpoint, read_checkpoint
+from .checkpointing.writer import finalize_checkpoint, finish_save_in_flight, save_in_flight
+from .core.errors import CheckpointError
 from .zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
 
 __all__ = [
@@ -46,12 +49,9 @@ __all__ = [
     "finalize_checkpoint",
     "has_checkpoint",
     "remove_checkpoint",
-    "last_tag_directory",
     "inspect_checkpoint",
     "consolidate",
     "read_checkpoint",
-    "managed_param_names",
-    "param_group_names",
     "load_full_optimizer_state",
 ]
 
@@ -61,7 +61,7 @@ __all__ = [
 # group (its coordinator may make a gloo group at first use).
 _model_backends: dict[tuple[str, object, int], Backend] = {}
 # The directory of each rank's last save in NxD's call shape (a folder per tag), for callers that
-# remove tags by name (NxD Training, through NxD's io state: ``nxd_patch``).
+# remove tags by name (NxD Training, through NxD's io state: ``interop.nxd.patch``).
 _tag_directories: dict[Any, Path] = {}
 
 
@@ -154,7 +154,8 @@ def save_checkpoint(
     optimizer=...)`` and NxD's ``save_checkpoint(checkpoint_dir, tag, model, optimizer,
     scheduler, user_content, ...)``, which saves into the folder ``checkpoint_dir/tag``. With
     state dicts (NxD Training's ``model=<state dict>, optimizer=<state dict>``) the tag folder is
-    written in NxD's layout, each rank's dicts as they are (``nxd_checkpoint.save_state_dicts``).
+    written in NxD's layout, each rank's dicts as they are (the registered format for state dicts:
+    ``nxd_smp.interop.nxd.state_dicts``).
 
     Args:
         path: the checkpoint's name: a symbolic link that is swapped atomically to the
@@ -259,9 +260,9 @@ def _save_state_dicts(path: Path, model: Any, optimizer: Any, scheduler: Any, ex
                             f"{type(value).__name__}.")
         values[name] = value if value is None or isinstance(value, Mapping) else value.state_dict()
     finish_save_in_flight(raise_error=True)  # at most one in flight; its failure surfaces here
-    return save_state_dicts(path, model=values["model"], optimizer=values["optimizer"], scheduler=scheduler,
-                            user_content=extra, backend=_state_dicts_backend(model, optimizer),
-                            async_save=async_save, num_kept=num_kept_ckpts)
+    return state_dict_format().save_state_dicts(
+        path, model=values["model"], optimizer=values["optimizer"], scheduler=scheduler, user_content=extra,
+        backend=_state_dicts_backend(model, optimizer), async_save=async_save, num_kept=num_kept_ckpts)
 
 
 def load_checkpoint(
@@ -285,7 +286,7 @@ def load_checkpoint(
     with ``tag`` (NxD's call shape) the checkpoint ``path/tag``. Besides nxd_smp's
     checkpoints this reads NxD's own tag folders (``neuronx_distributed.trainer.
     save_checkpoint``, plain or ``use_xser``, written by NxD's ``NeuronZero1Optimizer`` at any
-    DP size; ``nxd_smp.nxd_checkpoint`` says what they hold). The model gets the saved
+    DP size; ``nxd_smp.interop.nxd.folders`` says what they hold). The model gets the saved
     weights; the optimizer its states, hyperparameters and, when the checkpoint has them,
     master weights (the parameters then equal ``master.to(param dtype)``). Without saved
     master weights the masters are rebuilt from the loaded parameters, with a warning that
@@ -296,7 +297,7 @@ def load_checkpoint(
 
     NxD Training's call shape passes dicts to fill, ``model={}, optimizer={} or None``: an NxD
     tag folder's files are read into them in place, at the DP size they were saved at
-    (``nxd_checkpoint.load_state_dicts``); ``optimizer=None`` reads the model only.
+    (``nxd_smp.interop.nxd.state_dicts``); ``optimizer=None`` reads the model only.
 
     Args:
         model: the model (or, in NxD Training's call shape, a dict to fill).
@@ -328,43 +329,38 @@ def load_checkpoint(
     found: Any = None
     if coordinator.rank == 0:
         try:
-            nxd_tag = _nxd_tag(path)
-            found = str(nxd_tag) if nxd_tag is not None else {"missing": str(path)} if not os.path.lexists(path) else None
+            foreign = _foreign(path)
+            found = ([foreign[0].name, str(foreign[1])] if foreign is not None
+                     else {"missing": str(path)} if not os.path.lexists(path) else None)
         except Exception as e:  # noqa: BLE001 - every rank learns of it
             found = {"refused": f"{path}: {error_text(e)}"}
     found = coordinator.broadcast(found)  # rank 0's choice for all
     if isinstance(found, dict) and "refused" in found:
         raise CheckpointError(found["refused"])
-    nxd_tag = found if isinstance(found, str) else None
+    foreign = None
+    if isinstance(found, list):  # another tool's folder, which rank 0 found: [its format's name, the folder]
+        foreign = (next(f for f in registered_formats() if f.name == found[0]), Path(found[1]))
     if state_dicts:
         if isinstance(found, dict):
             raise FileNotFoundError(f"no checkpoint at {path}: the path does not exist.")
-        if nxd_tag is None:
+        if foreign is None:
             raise CheckpointError(
                 f"{path} holds nxd_smp's own format, which loads into the model and optimizer themselves, not into "
                 f"state dicts: pass model=<module> and optimizer=<optimizer>.")
-        return load_state_dicts(Path(nxd_tag), model=model, optimizer=optimizer, scheduler=scheduler, strict=strict,
-                                coordinator=coordinator)
-    if nxd_tag is not None:
-        if stateful:
-            raise CheckpointError(f"{nxd_tag} is an NxD checkpoint, which holds no stateful objects; pass none.")
-        return load_nxd(Path(nxd_tag), model=model, optimizer=optimizer, scheduler=scheduler, strict=strict,
-                        coordinator=coordinator)
+    elif foreign is not None and stateful:
+        raise CheckpointError(f"{foreign[1]} is an {foreign[0].name} checkpoint, which holds no stateful objects; "
+                              f"pass none.")
+    if foreign is not None:
+        return foreign[0].load(foreign[1], model=model, optimizer=optimizer, scheduler=scheduler, strict=strict,
+                               coordinator=coordinator)
     return load(path, model, optimizer, _backend(model, optimizer), objects=objects,
                 verify_checksums=verify_checksums, progress=progress, strict=strict)
 
 
-def _nxd_tag(path: Path) -> Path | None:
-    """The NxD tag folder ``path`` means (itself, or a directory's newest complete tag when it
-    holds no nxd_smp checkpoint), or None: an nxd_smp checkpoint."""
-    if path.is_symlink():
-        return None
-    if is_nxd_checkpoint(path):
-        return path
-    if path.is_dir() and not checkpoint_links(path):
-        tags = nxd_tags(path)
-        return tags[-1] if tags else None
-    return None
+def _foreign(path: Path):
+    """The registered format (another tool's) whose folder ``path`` means, and that folder; None for
+    an nxd_smp checkpoint."""
+    return folder_format_of(path, nxd_smp_checkpoints_there=path.is_dir() and bool(checkpoint_links(path)))
 
 
 def has_checkpoint(path: str | os.PathLike) -> bool:
@@ -372,14 +368,15 @@ def has_checkpoint(path: str | os.PathLike) -> bool:
     ``has_checkpoint``): ``path`` is one (an nxd_smp checkpoint, or an NxD tag folder with
     its ``done`` file), or a directory holding one."""
     path = _tagged(path, None)
-    if is_nxd_checkpoint(path):
-        return (path / DONE_FILE).is_file()
+    for folder_format in registered_formats():
+        if folder_format.is_folder(path):
+            return folder_format.is_complete(path)
     try:
         resolve(path)
     except (FileNotFoundError, CheckpointError):
-        return path.is_dir() and not path.is_symlink() and bool(nxd_tags(path))
+        return path.is_dir() and not path.is_symlink() and any(f.newest(path) is not None
+                                                                for f in registered_formats())
     return True
-
 
 
 def last_tag_directory() -> Path | None:
@@ -400,10 +397,11 @@ def remove_checkpoint(path: str | os.PathLike) -> None:
     path = _tagged(path, None)
     if save_in_flight() == str(path):
         finish_save_in_flight(raise_error=False)
+    foreign = next((f for f in registered_formats() if f.is_folder(path)), None)
     if path.is_symlink() and Path(os.readlink(path)).name.startswith(version_prefix(path)):
         unpublish(path)
-    elif is_nxd_checkpoint(path):
-        remove_tag(path)
+    elif foreign is not None:
+        foreign.remove(path)
     elif os.path.lexists(path):
         raise CheckpointError(f"{path} is not a checkpoint (an nxd_smp checkpoint link or an NxD tag folder); "
                               f"nothing was removed.")

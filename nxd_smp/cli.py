@@ -7,10 +7,9 @@ import json
 import sys
 
 from .checkpoint import CheckpointError, consolidate, inspect_checkpoint
-from .native_torch import export_safetensors, export_torch
-from .xla_state_dict import export_xla
+from .interop.native_torch import export_safetensors, export_torch
+from .interop.torch_xla import export_xla
 
-__all__ = ["main"]
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m nxd_smp") -> int:

@@ -1,5 +1,16 @@
-"""Gradient accumulation: fp32 ``main_grad`` buffers, the hooks that fill them, and the
-flattening of autograd's ``.grad`` when accumulation stays in the parameter dtype.
+"""Gradient sources: where a step's gradient comes from, and its reduction over the ranks.
+
+Every source hands ``step()`` the same thing (``GradientSource.reduce``): per bucket, this rank's
+shard of the gradient summed over micro-batches and data-parallel ranks, NxD's model-parallel sums
+included (``Topology.sum_model_parallel_``), in the master dtype; and it starts a new accumulation.
+Three sources, one per way the gradient is accumulated (the precision plan says which dtypes):
+
+* ``AutogradGrads`` (``use_fp32_grad_acc=False``): autograd's ``.grad`` in the parameter dtype,
+  which the loop clears as with any torch optimizer, flattened per bucket at step time;
+* ``MainGradBuffers``: fp32 ``main_grad`` buffers filled by backward hooks, reduce-scattered at
+  step time;
+* ``ShardedMainGrads`` (``use_sharded_grad_acc``): only this rank's shard of the fp32 sum, each
+  bucket reduce-scattered from the hooks as soon as backward has produced it.
 
 With fp32 accumulation a post-accumulate-grad hook adds each micro-batch's gradient into
 the parameter's ``main_grad`` and frees ``param.grad``, so the low-precision gradient lives
@@ -10,26 +21,27 @@ the optimizer's ``step()`` and ``zero_grad()``) the first gradient of a paramete
 *copied* into its ``main_grad``, later ones are added; ``flat(b)`` zeroes only the
 parameters that got no gradient since. So no training loop has to clear anything, and a
 loop that calls ``model.zero_grad()``, ``optimizer.zero_grad()`` or nothing trains the same.
-``MainGradBuffers`` does not communicate. ``ShardedMainGrads`` (``use_sharded_grad_acc``)
-keeps only this rank's shard of the fp32 sum: each bucket's gradient is reduce-scattered
-through the backend as soon as backward has produced all of it, every micro-batch, and
-added into the shard, so no full-size fp32 buffer exists.
+``A ``.grad`` the hooks did not see (set by hand, or computed before the optimizer existed) is taken
+into the step's sum.
 """
 
 from __future__ import annotations
 
 import weakref
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .backend import Backend, PendingShard
-from .layout import BucketLayout
-from .placement import staggered_empty
+from .backend.base import PendingShard
+from .core.layout import BucketLayout
+from .core.memory import staggered_empty
+from .optim.precision import PrecisionPlan
+from .optim.topology import Topology
 
-__all__ = ["MainGradBuffers", "ShardedMainGrads", "concat_bucket", "flatten_grads"]
+__all__ = ["GradientSource", "AutogradGrads", "MainGradBuffers", "ShardedMainGrads"]
 
 # The hook currently registered on each parameter. A parameter is accumulated by one
 # MainGradBuffers at a time: building a new one for the same parameter (a new optimizer
@@ -38,36 +50,108 @@ __all__ = ["MainGradBuffers", "ShardedMainGrads", "concat_bucket", "flatten_grad
 _ACTIVE_HOOKS = WeakIdKeyDictionary()
 
 
-class MainGradBuffers:
+class GradientSource(ABC):
+    """Where one optimizer's gradient comes from, and its reduction.
+
+    Args:
+        params: all managed parameters, in layout order; ``layouts`` index into this list.
+        layouts: one per bucket.
+        topology: the groups: the data-parallel reduce-scatter, the model-parallel sums.
+        plan: the dtypes: the wire dtype of each bucket's reduce-scatter, its master dtype.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], layouts: Sequence[BucketLayout], topology: Topology,
+                 plan: PrecisionPlan):
+        self._params = list(params)
+        self._layouts = list(layouts)
+        self._topology = topology
+        self._backend = topology.data
+        dtypes = [params[layout.param_indices[0]].dtype for layout in layouts]
+        self._wire = [plan.wire(d) for d in dtypes]
+        self._masters = [plan.master(d) for d in dtypes]
+        self._marked = [bool(getattr(layout.key, "sequence_parallel", False)) for layout in layouts]
+
+    @abstractmethod
+    def reduce(self) -> list[torch.Tensor]:
+        """Per bucket, this rank's shard of the gradient summed over the micro-batches since the
+        last step and over the data-parallel ranks (NxD's model-parallel sums done), in the master
+        dtype; the accumulation is consumed: the next backward starts a new one."""
+
+    def start_new_accumulation(self) -> None:
+        """Forget the accumulation in progress."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard the accumulation in progress and the parameters' ``.grad``."""
+        self.start_new_accumulation()
+        for p in self._params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    def main_grad(self, index: int) -> torch.Tensor:
+        """The fp32 gradient of managed parameter ``index`` accumulated so far."""
+        raise RuntimeError("main_grad exists only with use_fp32_grad_acc=True.")
+
+    def _take_stray_grads(self) -> None:
+        """A ``.grad`` the hooks did not see (set by hand, or computed before the optimizer
+        existed) joins the accumulation."""
+        for i, p in enumerate(self._params):
+            if p.grad is not None:
+                self.add(i, p.grad)
+                p.grad = None
+
+    def add(self, index: int, grad: torch.Tensor, in_backward: bool = False) -> None:
+        """Accumulate ``grad`` for managed parameter ``index``."""
+        raise NotImplementedError
+
+    def _reduce_flat(self, flats: list[torch.Tensor], spares: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Each bucket's whole gradient ``flats`` (overwritten), in its wire dtype, summed over the
+        model-parallel groups, then reduce-scattered (into ``spares`` where given)."""
+        flats = [flat if flat.dtype == wire else flat.to(wire) for flat, wire in zip(flats, self._wire)]
+        self._topology.sum_model_parallel_(flats, self._marked)
+        return self._backend.reduce_scatter(flats, into=list(spares))
+
+    def _in_master_dtype(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [s if s.dtype == dtype else s.to(dtype) for s, dtype in zip(shards, self._masters)]
+
+
+class AutogradGrads(GradientSource):
+    """Autograd's ``.grad`` in the parameter dtype (``use_fp32_grad_acc=False``): the loop clears it
+    as with any torch optimizer; at step time each bucket's is flattened into a new buffer of its
+    wire dtype (a parameter without a gradient, and the padding, zero)."""
+
+    def reduce(self) -> list[torch.Tensor]:
+        flats = [flatten_grads(self._params, layout, wire) for layout, wire in zip(self._layouts, self._wire)]
+        return self._in_master_dtype(self._reduce_flat(flats, [None] * len(flats)))
+
+
+class MainGradBuffers(GradientSource):
     """Gradient-accumulation buffers for a list of buckets.
 
     Args:
-        params: all managed parameters; ``layouts`` index into this list.
-        layouts: one per bucket.
-        dtype: accumulation dtype (fp32 under SMP).
-        device: where the buffers live (the parameters' device).
+        params, layouts, topology, plan: as ``GradientSource``; the buffers hold the plan's
+            accumulation dtype (fp32 on the device) on the data-parallel backend's device.
         contiguous: one persistent flat buffer per bucket with a view per parameter (eager
             devices: the reduce-scatter reads it in place). False (XLA): no persistent
             buffer; each parameter's accumulation is a tensor of this step's graph and the
             bucket is one concatenation at step time (adding into slices of one large
-            buffer would trace an update of the whole buffer per parameter).
+            buffer would trace an update of the whole buffer per parameter). None: the
+            backend's choice (``persistent_grad_buffers``).
 
     After ``backward()``, ``flat(b)`` is the sum of the gradients since the last
     ``start_new_accumulation()`` for bucket ``b`` (zero for parameters without one, and
     for the padding), and each parameter's ``.grad`` is None.
     """
 
-    def __init__(
-        self,
-        params: Sequence[torch.Tensor],
-        layouts: Sequence[BucketLayout],
-        dtype: torch.dtype,
-        device: torch.device,
-        contiguous: bool = True,
-    ):
+    def __init__(self, params: Sequence[torch.Tensor], layouts: Sequence[BucketLayout], topology: Topology,
+                 plan: PrecisionPlan, contiguous: bool | None = None):
+        super().__init__(params, layouts, topology, plan)
+        dtype, device = plan.fp32, topology.data.device
+        contiguous = topology.data.persistent_grad_buffers if contiguous is None else contiguous
         self.dtype = dtype
         self.contiguous = contiguous
-        self._layouts = list(layouts)
         self._device = device
         self._numel = len(params)
         self._shapes = [p.shape for p in params]
@@ -135,6 +219,15 @@ class MainGradBuffers:
         return concat_bucket(layout, parts, self.dtype, self._device)
 
 
+    def reduce(self) -> list[torch.Tensor]:
+        self._take_stray_grads()
+        # a shard that arrives in another dtype may land in the consumed accumulation itself
+        spares = [buffer if buffer.dtype == master else None for buffer, master in zip(self.buffers, self._masters)]
+        shards = self._reduce_flat([self.flat(b) for b in range(len(self._layouts))], spares or [None] * len(self._layouts))
+        self.start_new_accumulation()
+        return self._in_master_dtype(shards)
+
+
 def concat_bucket(layout: BucketLayout, parts: Sequence[torch.Tensor | None], dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor:
     """Bucket ``layout``'s flat, padded tensor of ``dtype`` as one concatenation of ``parts``
@@ -166,15 +259,14 @@ def _attach_hook(param: torch.Tensor, index: int, owner: weakref.ref) -> None:
     _ACTIVE_HOOKS[param] = handle
 
 
-class ShardedMainGrads:
+class ShardedMainGrads(GradientSource):
     """This rank's shard of the fp32 gradient sum, filled bucket by bucket during backward.
 
     Args:
-        params: all managed parameters; ``layouts`` index into this list.
-        layouts: one per bucket.
-        backend: the reduce-scatters (``reduce_scatter_start``) and where the shards live.
-        wire_dtype: per bucket, the dtype its gradient is reduce-scattered in.
-        dtype: the sums' dtype (fp32 on the device: float64 under ``XLA_DOWNCAST_BF16``).
+        params, layouts, topology, plan: as ``GradientSource``: the reduce-scatters
+            (``reduce_scatter_start``) run over the data-parallel backend, where the shards live,
+            each bucket in its wire dtype; the sums are the plan's fp32 (float64 under
+            ``XLA_DOWNCAST_BF16``).
         in_flight: how many buckets' reduce-scatters may be under way at once (each holds
             one bucket of staging); more overlap, more memory.
 
@@ -189,19 +281,11 @@ class ShardedMainGrads:
     in the wire dtype (fp32 unless ``reduce_dtype`` lowers it).
     """
 
-    def __init__(
-        self,
-        params: Sequence[torch.Tensor],
-        layouts: Sequence[BucketLayout],
-        backend: Backend,
-        wire_dtype: Sequence[torch.dtype],
-        in_flight: int = 2,
-        dtype: torch.dtype = torch.float32,
-    ):
-        self.dtype = dtype
-        self._layouts = list(layouts)
-        self._backend = backend
-        self._wire = list(wire_dtype)
+    def __init__(self, params: Sequence[torch.Tensor], layouts: Sequence[BucketLayout], topology: Topology,
+                 plan: PrecisionPlan, in_flight: int = 2):
+        super().__init__(params, layouts, topology, plan)
+        backend = topology.data
+        self.dtype = plan.fp32
         self._in_flight_max = max(1, int(in_flight))
         self._bucket_of = {}
         for b, layout in enumerate(layouts):
@@ -333,6 +417,23 @@ class ShardedMainGrads:
         self._fresh = [True] * len(self._layouts)
         if not self._persistent:
             self._sums = [None] * len(self._layouts)
+
+    def main_grad(self, index: int) -> torch.Tensor:
+        raise RuntimeError(
+            "main_grad is not kept with use_sharded_grad_acc=True: each rank holds only its "
+            "shard of the gradient, summed over ranks, and no rank has a parameter's whole "
+            "gradient. Turn use_sharded_grad_acc off to read it."
+        )
+
+    def reduce(self) -> list[torch.Tensor]:
+        # (A .grad set by hand is reduced here as one more pass; every rank must then have one,
+        # as every rank runs each backward.)
+        self._take_stray_grads()
+        self.end_pass()
+        shards = [self.shard(b) for b in range(len(self._layouts))]
+        self._topology.sum_model_parallel_(shards, self._marked)  # (sums commute with the DP reduction)
+        self.start_new_accumulation()
+        return self._in_master_dtype(shards)
 
     def shard(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s accumulated gradient shard, fp32 (zeros if it got none)."""

@@ -2,9 +2,10 @@
 
 Two frozen dataclasses hold the validated settings, and ``from_dict`` builds them from
 NxD's (possibly partial) dicts with NxD's rule: missing mixed-precision flags follow
-``zero_one_enabled``. Every rule lives here, once. This module is pure: it imports nothing
-from nxd_smp, reads no environment variable and knows no tensor. The environment checks
-live in ``runtime_env``, NxD's ``neuronx_distributed_config`` in ``trainer``.
+``zero_one_enabled``. Every rule lives here, once. This module is the config layer: it imports
+only ``ConfigError`` from the core, reads no environment variable and knows no tensor. The
+environment checks live in ``nxd_smp.core.environment``, NxD's ``neuronx_distributed_config``
+in ``nxd_smp.interop.nxd``.
 """
 
 from __future__ import annotations
@@ -14,18 +15,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = [
-    "ConfigError",
-    "MixedPrecisionConfig",
-    "OptimizerConfig",
-    "Zero1Config",
-    "require_bool",
-    "validate_max_norm",
-]
+from .core.errors import ConfigError
 
-
-class ConfigError(ValueError):
-    """A configuration value or combination that nxd_smp refuses; the message names the fix."""
+__all__ = ["ConfigError", "MixedPrecisionConfig", "OptimizerConfig", "Zero1Config"]
 
 
 def require_bool(owner: str, name: str, value: Any) -> bool:
@@ -211,6 +203,11 @@ class OptimizerConfig:
         return asdict(self)
 
 
+#: The dtypes a gradient may be reduced in by name, as torch_xla chooses: its parameter dtype, or the
+#: master dtype (``higher_cc_precision``).
+REDUCE_AS = ("param", "master")
+
+
 @dataclass(frozen=True)
 class Zero1Config(OptimizerConfig):
     """Everything that configures one ``Zero1Optimizer``, validated once: NxD's
@@ -218,8 +215,10 @@ class Zero1Config(OptimizerConfig):
 
     Attributes:
         mixed_precision: a ``MixedPrecisionConfig`` (None: SMP on).
-        reduce_dtype: a floating torch dtype for the gradient reduce-scatter, or None (fp32
-            with fp32 accumulation, else the parameter dtype).
+        reduce_dtype: a floating torch dtype for the gradient reduce-scatter; None (the
+            accumulation dtype: fp32 with fp32 accumulation, else the parameter dtype); or, as
+            torch_xla chooses it, ``"param"`` (each bucket in its parameter dtype) or ``"master"``
+            (in the master dtype: torch_xla's ``higher_cc_precision``).
         bucket_cap_mb: the largest bucket in MiB of fp32 elements (0: a bucket per
             parameter, ``inf``: one per param group and dtype), or None (the device's default).
         pin_layout: passed to torch_xla's collectives.
@@ -259,8 +258,10 @@ class Zero1Config(OptimizerConfig):
             )
         object.__setattr__(self, "mixed_precision", mp)
         dtype = self.reduce_dtype
-        if dtype is not None and (type(dtype).__name__ != "dtype" or getattr(dtype, "is_floating_point", None) is not True):
-            raise ConfigError(f"reduce_dtype must be None or a floating torch.dtype, got {dtype!r}.")
+        if dtype is not None and dtype not in REDUCE_AS and (
+                type(dtype).__name__ != "dtype" or getattr(dtype, "is_floating_point", None) is not True):
+            raise ConfigError(f"reduce_dtype must be None, a floating torch.dtype, or one of {list(REDUCE_AS)}; got "
+                              f"{dtype!r}.")
         cap = self.bucket_cap_mb
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 0):
             raise ConfigError(

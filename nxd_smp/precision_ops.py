@@ -15,14 +15,15 @@
   rounding that split makes.
 
 Numerics only: nothing here knows about sharding or reads the environment (the Neuron
-runtime's stochastic rounding is ``runtime_env.set_stochastic_rounding``).
+runtime's stochastic rounding is ``nxd_smp.core.environment.set_stochastic_rounding``). The
+rounding functions live with the optimizer parts that use them (``nxd_smp.optim.rounding``) and
+are re-exported here.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,7 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
-from .mixed_precision_config import ConfigError
+from .core.errors import ConfigError
+from .optim.rounding import join_master, round_ties_away, split_master, stochastic_round
 
 __all__ = [
     "softmax",
@@ -375,78 +377,3 @@ def apply_dtype(name: str | torch.dtype, device: torch.device | str) -> torch.dt
         else:
             log.info("torch.tf32 on %s: TF32 matmuls exist only on CUDA; computing in fp32.", device)
     return dtype
-
-
-# ---------------------------------------------------------------------------- stochastic rounding
-def stochastic_round(x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Round fp32 ``x`` to bf16 stochastically: to the bf16 neighbour on the far side with
-    probability equal to the fraction of the way to it, so the result is unbiased
-    (``E[round(x)] = x``). Seeded through ``generator`` (on ``x``'s device). inf and NaN
-    are kept.
-
-    Float arithmetic only (no bit views of the tensor, which XLA would run on the host): the
-    nearest bf16 value, the spacing of bf16 values there (2^(e-7) for |value| in [2^e,
-    2^(e+1)), half that below a power of two, 2^-133 among subnormals), one uniform draw.
-    """
-    if x.dtype != _F32:
-        raise ValueError(f"stochastic_round takes fp32 input, got {x.dtype}.")
-    nearest = x.to(torch.bfloat16).float()
-    diff = x - nearest  # exact: both are fp32 and close
-    exponent = torch.floor(torch.log2(nearest.abs())).clamp(min=-126)  # log2(0) = -inf -> -126
-    spacing = torch.pow(2.0, exponent - 7)
-    toward_zero = (torch.sign(diff) != torch.sign(nearest)) & (nearest != 0)
-    below_power_of_two = toward_zero & (nearest.abs() == torch.pow(2.0, exponent)) & (exponent > -126)
-    spacing = torch.where(below_power_of_two, spacing * 0.5, spacing)
-    draw = torch.rand(x.shape, generator=generator, device=x.device)
-    rounded = torch.where(draw < diff.abs() / spacing, nearest + torch.sign(diff) * spacing, nearest)
-    return torch.where(torch.isfinite(x), rounded, x).to(torch.bfloat16)
-
-
-# ---------------------------------------------------------------------------- parameter remainders
-def _view(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return tensor.view(dtype)
-
-
-Bitcast = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
-
-
-def split_master(master: torch.Tensor, bitcast: Bitcast = _view) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``master`` as a bf16 value and an int16 remainder, exactly (``join_master``
-    inverts it): the bf16 is the upper half of the fp32 bit pattern, rounded on the bit
-    pattern as TransformerEngine does (up in magnitude when the lower half is 0x8000 or more:
-    to nearest, ties away from zero), and the remainder is the lower half.
-
-    Sixteen bits cannot tell which fp32 values round to nearest-even onto a bf16 (an even
-    bf16 has 65,537 of them); with this rounding every bf16 has exactly 65,536, so the pair
-    is the fp32 value. It differs from nearest-even only on ties (lower half exactly 0x8000
-    under an even upper half). A NaN stays NaN.
-
-    ``bitcast(tensor, dtype)`` reinterprets bits (``Tensor.view(dtype)`` by default; the
-    backends give one that stays on the device).
-    """
-    if master.dtype != _F32:
-        raise ValueError(f"split_master takes an fp32 tensor, got {master.dtype}.")
-    bits = bitcast(master, torch.int32)
-    # Right shifts only of multiples of 2^16 (torch_xla shifts negative numbers toward zero).
-    low = (bits << 16) >> 16  # the lower half, sign-extended: negative when it is 0x8000 or more
-    high = (bits - low) >> 16  # the upper half, plus one where ``low`` is negative: the rounding
-    param = bitcast(high.to(torch.int16), torch.bfloat16)
-    param = torch.where(torch.isnan(master), master.to(torch.bfloat16), param)  # 0x7FFF + 1 is no NaN
-    return param, low.to(torch.int16)
-
-
-def join_master(param: torch.Tensor, remainder: torch.Tensor, bitcast: Bitcast = _view) -> torch.Tensor:
-    """The fp32 value that ``split_master`` turned into bf16 ``param`` and int16 ``remainder``.
-    A remainder of zero gives ``param`` itself."""
-    if param.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
-        raise ValueError(
-            f"join_master takes a bf16 parameter and an int16 remainder, got {param.dtype} and {remainder.dtype}."
-        )
-    high = bitcast(param, torch.int16).to(torch.int32)
-    return bitcast((high << 16) + remainder.to(torch.int32), _F32)  # undoes the rounding of a negative low half
-
-
-def round_ties_away(x: torch.Tensor, bitcast: Bitcast = _view) -> torch.Tensor:
-    """fp32 ``x`` to bf16, to nearest with ties away from zero (the parameter that
-    ``split_master`` keeps)."""
-    return split_master(x, bitcast)[0]

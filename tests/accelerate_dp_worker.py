@@ -34,7 +34,7 @@ def run(out: Path, state_dir: Path, *, save: bool = False, load: bool = False, h
     from accelerate import Accelerator
 
     import nxd_smp
-    from nxd_smp.loop_checkpoints import register_accelerate_hooks
+    from nxd_smp.interop.accelerate import register_accelerate_hooks
 
     accelerator = Accelerator(cpu=True)
     model = make_model(torch.bfloat16).to(accelerator.device)

@@ -100,11 +100,11 @@ def load(loader: str, path: str | os.PathLike, model, opt, scheduler) -> Any:
     if loader in ("nxd_smp", "format1", "nxd"):
         return load_checkpoint(path, model=model, optimizer=opt, scheduler=scheduler)
     if loader == "torch":
-        from nxd_smp.native_torch import import_torch
+        from nxd_smp.interop.native_torch import import_torch
 
         return import_torch(path, model=model, optimizer=opt)
     if loader == "xla":
-        from nxd_smp.xla_state_dict import import_xla
+        from nxd_smp.interop.torch_xla import import_xla
 
         return import_xla(sorted(path.glob("dp_rank_*_tp_rank_*_pp_rank_*.pt")), model=model, optimizer=opt)
     if loader == "read":

@@ -77,7 +77,7 @@ def hf_trainer(kind: str, callback: bool = False) -> dict:
     from transformers import Trainer, TrainingArguments
 
     import nxd_smp
-    from nxd_smp.hf_trainer import Zero1TrainerCallback
+    from nxd_smp.interop.hf_trainer import Zero1TrainerCallback
 
     dtype = torch.float32 if kind == "fp32" else torch.bfloat16
     model = make_model(dtype)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nxd_smp.checkpoint import read_checkpoint
-from nxd_smp.checkpoint_checks import check_reference
+from nxd_smp.interop.loop_checkpoints import check_reference
 from tests.oracle import assert_same_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def test_save_state_keeps_every_ranks_shard_beside_accelerates_reference(out):
 
 @pytest.mark.parametrize("scenario, says", [
     ("without_hooks", "register_accelerate_hooks(accelerator, model, optimizer) before load_state()"),
-    ("loaded_without_hooks", "nxd_smp.loop_checkpoints.register_accelerate_hooks"),
+    ("loaded_without_hooks", "nxd_smp.interop.accelerate.register_accelerate_hooks"),
 ])
 def test_a_load_without_the_hooks_is_refused_on_every_rank_naming_them_and_changes_nothing(out, scenario, says):
     """With a reference saved by the hooks, or with the main process's shard that accelerate

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nxd_smp.backend import replica_partition
+from nxd_smp.backend.base import replica_partition
 from nxd_smp.backend.base import check_replica_groups, is_replica_groups
 from nxd_smp.backend.coordination import CoordinationError, ThreadCoordinator
 

@@ -463,7 +463,7 @@ def gated_writes(monkeypatch):
     that must not reach the checkpoint."""
     import threading
 
-    from nxd_smp import checkpoint_save as ckpt
+    from nxd_smp.checkpointing import save as ckpt
 
     gate = threading.Event()
 
@@ -521,7 +521,7 @@ def test_two_saves_in_quick_succession_both_complete_in_order(tmp_path):
 
 
 def test_a_failed_background_save_is_raised_once_and_the_next_save_works(tmp_path, monkeypatch):
-    from nxd_smp import checkpoint_save as ckpt
+    from nxd_smp.checkpointing import save as ckpt
 
     def broken_write(*args, **kwargs):
         raise OSError("disk full")
@@ -612,8 +612,8 @@ def write_format_1(directory: Path, model, opt) -> Path:
 
     import torch.distributed.checkpoint as dcp
 
-    from nxd_smp import checkpoint_format as fmt
-    from nxd_smp.checkpoint_save import state_to_save
+    from nxd_smp.checkpointing import format as fmt
+    from nxd_smp.checkpointing.save import state_to_save
 
     version = directory / ".c.v-format1"
     version.mkdir()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from nxd_smp import CheckpointError, MixedPrecisionConfig, Zero1Optimizer, load_checkpoint, save_checkpoint
 from nxd_smp.checkpoint import consolidate, inspect_checkpoint, read_checkpoint
-from nxd_smp.xla_state_dict import export_xla, import_xla
+from nxd_smp.interop.torch_xla import export_xla, import_xla
 from tests.distributed import run_ranks
 from tests.oracle import batch, loss_fn, make_model, param_groups
 

@@ -53,7 +53,7 @@ NXD_CALLS = "NxD's checkpoint calls"
 _NXD_FOLDER = '''
 import torch, nxd_smp
 from pathlib import Path
-from nxd_smp.xla_state_dict import export_xla
+from nxd_smp.interop.torch_xla import export_xla
 torch.manual_seed(1)
 theirs = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)).to(torch.bfloat16)
 run = nxd_smp.Zero1Optimizer(theirs.parameters(), torch.optim.AdamW, lr=1e-3, max_norm=1.0,

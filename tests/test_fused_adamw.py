@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nxd_smp import Zero1Optimizer, fused_adamw
-from nxd_smp.fused_adamw import CompiledAdamW, applies_to
+from nxd_smp import Zero1Optimizer
+from nxd_smp.optim import compiled_adamw as fused_adamw
+from nxd_smp.optim.compiled_adamw import CompiledAdamW, applies_to
 from tests.oracle import batch, loss_fn, make_model
 
 
@@ -90,9 +91,9 @@ def _train(opt, model, steps=3):
 
 def test_zero1_uses_it_by_default_on_cpu_and_not_when_told_otherwise():
     model = make_model()
-    assert Zero1Optimizer(model.parameters(), torch.optim.AdamW)._compiled is not None
-    assert Zero1Optimizer(model.parameters(), torch.optim.AdamW, compile_update=False)._compiled is None
-    assert Zero1Optimizer(model.parameters(), torch.optim.AdamW, fused=True)._compiled is None
+    assert Zero1Optimizer(model.parameters(), torch.optim.AdamW)._inner_step.compiled is not None
+    assert Zero1Optimizer(model.parameters(), torch.optim.AdamW, compile_update=False)._inner_step.compiled is None
+    assert Zero1Optimizer(model.parameters(), torch.optim.AdamW, fused=True)._inner_step.compiled is None
     with pytest.raises(ValueError, match="compile_update=True"):
         Zero1Optimizer(model.parameters(), torch.optim.SGD, lr=0.1, compile_update=True)
 

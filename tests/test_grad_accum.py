@@ -7,15 +7,20 @@ import pytest
 import torch
 import torch.nn as nn
 
+from nxd_smp.backend import EagerBackend
+from nxd_smp.core.layout import plan_buckets
 from nxd_smp.grad_accum import MainGradBuffers
-from nxd_smp.layout import plan_buckets
+from nxd_smp.optim.precision import PrecisionPlan
+from nxd_smp.optim.topology import Topology
+
+CPU = Topology(EagerBackend(torch.device("cpu")))
 
 
 def make(contiguous: bool, world_size: int = 2):
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(shape, dtype=torch.bfloat16)) for shape in [(5, 3), (7,), (), (4, 2)]]
     layouts = plan_buckets([p.numel() for p in params], [0] * len(params), world_size, cap_numel=16)
-    return params, layouts, MainGradBuffers(params, layouts, torch.float32, torch.device("cpu"), contiguous)
+    return params, layouts, MainGradBuffers(params, layouts, CPU, PrecisionPlan(), contiguous)
 
 
 def reference_flat(params, layout, grads_per_micro):
@@ -74,7 +79,7 @@ def test_main_grad_of_an_untouched_parameter_is_zero_and_later_gradients_add(con
 
 def test_a_second_owner_takes_the_hooks_over():
     params, layouts, first = make(True)
-    second = MainGradBuffers(params, layouts, torch.float32, torch.device("cpu"))
+    second = MainGradBuffers(params, layouts, CPU, PrecisionPlan())
     backward_with(params, [torch.ones(p.shape) for p in params])
     assert torch.equal(second.main_grad(0), torch.ones(5, 3))
     assert torch.equal(first.main_grad(0), torch.zeros(5, 3))

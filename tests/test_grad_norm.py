@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from nxd_smp import grad_norm
-from nxd_smp.grad_norm import clip_coefficient, sum_of_squares
+from nxd_smp.optim import norm as grad_norm
+from nxd_smp.optim.norm import clip_coefficient, sum_of_squares
 
 
 def fp64_sum_of_squares(tensors: list[torch.Tensor]) -> float:

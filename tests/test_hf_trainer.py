@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nxd_smp import Zero1Optimizer
-from nxd_smp.hf_trainer import Zero1TrainerCallback
+from nxd_smp.interop.hf_trainer import Zero1TrainerCallback
 from tests.oracle import make_model
 
 
@@ -65,7 +65,7 @@ def test_it_takes_nxds_wrapper_from_initialize_parallel_optimizer():
 
 
 def ddp_skip_checks(rank: int, world: int) -> dict:
-    from nxd_smp.hf_trainer import skip_ddp_allreduce
+    from nxd_smp.interop.hf_trainer import skip_ddp_allreduce
 
     model = make_model()
     partial = Zero1Optimizer(list(model.lin1.parameters()), torch.optim.AdamW)

@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from nxd_smp import CheckpointError, MixedPrecisionConfig, Zero1Optimizer, save_checkpoint
-from nxd_smp.checkpoint_storage import RawItem, read_metadata
+from nxd_smp.checkpointing.dcp_index import RawItem, read_metadata
 from tests.distributed import run_ranks
 from tests.hostile_worker import assert_unchanged, changes, live, load, one_rank_fails_unexpectedly, snapshot, step
 from tests.nxd_layout import HYPER, backward, grads, scheduler_of
@@ -157,7 +157,7 @@ def healthy(tmp_path_factory) -> Healthy:
     """One trained run saved in every format: ``nxd_smp`` (format 2), ``nxd`` and ``xser`` (NxD's
     tag folders, optimizer files from ``export_xla``), ``xla`` (those files alone), ``torch`` (a
     native fp32 run's DCP directory) and ``format1`` (tests/fixtures/format1)."""
-    from nxd_smp.xla_state_dict import export_xla
+    from nxd_smp.interop.torch_xla import export_xla
 
     root = tmp_path_factory.mktemp("healthy")
     model = make_model()
@@ -906,7 +906,7 @@ def test_a_pickled_file_cannot_claim_more_than_it_holds(case):
     """torch takes a storage's size from the pickle and its bytes from a record: a record cut
     short would be read past its end (a crash when copied). ``torch.Tensor(n)`` and
     ``bytearray(n)`` are on torch's allow-list and allocate whatever ``n`` says."""
-    from nxd_smp.checkpoint_checks import load_bytes
+    from nxd_smp.checkpointing.reader import load_bytes
 
     data = {
         "a storage longer than its record": lambda: _with_record_cut(_torch_saved(torch.ones(1 << 20)), "data/0", 16),
@@ -920,7 +920,7 @@ def test_a_pickled_file_cannot_claim_more_than_it_holds(case):
 
 def test_a_file_referring_to_one_container_many_times_is_checked_once():
     """``x = [x, x]`` forty deep is a few hundred bytes and 2**40 paths: walked by identity."""
-    from nxd_smp.checkpoint_checks import load_bytes
+    from nxd_smp.checkpointing.reader import load_bytes
 
     nested: Any = [torch.zeros(1)]
     for _ in range(40):
@@ -956,6 +956,6 @@ def test_schedulers_with_infinite_or_nested_state_resume(tmp_path):
     state = chain.state_dict()
     state["_schedulers"][0]["optimizer"] = "not the scheduler's"
     with pytest.raises(CheckpointError, match="optimizer"):
-        from nxd_smp.checkpoint_checks import check_scheduler_state
+        from nxd_smp.checkpointing.values import check_scheduler_state
 
         check_scheduler_state(state, sequential(), "scheduler.pt")

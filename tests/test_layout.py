@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nxd_smp.layout import ALIGN, intersect, padded_numel, plan_buckets, shard_range
+from nxd_smp.core.layout import ALIGN, intersect, padded_numel, plan_buckets, shard_range
 
 
 def test_padding_examples():

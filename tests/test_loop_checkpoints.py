@@ -12,8 +12,9 @@ import torch
 
 import nxd_smp
 from nxd_smp.checkpoint import read_checkpoint
-from nxd_smp.checkpoint_checks import CheckpointError, is_reference
-from nxd_smp.loop_checkpoints import load_beside, read_reference, save_beside
+from nxd_smp.checkpoint import CheckpointError
+from nxd_smp.interop.loop_checkpoints import is_reference
+from nxd_smp.interop.loop_checkpoints import checkpoint_reference, load_beside, read_reference, save_beside
 
 
 def trained(seed: int = 0, steps: int = 2):
@@ -61,7 +62,7 @@ def test_after_save_beside_the_state_dict_is_the_reference_until_the_next_step(t
     opt.load_state_dict(reference)  # what it names is this state: nothing to do
     model(torch.randn(4, 8).bfloat16()).float().pow(2).mean().backward()
     opt.step()
-    assert opt.checkpoint_reference is None and opt.state_dict()["format"] != reference["format"]
+    assert checkpoint_reference(opt) is None and opt.state_dict()["format"] != reference["format"]
 
 
 def test_load_beside_restores_what_was_saved_and_then_accepts_the_reference(tmp_path):

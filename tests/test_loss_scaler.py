@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from nxd_smp import ConfigError, MixedPrecisionConfig, Zero1Optimizer, load_checkpoint, save_checkpoint
-from nxd_smp.loss_scaler import DynamicLossScaler
+from nxd_smp.optim.loss_scaler import DynamicLossScaler
 from tests.distributed import run_ranks
 
 
@@ -120,7 +120,7 @@ def _overflow_worker(rank, world_size, variant):
     opt.scale_loss(loss_of(model, 3, rank)).backward()  # a clean step trains again
     opt.step()
     moved = not all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
-    return {"unchanged": same, "scales": scales, "moved": moved, "compiled": opt._compiled is not None}
+    return {"unchanged": same, "scales": scales, "moved": moved, "compiled": opt._inner_step.compiled is not None}
 
 
 @pytest.mark.parametrize("variant", ["adamw_compiled", "sgd_fused", "adamw_stock"])

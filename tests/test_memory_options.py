@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 
 from nxd_smp import ConfigError, MixedPrecisionConfig, Zero1Optimizer, load_checkpoint, save_checkpoint
-from nxd_smp.backend import PendingShard
-from nxd_smp.fused_adamw import CompiledAdamW
+from nxd_smp.backend.base import PendingShard
+from nxd_smp.optim.compiled_adamw import CompiledAdamW
 from nxd_smp.precision_ops import join_master, round_ties_away, split_master
 from tests.distributed import run_ranks
 from tests.oracle import round_ties_away as oracle_round
@@ -75,7 +75,7 @@ def test_remainders_are_exact_over_1000_adamw_steps(compiled):
     hyper = {"lr": 3e-3, "weight_decay": 0.1}
     opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, mixed_precision=REMAINDERS, grad_clipping=False,
                          bucket_cap_mb=math.inf, compile_update=compiled, **hyper)
-    assert opt.inner_optimizer.param_groups[0]["fused"] and (opt._compiled is not None) == compiled
+    assert opt.inner_optimizer.param_groups[0]["fused"] and (opt._inner_step.compiled is not None) == compiled
     (layout,) = opt.bucket_layouts
     params = list(reference.parameters())
     padding = torch.zeros(layout.padded_numel - layout.numel)
@@ -250,7 +250,7 @@ def _sharded_on_two_ranks(rank: int, world: int) -> dict:
         if rank == 1:
             loss = loss + extra.float().sum()  # gradient 1 per element, on rank 1 only
         loss.backward()
-    sums = opt._main_grads._sums
+    sums = opt._grads._sums
     shard_sizes = [t.numel() for t in sums] == [layout.shard_numel for layout in opt.bucket_layouts]
     opt.step()
     return {"shard_sizes": shard_sizes, "extra": extra.detach().clone(), "weight": model[0].weight.detach().clone()}

@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from nxd_smp import CheckpointError, MixedPrecisionConfig, Zero1Optimizer, load_checkpoint, save_checkpoint
 from nxd_smp.checkpoint import read_checkpoint
-from nxd_smp.checkpoint_storage import read_metadata
-from nxd_smp.native_torch import export_safetensors, export_torch, import_torch
+from nxd_smp.checkpointing.dcp_index import read_metadata
+from nxd_smp.interop.native_torch import export_safetensors, export_torch, import_torch
 from tests.distributed import run_ranks
 
 MAX_NORM = 2.0  # the fixed gradients' mean has a norm of ~3: clipping acts on every step

@@ -130,7 +130,7 @@ def test_a_folder_made_at_the_tag_during_a_background_save_joins_the_checkpoint(
     kept, inside the checkpoint, and the link takes the folder's place."""
     import threading
 
-    from nxd_smp import checkpoint_save
+    from nxd_smp.checkpointing import save as checkpoint_save
 
     gate, write = threading.Event(), checkpoint_save.write_tensors
     monkeypatch.setattr(checkpoint_save, "write_tensors", lambda *a, **k: (gate.wait(60), write(*a, **k))[1])
@@ -279,7 +279,7 @@ def square_optimizer(model, reverse: bool = False) -> Zero1Optimizer:
 def zero1_nxd_folder(root: Path, dp_size: int) -> tuple[Path, dict]:
     """An NxD tag folder of a ZeRO-1 run at ``dp_size`` (master weights saved): the optimizer
     files in torch_xla's layout written by ``export_xla``, the model file, ``done``."""
-    from nxd_smp.xla_state_dict import export_xla
+    from nxd_smp.interop.torch_xla import export_xla
 
     model = square_model()
     opt = square_optimizer(model)
@@ -383,10 +383,10 @@ def test_parameters_without_state_in_an_nxd_folder_start_from_zero(tmp_path):
 
 
 def _one_rank_cannot_read(rank: int, world: int, root: str) -> tuple[str, bool]:
-    import nxd_smp.nxd_checkpoint
+    import nxd_smp.interop.nxd.folders
 
     if rank == 1:  # this rank's (TP) files are not there
-        nxd_smp.nxd_checkpoint._coordinate = lambda: (1, 0)
+        nxd_smp.interop.nxd.folders._coordinate = lambda: (1, 0)
     model, opt, _ = build(seed=5)
     before = params(model)
     with pytest.raises(CheckpointError) as refused:

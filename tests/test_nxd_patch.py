@@ -121,7 +121,7 @@ for module in list(sys.modules.values()):  # none of NxD's objects is left bound
         assert not any(value is original for original in theirs.values()), (module.__name__, attribute)
 # NxD's subclass for expert parallelism is left alone, on NxD's class
 assert modules["neuronx_distributed.optimizer"].NeuronEPZero1Optimizer.__bases__ == (theirs["NeuronZero1Optimizer"],)
-assert isinstance(nxd.trainer.checkpoint.g_iostate, nxd_smp.nxd_patch.CheckpointIOState)
+assert isinstance(nxd.trainer.checkpoint.g_iostate, nxd_smp.interop.nxd.patch.CheckpointIOState)
 
 # imported after the patch: a training script's imports
 script = {}

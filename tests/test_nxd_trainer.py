@@ -121,12 +121,12 @@ def test_context_parallelism_without_its_groups_is_refused():
 def test_a_zero1_optimizer_built_without_the_configs_sequence_parallelism_is_refused_by_the_wrapper():
     cfg = nxd_smp.neuronx_distributed_config(sequence_parallel=True, optimizer_config={"zero_one_enabled": True})
     plain = nxd_smp.Zero1Optimizer(_marked_model().parameters(), torch.optim.AdamW)
-    assert nxd_smp.trainer.NxDOptimizer(plain, cfg).optimizer is plain  # no tensor-parallel group: nothing to sum
+    assert nxd_smp.NxDOptimizer(plain, cfg).optimizer is plain  # no tensor-parallel group: nothing to sum
     with pytest.raises(ConfigError, match="ZeRO-1 on"):
-        nxd_smp.trainer.NxDOptimizer(torch.optim.AdamW(_marked_model().parameters()), cfg)
+        nxd_smp.NxDOptimizer(torch.optim.AdamW(_marked_model().parameters()), cfg)
     cp = nxd_smp.neuronx_distributed_config(context_parallel_size=2, optimizer_config={"zero_one_enabled": True})
     with pytest.raises(ConfigError, match="context-parallel group"):
-        nxd_smp.trainer.NxDOptimizer(nxd_smp.Zero1Optimizer(_marked_model().parameters(), torch.optim.AdamW), cp)
+        nxd_smp.NxDOptimizer(nxd_smp.Zero1Optimizer(_marked_model().parameters(), torch.optim.AdamW), cp)
 
 
 # ---------------------------------------------------------------- 2 ranks
@@ -201,7 +201,7 @@ def test_the_wrapper_has_nxds_surface_and_forwards_the_rest():
     cfg = nxd_smp.neuronx_distributed_config(optimizer_config=ON)
     opt = nxd_smp.initialize_parallel_optimizer(cfg, torch.optim.AdamW, model.parameters(), lr=1e-3)
     inner = opt.optimizer
-    assert isinstance(opt, nxd_smp.trainer.NxDOptimizer) and isinstance(opt, torch.optim.Optimizer)
+    assert isinstance(opt, nxd_smp.NxDOptimizer) and isinstance(opt, torch.optim.Optimizer)
     assert isinstance(inner, nxd_smp.Zero1Optimizer) and opt.nxd_config is cfg
     assert opt.params == list(model.parameters()) and opt.grad_norm is None
     assert opt.state is inner.state and opt.param_groups is inner.param_groups and opt.defaults is inner.defaults
@@ -260,7 +260,7 @@ def test_nxd_trainings_call_with_adamw_defaults_trains_as_the_plain_call():
     assert {"decoupled_weight_decay", "fused", "foreach", "capturable", "differentiable"} <= set(torch_optimizer.defaults)
     nxdt = nxd_smp.initialize_parallel_optimizer(cfg, torch.optim.AdamW, a.parameters(), **torch_optimizer.defaults)
     plain = nxd_smp.initialize_parallel_optimizer(cfg, torch.optim.AdamW, b.parameters(), lr=2e-3, weight_decay=0.05)
-    assert nxdt.inner_optimizer.defaults["fused"] is True and nxdt.optimizer._compiled is not None
+    assert nxdt.inner_optimizer.defaults["fused"] is True and nxdt.optimizer._inner_step.compiled is not None
     _steps(a, nxdt, 3)
     _steps(b, plain, 3)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
@@ -349,6 +349,6 @@ def test_optimum_neurons_param_groups_choose_no_kernel_unless_the_user_did():
         user_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **chosen)
         opt = nxd_smp.NeuronZero1Optimizer(user_optimizer.param_groups, user_optimizer.__class__,
                                            use_grad_acc_hook=True, higher_cc_precision=True)
-        assert (opt._compiled is not None) is compiled, chosen
+        assert (opt._inner_step.compiled is not None) is compiled, chosen
         assert all(group.get(k) == v for group in opt.inner_optimizer.param_groups for k, v in chosen.items())
         _steps(model, opt, 1)

@@ -1,10 +1,12 @@
-"""The package's rooms: which module may import which (no circles), and every public name
-reachable where the README documents it."""
+"""The house: its parts in layers, each importing only from the layers below it (deferred imports
+count), no circle between parts or modules, the README's rooms table the tree's, the sizes the
+issue set, each single job in its one place, and a deliberate public surface."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,137 +14,310 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "nxd_smp"
-
 README = PACKAGE.parent / "README.md"
+DESIGN = PACKAGE.parent / "docs" / "design.md"
+
+#: The layers, bottom up: a part may import the parts of lower layers only, and, within a layer,
+#: only along the arrows ``SIDEWAYS`` lists.
+LAYERS = [
+    ["core"],
+    ["mixed_precision_config"],  # config
+    ["backend"],
+    ["optim"],
+    ["precision_ops", "grad_accum"],  # the optimizer parts' entry modules
+    ["zero1_optimizer"],
+    ["checkpointing"],
+    ["checkpoint"],
+    ["interop.torch_xla", "interop.native_torch", "interop.nxd", "interop.loop_checkpoints", "interop.accelerate",
+     "interop.hf_trainer", "interop"],
+    ["cli"],
+    ["package", "trainer", "hf_trainer", "loop_checkpoints", "native_torch", "xla_state_dict", "nxd_patch",
+     "runtime_env"],
+]
+SIDEWAYS = {
+    ("interop.nxd", "interop.torch_xla"),  # NxD's ZeRO-1 files are torch_xla's per-rank dicts
+    ("interop.accelerate", "interop.loop_checkpoints"),
+    ("interop.hf_trainer", "interop.loop_checkpoints"),
+    ("interop", "interop.nxd"),  # (importing interop registers NxD's folders...)
+    ("interop", "interop.loop_checkpoints"),  # (...and the loops' advice)
+}
+LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+#: The five entry modules of the design card, and the top of the package.
+ENTRY = {"zero1_optimizer", "mixed_precision_config", "grad_accum", "checkpoint", "precision_ops"}
+#: Documented import paths of earlier releases, kept for one release as re-exports.
+SHIMS = {"trainer", "hf_trainer", "loop_checkpoints", "native_torch", "xla_state_dict", "nxd_patch", "runtime_env"}
 
 
-def readme_table() -> dict[str, set[str]]:
-    """The README's "Where things are" table: each room and what it imports from nxd_smp
-    when it is imported (the last column: room names, or "nothing")."""
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def part_of(module: str) -> str:
+    """A module's part: its subpackage (``interop``'s are one part each), or itself at the top."""
+    names = module.split(".")[1:]
+    if not names or names == ["__main__"]:
+        return "package"
+    if names[0] == "interop" and len(names) > 1:
+        return f"interop.{names[1]}"
+    return names[0]
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports_of(path: Path, source: str | None = None) -> set[str]:
+    """Every nxd_smp module ``path`` imports (its text, or ``source`` in its place), wherever the
+    import statement stands (inside a function, under ``if TYPE_CHECKING``: a deferred import is
+    still an arrow)."""
+    module = module_name(path)
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    known = modules()
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                stem = [*base, *node.module.split(".")] if node.module else base
+            elif node.module and node.module.split(".")[0] == "nxd_smp":
+                stem = node.module.split(".")
+            else:
+                continue
+            for alias in node.names:  # ``from . import x`` names a module; ``from .m import f`` a name in m
+                candidate = ".".join([*stem, alias.name])
+                found.add(candidate if candidate in known else ".".join(stem))
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "nxd_smp")
+    return {m for m in found if m in known and m != module}
+
+
+def module_graph() -> dict[str, set[str]]:
+    return {name: imports_of(path) for name, path in modules().items()}
+
+
+def part_graph() -> dict[str, set[str]]:
+    parts: dict[str, set[str]] = {}
+    for module, targets in module_graph().items():
+        parts.setdefault(part_of(module), set()).update(part_of(t) for t in targets)
+    return {part: targets - {part} for part, targets in parts.items()}
+
+
+def find_circle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = "open"
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == "open":
+                return path + [nxt]
+            if nxt not in state and (circle := visit(nxt, path + [nxt])):
+                return circle
+        state[node] = "done"
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (circle := visit(node, [node])):
+            return circle
+    return None
+
+
+def test_every_part_has_a_layer():
+    assert set(part_graph()) == set(LAYER_OF), "parts without a layer, or layers without a part"
+
+
+@pytest.mark.parametrize("part", sorted(LAYER_OF))
+def test_each_part_imports_only_from_the_layers_below_it(part):
+    wrong = sorted(t for t in part_graph().get(part, ()) if LAYER_OF[t] > LAYER_OF[part]
+                   or LAYER_OF[t] == LAYER_OF[part] and (part, t) not in SIDEWAYS)
+    assert not wrong, f"{part} (layer {LAYER_OF[part]}) imports {wrong}, which are not below it"
+
+
+def test_the_layer_rule_sees_deferred_imports():
+    """The reader counts an import inside a function (and under ``if TYPE_CHECKING``), so a core
+    module reaching up that way would fail the rule above."""
+    source = "def f():\n    from ..checkpoint import save_checkpoint\nif False:\n    from .. import interop\n"
+    assert imports_of(PACKAGE / "core" / "layout.py", source) == {"nxd_smp.checkpoint", "nxd_smp.interop"}
+
+
+def test_no_circle_between_parts_or_modules():
+    assert find_circle(part_graph()) is None, find_circle(part_graph())
+    assert find_circle(module_graph()) is None, find_circle(module_graph())
+
+
+def readme_rooms() -> dict[str, str]:
+    """The README's "Where things are" table: each part (its first column) and its layer."""
     text = README.read_text()
     section = text[text.index("## Where things are"):]
-    end = section.find("\n## ", 4)
-    section = section if end < 0 else section[:end]
+    section = section[: section.find("\n## ", 4)] if section.find("\n## ", 4) > 0 else section
     rooms = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) < 3 or not cells[0].startswith("`"):
-            continue
-        room = cells[0].strip("`").removesuffix(".py").removesuffix("/")
-        imports = cells[-1]
-        rooms[room] = set() if imports.startswith("nothing") else {
-            name.strip().strip("`").removesuffix(".py") for name in imports.split(",") if name.strip()
-        }
+        if len(cells) >= 3 and cells[0].startswith("`"):
+            rooms[cells[0].strip("`").removesuffix(".py").removesuffix("/").replace("/", ".")] = cells[1]
     return rooms
 
 
-def room_of(path: Path) -> str:
-    """A module's room: its own name, or its subpackage's (``backend/eager.py``: backend)."""
-    parts = path.relative_to(PACKAGE).with_suffix("").parts
-    return parts[0]
+def test_the_readmes_rooms_table_is_the_tree():
+    rooms = readme_rooms()
+    tree = {part for part in LAYER_OF if part not in SHIMS and part != "package"}
+    assert set(rooms) == tree, f"missing from the table {sorted(tree - set(rooms))}, not in the tree " \
+                               f"{sorted(set(rooms) - tree)}"
 
 
-def import_time_imports(path: Path) -> set[str]:
-    """The rooms of nxd_smp a module imports when it is imported: module-level statements
-    only (an import inside a function runs later, on use; an ``if __name__ == "__main__"``
-    block runs only as a script)."""
-    package = path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1]  # ("nxd_smp", ...)
-    found = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
-            continue  # runs as a script only
-        nodes = [node] + ([n for n in ast.walk(node)] if isinstance(node, (ast.If, ast.Try)) else [])
-        for n in nodes:
-            if not isinstance(n, ast.ImportFrom):
-                continue
-            if n.level:
-                base = package[: len(package) - (n.level - 1)]
-                names = [n.module] if n.module else [alias.name for alias in n.names]
-                targets = [(*base, *name.split(".")) for name in names]
-            elif n.module and n.module.startswith("nxd_smp."):
-                targets = [tuple(n.module.split("."))]
-            else:
-                continue
-            found.update(t[1] for t in targets if len(t) > 1)
-    return found - {room_of(path)}
+def test_the_design_page_opens_with_the_layers():
+    opening = DESIGN.read_text()[:6000]
+    assert "## The layers" in opening and all(f"`{part.split('.')[-1]}" in opening for part in
+                                              ("core", "backend", "optim", "checkpointing", "interop"))
 
 
-def graph() -> dict[str, set[str]]:
-    rooms: dict[str, set[str]] = {}
-    for p in PACKAGE.rglob("*.py"):
-        if p.parent == PACKAGE and p.stem in ("__init__", "__main__"):
-            continue
-        rooms.setdefault(room_of(p), set()).update(import_time_imports(p))
-    return rooms
+def lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
 
 
-def test_every_room_is_in_the_readme_table():
-    assert set(graph()) == set(readme_table())
+def test_the_top_holds_the_entry_modules_the_cli_and_short_shims_only():
+    top = {p.stem: p for p in PACKAGE.glob("*.py")}
+    shims = {name for name in SHIMS if lines(top[name]) <= 20}
+    assert shims == SHIMS, f"shims longer than 20 lines: {sorted(SHIMS - shims)}"
+    others = set(top) - ENTRY - {"__init__", "__main__"} - shims
+    assert len(others) <= 7, f"{len(others)} modules at the top beyond the entry modules: {sorted(others)}"
 
 
-@pytest.mark.parametrize("module", sorted(graph()))
-def test_each_room_imports_exactly_what_the_readme_table_says(module):
-    documented = readme_table().get(module)
-    assert graph()[module] == documented, (
-        f"{module} imports {sorted(graph()[module])}; the README's table says {sorted(documented or [])}")
+def test_no_module_is_longer_than_500_lines_and_the_optimizer_is_a_page():
+    long = {str(p.relative_to(PACKAGE)): lines(p) for p in PACKAGE.rglob("*.py") if lines(p) > 500}
+    assert not long, long
+    assert lines(PACKAGE / "zero1_optimizer.py") <= 450
 
 
-def test_no_import_circles():
-    edges = graph()
-    state: dict[str, str] = {}
+def test_the_error_classes_are_defined_once_in_the_core():
+    defined = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name in ("ConfigError", "CheckpointError"):
+                defined.setdefault(node.name, []).append(str(path.relative_to(PACKAGE)))
+    assert defined == {"ConfigError": ["core/errors.py"], "CheckpointError": ["core/errors.py"]}
+    import nxd_smp
+    from nxd_smp.checkpoint import CheckpointError
+    from nxd_smp.core import errors
+    from nxd_smp.mixed_precision_config import ConfigError
+    assert nxd_smp.ConfigError is ConfigError is errors.ConfigError
+    assert nxd_smp.CheckpointError is CheckpointError is errors.CheckpointError
 
-    def visit(node: str, path: list[str]) -> None:
-        state[node] = "open"
-        for nxt in edges.get(node, ()):
-            assert state.get(nxt) != "open", "import circle: " + " -> ".join(path + [nxt])
-            if nxt not in state:
-                visit(nxt, path + [nxt])
-        state[node] = "done"
 
-    for node in edges:
-        if node not in state:
-            visit(node, [node])
+def code_lines(pattern: str) -> dict[str, list[int]]:
+    """Where ``pattern`` matches outside comments and docstrings, by module."""
+    found: dict[str, list[int]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        docs = {n.body[0].lineno for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        doc_lines = set()
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and n.lineno in docs:
+                doc_lines.update(range(n.lineno, n.end_lineno + 1))
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if number not in doc_lines and re.search(pattern, line.split("#")[0]):
+                found.setdefault(str(path.relative_to(PACKAGE)), []).append(number)
+    return found
+
+
+@pytest.mark.parametrize("job, pattern, place", [
+    ("the device's fp32 read for a precision decision", r"(backend|_backend|data)\.fp32\b", ["optim/precision.py"]),
+    ("the NxD parallel state's groups read", r"nxd_parallel_groups\(\)", ["interop/nxd/parallel_state.py"]),
+    ("the cross-rank agreement", r"def agree\b", ["backend/agreement.py"]),
+    ("the ranks' write-and-publish", r"def write_and_publish\b", ["checkpointing/publish.py"]),
+    ("a DCP index unpickled", r"SafeUnpickler\(", ["checkpointing/dcp_index.py"]),
+    ("a torch.save file loaded", r"torch\.load\(", ["checkpointing/reader.py"]),
+    ("a state's keys probed from its optimizer class", r"def state_kinds\b", ["optim/state_fit.py"]),
+    ("a gradient reduced at step time, outside the backend's collectives", r"\.reduce_scatter\(", ["grad_accum.py"]),
+])
+def test_each_job_has_one_place(job, pattern, place):
+    found = {module: numbers for module, numbers in code_lines(pattern).items() if not module.startswith("backend/")
+             or place[0].startswith("backend/")}
+    assert sorted(found) == place, f"{job}: {found}"
+
+
+def test_the_public_surface_is_what_the_readme_documents():
+    """``__all__`` stands only in the modules a user imports from, and holds what they document."""
+    with_all = set()
+    for path in PACKAGE.rglob("*.py"):
+        if any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in n.targets)
+               for n in ast.parse(path.read_text()).body):
+            with_all.add(module_name(path))
+    assert with_all == set(DOCUMENTED) | {f"nxd_smp.{s}" for s in SHIMS}, sorted(with_all)
 
 
 def test_the_package_and_its_tools_import_in_a_fresh_process():
     code = (
-        "import sys, nxd_smp\n"
-        "import nxd_smp.cli, nxd_smp.xla_state_dict\n"
+        "import sys, warnings, nxd_smp\n"
+        "import nxd_smp.cli, nxd_smp.interop.torch_xla, nxd_smp.interop.native_torch\n"
         "assert 'transformers' not in sys.modules, 'import nxd_smp pulled in transformers'\n"
-        "print(sorted(m for m in sys.modules if m.startswith('nxd_smp')))\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import nxd_smp.runtime_env, nxd_smp.trainer, nxd_smp.xla_state_dict\n"
+        "print(sorted(str(w.message).split(' moved')[0] for w in caught))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=PACKAGE.parent)
     assert out.returncode == 0, out.stderr
-    assert "nxd_smp.trainer" in out.stdout and "nxd_smp.runtime_env" in out.stdout
+    assert "['nxd_smp.runtime_env', 'nxd_smp.trainer', 'nxd_smp.xla_state_dict']" in out.stdout
 
 
-# Names the README documents, where it documents them: in ``nxd_smp`` and in the room that
-# holds them.
+# Names the README documents, where it documents them.
 DOCUMENTED = {
     "nxd_smp": [
         "MixedPrecisionConfig", "OptimizerConfig", "Zero1Config", "ConfigError", "neuronx_distributed_config",
-        "initialize_parallel_optimizer", "Zero1Optimizer", "NeuronZero1Optimizer", "ClippedOptimizer",
-        "save_checkpoint", "load_checkpoint", "finalize_checkpoint", "CheckpointError", "DynamicLossScaler",
-        "precision_ops",
+        "initialize_parallel_optimizer", "Zero1Optimizer", "NeuronZero1Optimizer", "ClippedOptimizer", "NxDOptimizer",
+        "save_checkpoint", "load_checkpoint", "finalize_checkpoint", "has_checkpoint", "CheckpointError",
+        "DynamicLossScaler", "patch_neuronx_distributed", "precision_ops",
     ],
     "nxd_smp.mixed_precision_config": ["MixedPrecisionConfig", "OptimizerConfig", "Zero1Config", "ConfigError"],
-    "nxd_smp.zero1_optimizer": ["Zero1Optimizer", "NeuronZero1Optimizer"],
+    "nxd_smp.zero1_optimizer": ["Zero1Optimizer", "STATE_LOADED"],
+    "nxd_smp.grad_accum": ["GradientSource", "AutogradGrads", "MainGradBuffers", "ShardedMainGrads"],
     "nxd_smp.backend": ["select_backend", "Backend", "EagerBackend", "XlaBackend"],
-    "nxd_smp.precision_ops": ["stochastic_round", "NaiveAMPModel", "cast_model"],
-    "nxd_smp.checkpoint": ["save_checkpoint", "load_checkpoint", "inspect_checkpoint", "consolidate"],
+    "nxd_smp.precision_ops": ["softmax", "log_softmax", "cross_entropy", "layer_norm", "rms_norm", "residual_add",
+                              "set_fp32_attr_to_module", "is_fp32_module", "cast_model", "NaiveAMPModel",
+                              "parse_dtype", "apply_dtype", "stochastic_round", "split_master", "join_master",
+                              "round_ties_away"],
+    "nxd_smp.checkpoint": ["save_checkpoint", "load_checkpoint", "inspect_checkpoint", "consolidate",
+                           "read_checkpoint", "has_checkpoint", "remove_checkpoint", "finalize_checkpoint",
+                           "load_full_optimizer_state", "CheckpointError"],
+    "nxd_smp.interop.nxd": ["neuronx_distributed_config", "initialize_parallel_optimizer", "ClippedOptimizer",
+                            "NxDOptimizer", "NeuronZero1Optimizer", "configs_from_nxd_dict", "patch_neuronx_distributed"],
+    "nxd_smp.interop.torch_xla": ["export_xla", "import_xla"],
+    "nxd_smp.interop.native_torch": ["export_torch", "import_torch", "export_safetensors"],
+    "nxd_smp.interop.loop_checkpoints": ["save_beside", "load_beside", "read_reference", "refer_to_checkpoint",
+                                         "checkpoint_reference"],
+    "nxd_smp.interop.accelerate": ["register_accelerate_hooks"],
+    "nxd_smp.interop.hf_trainer": ["Zero1TrainerCallback", "skip_ddp_allreduce"],
+}
+#: The documented paths of the previous release, and the names they keep for one more.
+KEPT = {
     "nxd_smp.trainer": ["neuronx_distributed_config", "initialize_parallel_optimizer", "ClippedOptimizer",
-                        "configs_from_nxd_dict"],
+                        "configs_from_nxd_dict", "NxDOptimizer"],
     "nxd_smp.runtime_env": ["check_master_weights_storage", "xla_bf16_variable", "set_stochastic_rounding"],
     "nxd_smp.xla_state_dict": ["export_xla", "import_xla"],
-    "nxd_smp.hf_trainer": ["Zero1TrainerCallback"],
+    "nxd_smp.native_torch": ["export_torch", "import_torch", "export_safetensors"],
+    "nxd_smp.loop_checkpoints": ["save_beside", "load_beside", "read_reference", "register_accelerate_hooks"],
+    "nxd_smp.nxd_patch": ["patch_neuronx_distributed"],
+    "nxd_smp.hf_trainer": ["Zero1TrainerCallback", "skip_ddp_allreduce"],
 }
 
 
 @pytest.mark.parametrize("module", sorted(DOCUMENTED))
 def test_documented_names_are_importable_where_documented(module):
     mod = importlib.import_module(module)
+    assert sorted(mod.__all__) == sorted(DOCUMENTED[module])
     for name in DOCUMENTED[module]:
         assert getattr(mod, name) is not None, f"{module}.{name}"
     with pytest.raises(AttributeError):
         getattr(mod, "no_such_name")
+
+
+@pytest.mark.parametrize("module", sorted(KEPT))
+def test_last_releases_import_paths_still_work_and_say_where_they_moved(module):
+    sys.modules.pop(module, None)
+    with pytest.warns(DeprecationWarning, match="moved to"):
+        mod = importlib.import_module(module)
+    for name in KEPT[module]:
+        assert getattr(mod, name) is not None, f"{module}.{name}"

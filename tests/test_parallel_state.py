@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import nxd_smp
-from nxd_smp.parallel_state import nxd_parallel_groups
+from nxd_smp.interop.nxd.parallel_state import nxd_parallel_groups
 from tests import nxd_stand_in
 from tests.distributed import run_ranks
 from tests.oracle import FIXED_GRAD_PARAMS, fixed_grad_loss, make_model, param_groups

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from nxd_smp import MixedPrecisionConfig, Zero1Optimizer
-from nxd_smp.placement import STREAMS, is_staggered, staggered_empty
+from nxd_smp.core.memory import STREAMS, is_staggered, staggered_empty
 
 
 @pytest.mark.parametrize("stream", sorted(STREAMS))
@@ -66,7 +66,7 @@ def streams_of(opt: Zero1Optimizer) -> dict[str, list[torch.Tensor]]:
         "master": list(opt.master_shards),
         "exp_avg": [state[m]["exp_avg"] for m in opt.master_shards],
         "exp_avg_sq": [state[m]["exp_avg_sq"] for m in opt.master_shards],
-        "grad": list(opt._main_grads.buffers),
+        "grad": list(opt._grads.buffers),
         "param": list(opt.backend._flat_params),
     }
 
@@ -92,6 +92,6 @@ def test_the_optimizer_places_every_stream_and_a_loaded_state_is_moved_into_plac
         warnings.simplefilter("error")  # the compiled step keeps working: no fallback warning
         run_steps(m2, opt2, 2)
         run_steps(m, opt, 2)
-    assert opt2._compiled.enabled
+    assert opt2._inner_step.compiled.enabled
     for a, b in zip(m.parameters(), m2.parameters()):
         assert torch.equal(a, b)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nxd_smp import ConfigError, MixedPrecisionConfig, Zero1Optimizer
-from nxd_smp.runtime_env import SR_VARIABLE, check_master_weights_storage, set_stochastic_rounding, xla_bf16_variable
+from nxd_smp.core.environment import SR_VARIABLE, check_master_weights_storage, set_stochastic_rounding, xla_bf16_variable
 from tests.oracle import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def test_stochastic_rounding_change_is_refused_after_the_xla_runtime_started():
     code = (
         "import torch, torch_xla\n"
         "from nxd_smp import ConfigError, neuronx_distributed_config\n"
-        "from nxd_smp.runtime_env import set_stochastic_rounding, xla_runtime_started\n"
+        "from nxd_smp.core.environment import set_stochastic_rounding, xla_runtime_started\n"
         "assert not xla_runtime_started()  # imported, not started\n"
         "(torch.ones(2, device=torch_xla.device()) * 2).cpu()\n"
         "assert xla_runtime_started()\n"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nxd_smp import ClippedOptimizer, ConfigError, MixedPrecisionConfig, Zero1Optimizer, initialize_parallel_optimizer
-from nxd_smp.trainer import neuronx_distributed_config
+from nxd_smp.interop.nxd import neuronx_distributed_config
 from tests.oracle import batch, loss_fn, make_model
 
 ON = {"zero_one_enabled": True}

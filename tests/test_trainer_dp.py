@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from nxd_smp.checkpoint import read_checkpoint
-from nxd_smp.checkpoint_checks import check_reference
+from nxd_smp.interop.loop_checkpoints import check_reference
 from tests.oracle import assert_same_run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nxd_smp import CheckpointError, save_checkpoint
-from nxd_smp.xla_state_dict import export_xla, import_xla
+from nxd_smp.interop.torch_xla import export_xla, import_xla
 from nxd_smp import MixedPrecisionConfig, Zero1Optimizer
 from tests.nxd_layout import LAYOUTS, SAVED_AT, USER_CONTENT, resume
 from tests.nxd_layout import oracle as nxd_oracle

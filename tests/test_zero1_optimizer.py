@@ -140,7 +140,7 @@ def test_parameters_are_views_into_flat_buffers_and_frozen_ones_are_untouched():
     assert len(opt.bucket_layouts) == 1
     # at DP=1 the gradient shard is the main_grad buffer itself: no copy
     backward(model)
-    assert opt._reduce_gradients()[0].data_ptr() == opt._main_grads.buffers[0].data_ptr()
+    assert opt._grads.reduce()[0].data_ptr() == opt._grads.buffers[0].data_ptr()
 
 
 # ---------------------------------------------------------------- gradients

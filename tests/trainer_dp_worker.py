@@ -76,7 +76,7 @@ def train(out: Path, *, resume: bool = False, save: bool = True, save_total_limi
     from transformers import Trainer, TrainingArguments
 
     import nxd_smp
-    from nxd_smp.hf_trainer import Zero1TrainerCallback
+    from nxd_smp.interop.hf_trainer import Zero1TrainerCallback
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args = TrainingArguments(  # first: it initialises torch.distributed, which the optimizer needs

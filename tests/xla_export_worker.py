@@ -35,7 +35,7 @@ def main(out_path: str, nxd_root: str | None = None) -> None:
     from torch_xla.distributed.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
     from nxd_smp import MixedPrecisionConfig, Zero1Optimizer, load_checkpoint, save_checkpoint
-    from nxd_smp.xla_state_dict import export_xla, import_xla
+    from nxd_smp.interop.torch_xla import export_xla, import_xla
 
     device = torch_xla.device()
     tmp = Path(tempfile.mkdtemp())

@@ -81,16 +81,16 @@ def held_writer():
     """Hold the background part of the next asynchronous save until the event is set."""
     import threading
 
-    from nxd_smp import checkpoint_save
+    from nxd_smp.checkpointing import save as checkpoint_save
 
-    go, write = threading.Event(), checkpoint_save.write_and_publish
+    go, write = threading.Event(), checkpoint_save._write_and_publish
 
     def held(*args, **kwargs):
         go.wait()
-        checkpoint_save.write_and_publish = write
+        checkpoint_save._write_and_publish = write
         return write(*args, **kwargs)
 
-    checkpoint_save.write_and_publish = held
+    checkpoint_save._write_and_publish = held
     return go
 
 

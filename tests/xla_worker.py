@@ -16,7 +16,7 @@ import torch
 
 def variants():
     from nxd_smp import MixedPrecisionConfig, NeuronZero1Optimizer, Zero1Optimizer
-    from nxd_smp.loss_scaler import DynamicLossScaler
+    from nxd_smp.optim.loss_scaler import DynamicLossScaler
 
     def smp(params, on_xla):
         return Zero1Optimizer(params, torch.optim.AdamW, max_norm=0.5, bucket_cap_mb=0.0004)

@@ -12,7 +12,8 @@ differs between devices goes through the object it returns:
   ``dist.new_group``, replica-group lists).
 
 Nothing outside this package asks what device it is on (a kernel choice inside the eager
-path, CPU or CUDA, stays next to its kernel).
+path, CPU or CUDA, stays next to its kernel). The backend also carries the ranks' host-side
+coordination (``coordination``) and the one agreement every load ends with (``agreement``).
 """
 
 from __future__ import annotations
@@ -22,25 +23,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .base import Backend, GroupSpec, NormGroupSpec, PendingShard, is_replica_groups, replica_partition
-from .coordination import CoordinationError, Coordinator
+from ..core.environment import xla_runtime_started
+from .base import Backend, GroupSpec, NormGroupSpec, is_replica_groups
 from .eager import EagerBackend
 from .xla import XlaBackend
 
-__all__ = [
-    "Backend",
-    "CoordinationError",
-    "Coordinator",
-    "EagerBackend",
-    "GroupSpec",
-    "NormGroupSpec",
-    "PendingShard",
-    "XlaBackend",
-    "norm_backends",
-    "replica_partition",
-    "select_backend",
-    "this_replica",
-]
+__all__ = ["Backend", "EagerBackend", "XlaBackend", "select_backend"]
 
 
 def select_backend(device: torch.device, group: GroupSpec = None, *, pin_layout: bool = True) -> Backend:
@@ -55,9 +43,9 @@ def select_backend(device: torch.device, group: GroupSpec = None, *, pin_layout:
     return EagerBackend(device, group)
 
 
-def norm_backends(groups: NormGroupSpec, device: torch.device, *, pin_layout: bool = True) -> list[Backend]:
-    """The backends of a tensor- or pipeline-parallel group spec (None, one group in any form,
-    or a list of process groups), for the gradient norm's sums over them."""
+def group_backends(groups: NormGroupSpec, device: torch.device, *, pin_layout: bool = True) -> list[Backend]:
+    """The backends of a tensor-, pipeline- or context-parallel group spec (None, one group in any
+    form, or a list of process groups), for the sums over them."""
     if groups is None:
         return []
     if isinstance(groups, dist.ProcessGroup) or is_replica_groups(groups):
@@ -74,8 +62,6 @@ def this_replica() -> Any:
     """Which rank of this process is calling: the XLA replica this thread runs (replicas of
     the XLA CPU device are threads of one process), else None. Per-rank host state (the
     checkpoint save in flight) is kept under it."""
-    from ..runtime_env import xla_runtime_started
-
     if not xla_runtime_started():
         return None
     import torch_xla.runtime as xr

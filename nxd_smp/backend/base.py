@@ -11,17 +11,9 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from ..layout import BucketLayout
+    from ..core.layout import BucketLayout
     from .coordination import Coordinator
 
-__all__ = [
-    "Backend",
-    "PendingShard",
-    "GroupSpec",
-    "NormGroupSpec",
-    "is_replica_groups",
-    "replica_partition",
-]
 
 #: A data-parallel group as users pass it: a torch.distributed process group, torch_xla
 #: replica groups (a list of lists of global ranks), or None (every rank).

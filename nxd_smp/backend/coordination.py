@@ -29,14 +29,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = [
-    "Coordinator",
-    "CoordinationError",
-    "LocalCoordinator",
-    "ProcessGroupCoordinator",
-    "ThreadCoordinator",
-    "RendezvousCoordinator",
-]
 
 #: How long a rank waits for the others at one exchange (torch.distributed's default).
 TIMEOUT_S = 1800.0

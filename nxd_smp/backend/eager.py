@@ -13,12 +13,11 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..layout import BucketLayout
-from ..placement import staggered_empty
+from ..core.layout import BucketLayout
+from ..core.memory import staggered_empty
 from .base import Backend, GroupSpec, PendingShard, check_replica_groups, is_replica_groups
 from .coordination import Coordinator, LocalCoordinator, ProcessGroupCoordinator
 
-__all__ = ["EagerBackend"]
 
 #: 128 MiB of fp32 gradient (32M elements): the fused kernels run over a few large shards.
 #: NxD reports NaNs on Neuron above ~140 MB, so stay below that everywhere.

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..layout import BucketLayout
-from ..runtime_env import XLA_DOWNCAST_BF16, XLA_USE_BF16, xla_bf16_variable
+from ..core.layout import BucketLayout
+from ..core.environment import XLA_DOWNCAST_BF16, XLA_USE_BF16, xla_bf16_variable
 from .base import Backend, GroupSpec, PendingShard, check_replica_groups, is_replica_groups, replica_partition
 from .coordination import (
     Coordinator,
@@ -36,7 +36,6 @@ from .coordination import (
     ThreadCoordinator,
 )
 
-__all__ = ["XlaBackend", "restart_channel_ids"]
 
 #: 16 MiB (4M elements): a step works through its buckets one after the other, so a bucket's
 #: temporaries (its concatenated gradient, its gathered parameters) are what the step adds to

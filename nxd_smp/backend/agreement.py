@@ -1,0 +1,40 @@
+"""The one cross-rank agreement: every rank learns whether any rank failed, whatever the failure,
+so that either every rank goes on (commits a load, installs a state dict) or none does.
+
+Checkpoint loads (every format), ``load_state_dict`` of a rank-local state and the imports from
+other tools all end their checks with ``agree``: after it nothing may fail on one rank alone, since
+what follows (publishing the master weights) is a collective that a rank refusing alone would
+leave the others waiting in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..core.errors import CheckpointError
+from .coordination import Coordinator
+
+
+def error_text(error: BaseException) -> str:
+    """What a rank tells the others of its failure: a refusal's own message, anything else with its
+    type's name."""
+    return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+
+
+def agree(coordinator: Coordinator, error: BaseException | None, undo: Callable[[], None] | None = None, *,
+          what: str = "the checkpoint") -> None:
+    """Every rank of ``coordinator``'s group calls it with its own ``error`` (None: it is ready).
+    If any rank failed, every rank raises a ``CheckpointError`` after ``undo()`` (what this rank did
+    before the agreement, put back): its own refusal as it is, any other exception of its own
+    wrapped, or the other ranks' failures. ``what``: what was being loaded, named in the errors."""
+    failures = [f for f in coordinator.all_gather(None if error is None else error_text(error)) if f]
+    if error is None and not failures:
+        return
+    if undo is not None:
+        undo()
+    if isinstance(error, CheckpointError):
+        raise error
+    if error is not None:
+        raise CheckpointError(f"{what} could not be loaded: {error_text(error)}") from error
+    raise CheckpointError(f"another rank could not load {what}, so this one loads nothing either: "
+                          + "; ".join(failures))

@@ -1,0 +1,200 @@
+"""The one reader of ``torch.distributed.checkpoint`` (DCP) indexes: the ``.metadata`` of nxd_smp's
+formats 1 and 2, and of a native torch run's checkpoint (``import_torch``).
+
+A DCP index is a pickled ``Metadata``. It is unpickled by ``SafeUnpickler``, which admits only the
+classes DCP writes into its metadata (and nxd_smp's own ``RawItem``), and then checked as a whole
+before anything it describes is read: every storage record belongs to an entry of the index, is a
+``RawItem`` (nxd_smp's raw bytes) or a DCP ``_StorageInfo`` without storage transforms, in a regular
+file inside the checkpoint folder, at an offset and length within that file, and no two records
+of one file overlap. What the index makes a reader allocate is then bounded by the folder's size.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+
+from ..core.errors import CheckpointError
+from .paths import inside, open_regular
+from .reader import UnsafeFileError
+from .values import is_size
+
+METADATA_FILE = ".metadata"
+
+
+@dataclass(frozen=True)
+class RawItem:
+    """Where one saved tensor's bytes are: ``length`` bytes at ``offset`` of ``file``, with
+    their CRC-32, the tensor's dtype and shape (a C-contiguous layout)."""
+
+    file: str
+    offset: int
+    length: int
+    crc32: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _dcp_metadata_globals() -> dict[tuple[str, str], Any]:
+    """Every global a DCP ``.metadata`` refers to, with the object it names."""
+    import collections
+    import pathlib
+
+    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.serialization import _get_layout
+
+    allowed: dict[tuple[str, str], Any] = {
+        ("torch.distributed.checkpoint.metadata", name): getattr(metadata, name)
+        for name in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+                     "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+                     "BytesStorageMetadata")  # a non-tensor entry (native DCP saves; an empty dataclass)
+    }
+    allowed.update({
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,  # format 1, native
+        (RawItem.__module__, "RawItem"): RawItem,
+        ("nxd_smp.checkpoint_storage", "RawItem"): RawItem,  # where format 2 of earlier releases pickled it
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): _get_layout,  # a layout by its name
+        ("pathlib", "PosixPath"): pathlib.PosixPath,  # StorageMeta.checkpoint_id
+        ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+        ("collections", "OrderedDict"): collections.OrderedDict,
+    })
+    allowed.update({("torch", name): getattr(torch, name) for name in dir(torch)
+                    if isinstance(getattr(torch, name, None), torch.dtype)})
+    return allowed
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """Unpickles only the classes ``torch.distributed.checkpoint`` writes into its metadata (and
+    nxd_smp's ``RawItem``); anything else is an ``UnsafeFileError`` naming the class."""
+
+    _allowed: dict[tuple[str, str], Any] | None = None
+
+    def __init__(self, file, *, source: str = "the file"):
+        super().__init__(file)
+        self._source = source
+        if SafeUnpickler._allowed is None:
+            SafeUnpickler._allowed = _dcp_metadata_globals()
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self._allowed.get((module, name))
+        if found is None:
+            raise UnsafeFileError(f"{self._source} asks to load {module}.{name}, which is not part of a checkpoint "
+                                  f"index; refused (loading it could run code).")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeFileError(f"{self._source} holds a persistent reference; refused.")
+
+
+@dataclass
+class DcpEntry:
+    """One entry of a DCP index, checked.
+
+    Attributes:
+        meta: its ``TensorStorageMetadata`` (a tensor: dtype, size, chunks) or ``BytesStorageMetadata``.
+        records: where each chunk's bytes are, by the chunk's offsets (None for a bytes entry): a
+            ``RawItem`` or DCP's ``_StorageInfo``, each with ``path`` (its file, resolved inside the
+            folder) beside it.
+        path: the entry's place in the saved state dict (``("optim", "state", fqn, "exp_avg")``), when
+            the index's planner data records it.
+    """
+
+    meta: TensorStorageMetadata | BytesStorageMetadata
+    records: dict[tuple[int, ...] | None, tuple[Any, Path]] = field(default_factory=dict)
+    path: tuple | None = None
+
+
+def read_metadata(directory: str | os.PathLike) -> Metadata:
+    """The DCP ``Metadata`` in ``directory/.metadata``, unpickled by ``SafeUnpickler`` (not yet
+    checked against the folder: ``read_dcp_index`` does that).
+
+    Raises:
+        UnsafeFileError: the file asks for a class a DCP index does not hold, or is no index.
+    """
+    index_path = inside(directory, METADATA_FILE)
+    with open_regular(index_path) as f:
+        data = f.read()  # bounded by the file: no read the pickle asks for can exceed it
+    try:
+        metadata = SafeUnpickler(io.BytesIO(data), source=str(index_path)).load()
+    except UnsafeFileError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any way a damaged pickle fails
+        raise UnsafeFileError(f"{index_path} is not a readable checkpoint index: {type(e).__name__}: {e}") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise UnsafeFileError(f"{index_path} holds a {type(metadata).__name__}, not a checkpoint index.")
+    return metadata
+
+
+def read_dcp_index(directory: str | os.PathLike) -> dict[str, DcpEntry]:
+    """Every entry of the DCP index ``directory/.metadata``, by its flat key, checked (see the
+    module's docstring).
+
+    Raises:
+        UnsafeFileError: the index asks for a class a DCP index does not hold, or is no index.
+        CheckpointError: a record that is not one of an entry, names a file outside the folder, a
+            file that is missing or not regular, bytes the file does not hold, or bytes another
+            record holds.
+    """
+    index_path = inside(directory, METADATA_FILE)
+    metadata = read_metadata(directory)
+    entries: dict[str, DcpEntry] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if not isinstance(key, str) or not isinstance(meta, (TensorStorageMetadata, BytesStorageMetadata)):
+            raise CheckpointError(f"{index_path}: entry {key!r} is neither a tensor nor a bytes entry.")
+        entries[key] = DcpEntry(meta)
+    sizes: dict[str, tuple[Path, int]] = {}
+    spans: dict[Path, list[tuple[int, int, str]]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if not isinstance(index, MetadataIndex) or index.fqn not in entries:
+            raise CheckpointError(f"{index_path} names storage for an unknown entry {index!r}.")
+        key = index.fqn
+        if isinstance(info, RawItem):
+            name, offset, length = info.file, info.offset, info.length
+        elif type(info).__name__ == "_StorageInfo":
+            name, offset, length = info.relative_path, info.offset, info.length
+            if info.transform_descriptors:
+                raise CheckpointError(f"{index_path}: {key!r} was written with storage transforms "
+                                      f"{list(info.transform_descriptors)}, which nxd_smp does not apply; save "
+                                      f"without them.")
+        else:
+            raise CheckpointError(f"{index_path}: entry {key!r} is stored as {type(info).__name__}; no DCP "
+                                  f"writer nxd_smp reads writes such an entry.")
+        if not is_size(offset) or not is_size(length):
+            raise CheckpointError(f"{index_path}: entry {key!r} has the offset {offset!r} and length {length!r}; "
+                                  f"refused.")
+        if name not in sizes:
+            file = inside(directory, name, source=f"{index_path}: entry {key!r}")
+            try:
+                st = os.stat(file)
+            except FileNotFoundError:
+                raise CheckpointError(f"{index_path}: entry {key!r} is in {name}, which is missing.") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{index_path}: entry {key!r} is in {name}, which is not a regular file; refused.")
+            sizes[name] = (file, st.st_size)
+        file, size = sizes[name]
+        if offset + length > size:
+            raise CheckpointError(f"{index_path}: entry {key!r} claims bytes [{offset}, {offset + length}) of {name}, "
+                                  f"which holds {size} (truncated, or a crafted index).")
+        spans.setdefault(file, []).append((offset, offset + length, key))
+        chunk = None if index.offset is None else tuple(index.offset)
+        entries[key].records[chunk] = (info, file)
+    for file, found in spans.items():
+        found.sort()
+        for (_, end, first), (start, _, second) in zip(found, found[1:]):
+            if start < end:
+                raise CheckpointError(f"{index_path}: the entries {first!r} and {second!r} overlap in {file.name}; "
+                                      f"refused (each record's bytes are its own).")
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    for key, entry in entries.items():
+        where = paths.get(key)
+        entry.path = where if isinstance(where, tuple) and where else None
+    return entries

@@ -1,0 +1,322 @@
+"""What an nxd_smp checkpoint is: its files and keys, the records that describe the
+optimizer, the completion record that says it is whole, and the safe reading of its small
+files.
+
+A checkpoint is a directory (a version, named by a link; ``checkpoint_links``) holding
+
+* ``model/<state_dict key>``: the full model tensors (replicated: each written by one rank);
+* ``optim/<param>/<state key>/<start>``: elements ``[start, end)`` of the flattened
+  parameter's optimizer state (``exp_avg``, ``momentum_buffer``, ...), one entry per
+  contiguous piece a rank owned; ``optim/<param>/<state key>`` for 0-dim state (``step``);
+* ``master/<param>/<start>``: the same for fp32 master weights, when they are saved;
+* ``loss_scaler/<key>``: the fp16 loss scaler's state;
+
+as raw bytes (``storage``: a few files per rank and DCP's ``Metadata`` as the
+index), plus ``nxd_smp_meta.pt`` (shapes, dtypes, param groups, which pieces exist, the DP
+size written at), ``extra.pt`` (the caller's ``extra`` and the state dicts of the scheduler
+and other stateful objects) and, written last, ``COMPLETE.json`` (size and CRC-32 of every
+file, when it was saved). Because every piece is addressed by parameter name and element
+range, a checkpoint written at DP size N loads at any DP size M. Checkpoints of format 1
+(DCP's own file writer) still load; the links that name a version are ``links``'.
+
+The small files load through the strict reader (``reader.load_file``): plain containers,
+numbers, strings and tensors; a class of the caller's own (in ``extra`` or a stateful object's
+state) loads once allowed with ``torch.serialization.add_safe_globals``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+import torch.nn as nn
+
+from ..core.errors import CheckpointError
+from ..optim.param_groups import KERNEL_OPTIONS, index_groups
+from ..zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
+from .paths import inside, open_regular
+from .storage import IO_THREADS, StoredTensor, read_tensors
+from .storage import read_index as storage_index
+from .values import is_shape, is_size
+
+FORMAT = "nxd_smp.checkpoint/2"
+FORMAT_V1 = "nxd_smp.checkpoint/1"  # tensors in DCP's own FileSystemWriter files; still loaded
+META_FILE = "nxd_smp_meta.pt"
+EXTRA_FILE = "extra.pt"
+COMPLETE_FILE = "COMPLETE.json"
+SCHEDULER = "scheduler"  # the name the scheduler's state is saved under
+_CRC_BLOCK = 16 << 20
+
+
+# ---------------------------------------------------------------------------- keys
+def model_key(name: str) -> str:
+    return f"model/{name}"
+
+
+def state_key(param: str, key: str, start: int | None = None) -> str:
+    """A piece of ``param``'s optimizer state ``key`` from element ``start``; None: 0-dim."""
+    return f"optim/{param}/{key}" if start is None else f"optim/{param}/{key}/{start}"
+
+
+def master_key(param: str, start: int) -> str:
+    return f"master/{param}/{start}"
+
+
+def scaler_key(key: str) -> str:
+    return f"loss_scaler/{key}"
+
+
+# ---------------------------------------------------------------------------- records
+def managed_param_names(model: nn.Module, optimizer: Zero1Optimizer) -> list[str]:
+    """The model name of each parameter ``optimizer`` manages, in its layout order
+    (``optimizer.managed_params``).
+
+    Raises:
+        CheckpointError: a managed parameter is not a parameter of ``model``.
+    """
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    out = []
+    for i, p in enumerate(optimizer.managed_params):
+        if id(p) not in names:
+            raise CheckpointError(
+                f"the optimizer's parameter {i} (shape {tuple(p.shape)}) is not a parameter "
+                f"of the model; pass the model the optimizer was built for."
+            )
+        out.append(names[id(p)])
+    return out
+
+
+# How the inner optimizer computes, not what: chosen per device by whoever loads.
+_IMPLEMENTATION_KEYS = frozenset({"params", *KERNEL_OPTIONS})
+
+
+def group_records(optimizer: Zero1Optimizer, names: list[str]) -> list[dict[str, Any]]:
+    """Per param group: its hyperparameters (lr, betas, ... but not kernel choices such as
+    ``fused``, which belong to the device that loads) and its parameters' names."""
+    index = {id(p): i for i, p in enumerate(optimizer.managed_params)}
+    records = []
+    for group in optimizer.param_groups:
+        records.append({"hyper": group_hyperparameters(group), "params": [names[index[id(p)]] for p in group["params"]]})
+    return records
+
+
+def group_hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's hyperparameters: everything but its parameters and the kernel choices
+    (``fused``, ``foreach``, ...), which belong to whoever loads."""
+    return {k: v for k, v in group.items() if k not in _IMPLEMENTATION_KEYS}
+
+
+def param_group_names(model: nn.Module, optimizer: Zero1Optimizer) -> list[list[str]]:
+    """The names of each param group's managed parameters, group by group, in the order the
+    optimizer was given them (the order torch.optim state dicts number them in)."""
+    return [record["params"] for record in group_records(optimizer, managed_param_names(model, optimizer))]
+
+
+def torch_optim_groups(groups: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Group records (``{"hyper", "params": names}``) as torch.optim state dicts write param
+    groups: the hyperparameters, consecutive integer ``params``, and the names beside them."""
+    ids = index_groups([len(g["params"]) for g in groups])
+    return [{**g["hyper"], "params": i, "param_names": list(g["params"])} for g, i in zip(groups, ids)]
+
+
+def check_args(model: Any, optimizer: Any) -> Zero1Optimizer | None:
+    """The ``Zero1Optimizer`` that ``optimizer`` is or holds (NxD's trainer wrapper, accelerate's
+    and optimum-neuron's keep it in ``.optimizer``), None for None; ``model`` checked.
+
+    Raises:
+        TypeError: ``model`` is not a module, or ``optimizer`` holds no nxd_smp optimizer.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if optimizer is None:
+        return None
+    zero1 = zero1_optimizer_of(optimizer)
+    if zero1 is None:
+        raise TypeError(
+            f"optimizer must be a nxd_smp Zero1Optimizer, or hold one in .optimizer (NxD's wrapper, "
+            f"accelerate's), got {type(optimizer).__name__}; a plain torch optimizer (ZeRO-1 off) is "
+            f"replicated: save its state_dict() with torch.save, or pass the state dicts in NxD's call "
+            f"shape, save_checkpoint(dir, tag, model=model.state_dict(), optimizer=optimizer.state_dict())."
+        )
+    return zero1
+
+
+def stateful_objects(scheduler: Any, stateful: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``{name: object}`` for the scheduler and the caller's other stateful objects, each
+    checked to have ``state_dict()`` and ``load_state_dict()``."""
+    objects: dict[str, Any] = {}
+    if stateful is not None:
+        if not isinstance(stateful, Mapping):
+            raise TypeError(f"stateful must be a dict of name -> object, got {type(stateful).__name__}.")
+        for name, obj in stateful.items():
+            if not isinstance(name, str) or name == SCHEDULER:
+                raise ValueError(
+                    f"stateful names must be strings other than {SCHEDULER!r} (pass the scheduler as "
+                    f"scheduler=...), got {name!r}."
+                )
+            objects[name] = obj
+    if scheduler is not None:
+        objects[SCHEDULER] = scheduler
+    for name, obj in objects.items():
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(
+                f"{name}: {type(obj).__name__} has no state_dict()/load_state_dict(); pass objects that "
+                f"do (an LR scheduler, a data loader's sampler, ...), or put plain values in extra=."
+            )
+    return objects
+
+
+# ---------------------------------------------------------------------------- files
+def crc32(path: Path) -> int:
+    crc = 0
+    with open_regular(path) as f:
+        while block := f.read(_CRC_BLOCK):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def completion_record(target: Path) -> dict[str, Any]:
+    """The completion record of the checkpoint version ``target``, checked to be one: its
+    format, and per file a name inside ``target`` with its size and CRC-32.
+
+    Raises:
+        FileNotFoundError: there is none (the save did not complete).
+        CheckpointError: it is damaged or refused.
+    """
+    path = target / COMPLETE_FILE
+    if not os.path.lexists(path):
+        raise FileNotFoundError(f"{path} is missing: the checkpoint is incomplete (its save was cut off).")
+    with open_regular(inside(target, COMPLETE_FILE)) as f:
+        try:
+            record = json.loads(f.read())
+        except (ValueError, RecursionError) as e:
+            raise CheckpointError(f"{path} is damaged: {e}") from None
+    if not isinstance(record, dict) or record.get("format") not in (FORMAT, FORMAT_V1):
+        found = record.get("format") if isinstance(record, dict) else record
+        raise CheckpointError(f"{target} has format {found!r}; this nxd_smp reads {FORMAT!r} and {FORMAT_V1!r}.")
+    files = record.get("files")
+    if not isinstance(files, dict) or not all(
+        isinstance(entry, list) and len(entry) == 2 and all(is_size(v) for v in entry)
+        for entry in files.values()
+    ):
+        raise CheckpointError(f"{path} is damaged: its 'files' are not name -> [size, CRC-32].")
+    for name in files:
+        inside(target, name, source=str(path))
+    return record
+
+
+def verify_files(target: Path, record: Mapping[str, Any], checksums: bool) -> None:
+    """Every file the completion record lists is there with its size; with ``checksums``
+    also its CRC-32 (a second read of every byte: the loader checks the format-2 tensors it
+    reads as it reads them, so only format 1 and ``inspect --verify`` need this)."""
+    problems = []
+    for name, (size, crc) in sorted(record["files"].items()):
+        f = inside(target, name, source=str(target / COMPLETE_FILE))
+        if not f.exists():
+            problems.append(f"{name} is missing")
+        elif not f.is_file():
+            problems.append(f"{name} is not a regular file")
+        elif f.stat().st_size != size:
+            problems.append(f"{name} is truncated or altered ({f.stat().st_size} bytes, expected {size})")
+        elif checksums and crc32(f) != crc:
+            problems.append(f"{name} is corrupted (CRC-32 mismatch)")
+    if problems:
+        raise CheckpointError(f"the checkpoint at {target} is damaged: " + "; ".join(problems) + ".")
+
+
+def _dtype_name(value: Any) -> bool:
+    return isinstance(value, str) and isinstance(getattr(torch, value.removeprefix("torch."), None), torch.dtype)
+
+
+def check_meta(meta: Any, source: Path) -> None:
+    """The checkpoint's ``nxd_smp_meta.pt`` (read from ``source``) is what nxd_smp writes: every
+    field of the type it has, every shape a tuple of sizes, every dtype a torch dtype's name,
+    every parameter's pieces ``[start, end)`` tiling its elements exactly (so a reader
+    allocates no more than the parameters hold). Checked before anything is allocated.
+
+    Raises:
+        CheckpointError: naming ``source`` and the field.
+    """
+    def refuse(what: str) -> NoReturn:
+        raise CheckpointError(f"{source} is damaged or crafted: {what}; refused.")
+
+    if not isinstance(meta, Mapping) or meta.get("format") not in (FORMAT, FORMAT_V1):
+        refuse(f"format {meta.get('format') if isinstance(meta, Mapping) else type(meta).__name__!r}")
+    model = meta.get("model")
+    if not isinstance(model, Mapping):
+        refuse("'model' is not a dict")
+    for key, info in model.items():
+        if not isinstance(key, str) or not isinstance(info, Mapping) or not is_shape(info.get("shape")) \
+                or not _dtype_name(info.get("dtype")):
+            refuse(f"the model entry {key!r} is not {{'shape': sizes, 'dtype': a torch dtype}}")
+    opt = meta.get("optimizer")
+    if opt is None:
+        return
+    if not isinstance(opt, Mapping):
+        refuse("'optimizer' is not a dict")
+    for field, kind in (("groups", list), ("params", Mapping), ("pieces", Mapping), ("tensor_keys", list),
+                        ("scalar_keys", list), ("master_weights", bool), ("world_size", int)):
+        if not isinstance(opt.get(field), kind):
+            refuse(f"the optimizer's {field!r} is a {type(opt.get(field)).__name__}, not a {kind.__name__}")
+    if not all(isinstance(k, str) for k in (*opt["tensor_keys"], *opt["scalar_keys"])) \
+            or set(opt["tensor_keys"]) & set(opt["scalar_keys"]):
+        refuse("the optimizer's state keys are not distinct strings")
+    for i, group in enumerate(opt["groups"]):
+        if not isinstance(group, Mapping) or not isinstance(group.get("params"), list) \
+                or not all(isinstance(n, str) and n in opt["params"] for n in group["params"]):
+            refuse(f"param group {i} does not list parameters by name")
+        if not isinstance(group.get("hyper"), Mapping):
+            refuse(f"param group {i}'s hyperparameters are a {type(group.get('hyper')).__name__}, not a dict")
+    for name, info in opt["params"].items():
+        if not isinstance(info, Mapping) or not is_shape(info.get("shape")) or not _dtype_name(info.get("dtype")):
+            refuse(f"the optimizer's parameter {name!r} is not {{'shape': sizes, 'dtype': a torch dtype}}")
+        numel = 1
+        for d in info["shape"]:
+            numel *= d
+        pieces, end = opt["pieces"].get(name), 0
+        if not isinstance(pieces, list):
+            refuse(f"the pieces of {name!r} are not a list")
+        for piece in pieces:
+            if not (isinstance(piece, (tuple, list)) and len(piece) == 2 and is_shape(piece) and piece[0] == end
+                    and piece[1] > piece[0]):
+                refuse(f"the pieces of {name!r} do not tile its {numel} elements in order ({piece!r} after {end})")
+            end = piece[1]
+        if end != numel:
+            refuse(f"the pieces of {name!r} cover [0, {end}) of its {numel} elements")
+
+
+def read_index(target: Path) -> dict[str, StoredTensor]:
+    """The tensor index of the checkpoint at ``target`` (read without running code).
+
+    Raises:
+        CheckpointError: the index is refused or names something nxd_smp does not write.
+    """
+    try:
+        return storage_index(target)
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"the checkpoint at {target} is damaged or refused: {e}") from e
+
+
+def read_entries(
+    staging: Mapping[str, torch.Tensor], target: Path, verify: bool, index: Mapping[str, StoredTensor] | None = None
+) -> None:
+    """Read every ``staging`` tensor from the checkpoint at ``target`` (this process only;
+    checked against its CRC-32 when ``verify``).
+
+    Raises:
+        CheckpointError: a missing, damaged or refused tensor, named.
+    """
+    index = read_index(target) if index is None else index
+    missing = sorted(set(staging) - set(index))
+    if missing:
+        raise CheckpointError(f"the checkpoint at {target} lacks the tensors {missing[:8]}"
+                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else "") + ".")
+    try:
+        read_tensors(target, index, staging, verify=verify, threads=IO_THREADS)
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"the checkpoint at {target} is damaged or refused: {e}") from e

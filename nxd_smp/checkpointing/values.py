@@ -1,0 +1,104 @@
+"""What a value read from a checkpoint must be before it is used: sizes and shapes well formed, a
+tensor that converts exactly into the live one's dtype, a scheduler state of the scheduler's own
+keys and kinds; and the caller's stateful objects loaded so that a refusal puts them back.
+
+(The optimizer's own state is checked by the one state-fit check, ``nxd_smp.optim.state_fit``.)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ..core.errors import CheckpointError
+from ..optim.state_fit import misfit
+
+
+def is_size(value: Any) -> bool:
+    """Whether ``value`` is a size, offset or length: a non-negative int (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def is_shape(value: Any) -> bool:
+    """Whether ``value`` is a shape: a tuple or list of sizes."""
+    return isinstance(value, (tuple, list)) and all(is_size(d) for d in value)
+
+
+def check_cast(value: Any, dtype: torch.dtype, where: str) -> None:
+    """``value`` is a tensor that becomes ``dtype`` exactly enough: a float into a float dtype
+    (rounded, and a finite value stays finite), an integer or bool into an integer dtype with
+    every value kept; complex only into the same complex dtype.
+
+    Raises:
+        CheckpointError: naming ``where`` and the dtypes.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise CheckpointError(f"{where} is a {type(value).__name__}, not a tensor.")
+    source = value.dtype
+    if dtype.is_complex or source.is_complex:
+        ok = source == dtype
+    elif dtype.is_floating_point:
+        ok = source.is_floating_point and not bool((torch.isfinite(value) & torch.isinf(value.to(dtype))).any())
+    else:
+        ok = not source.is_floating_point and torch.equal(value.to(dtype).to(source), value)
+    if not ok:
+        raise CheckpointError(f"{where} is {source}, which does not convert exactly to the model's {dtype} "
+                              f"(values out of range, or another kind of number); refused.")
+
+
+def check_scheduler_state(saved: Any, scheduler: Any, where: str) -> None:
+    """``saved`` has exactly the keys the scheduler's own ``state_dict()`` has, each of the kind
+    it holds there (nested states too: ``SequentialLR``'s), and no ``optimizer`` (which would
+    replace the scheduler's optimizer). Non-finite numbers are kept (``ReduceLROnPlateau``'s
+    ``best`` starts at infinity).
+
+    Raises:
+        CheckpointError: naming ``where`` and the keys.
+    """
+    if not isinstance(saved, Mapping):
+        raise CheckpointError(f"{where}: the scheduler state is a {type(saved).__name__}, not a dict.")
+    live = scheduler.state_dict()
+    problems = []
+    if "optimizer" in saved:
+        problems.append("'optimizer' (a scheduler's state never holds its optimizer)")
+    lacking, surplus = sorted(set(live) - set(saved), key=str), sorted(set(saved) - set(live) - {"optimizer"}, key=str)
+    if lacking:
+        problems.append(f"missing {lacking}")
+    if surplus:
+        problems.append(f"keys the scheduler does not have {surplus[:8]}")
+    problems += [m for key in sorted(set(saved) & set(live), key=str)
+                 if (m := misfit(saved[key], live[key], finite=False, at=repr(key)))]
+    if problems:
+        raise CheckpointError(f"{where}: the scheduler state does not fit {type(scheduler).__name__}: "
+                              + "; ".join(problems) + ".")
+
+
+def is_scheduler(obj: Any) -> bool:
+    """Whether ``obj`` is one of torch's LR schedulers (its state is checked as a scheduler's)."""
+    lr = torch.optim.lr_scheduler
+    return isinstance(obj, (lr.LRScheduler, lr.ReduceLROnPlateau))
+
+
+def load_objects(objects: Mapping[str, Any], states: Mapping[str, Any], source: str) -> Callable[[], None]:
+    """Load ``states[name]`` into each of ``objects`` (a scheduler, a sampler, ...), keeping a
+    copy of each one's state before; if one refuses, those loaded are put back and a
+    ``CheckpointError`` names it. Returns the undo (put every object back), for a load that
+    another rank refused."""
+    done: list[tuple[Any, Any]] = []
+
+    def undo() -> None:
+        for obj, before in reversed(done):
+            obj.load_state_dict(before)
+
+    for name, obj in objects.items():
+        try:
+            before = copy.deepcopy(obj.state_dict())
+            obj.load_state_dict(states[name])
+        except Exception as e:  # noqa: BLE001 - any refusal of the object's own
+            undo()
+            raise CheckpointError(f"{source}: {name} refused its saved state: {type(e).__name__}: {e}") from e
+        done.append((obj, before))
+    return undo

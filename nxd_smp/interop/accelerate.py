@@ -1,0 +1,57 @@
+"""accelerate's ``save_state`` / ``load_state`` with a nxd_smp optimizer: every rank's shard and the
+masters kept in the nxd_smp checkpoint beside accelerate's files (``loop_checkpoints``).
+Importing this module imports no accelerate: it works through the accelerator it is given."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.nn as nn
+
+from ..zero1_optimizer import zero1_optimizer_of
+from .loop_checkpoints import require_zero1, load_beside, read_reference, save_beside
+
+__all__ = ["register_accelerate_hooks"]
+
+
+def register_accelerate_hooks(accelerator: Any, model: nn.Module, optimizer: Any) -> tuple[Any, Any]:
+    """Make ``accelerator.save_state`` / ``load_state`` keep every rank's optimizer state and
+    the masters of the nxd_smp ``optimizer`` (prepared by ``accelerator``) and ``model`` (prepared
+    or not), at any DP size: save_state writes the nxd_smp checkpoint ``<dir>/nxd_smp`` and
+    accelerate's ``optimizer.bin`` becomes the reference to it; load_state loads it first (at
+    this DP size) and accelerate then hands every rank the reference. Call it on every rank,
+    once, before the first ``save_state`` or ``load_state``. Returns accelerate's two hook
+    handles (``.remove()`` undoes it).
+
+    Without it, ``save_state`` keeps the main process's shard only and ``load_state`` refuses
+    on the other ranks; with a reference to load but no hook, ``load_state`` says so.
+
+    Raises:
+        TypeError: ``optimizer`` is not a nxd_smp optimizer (or accelerate's wrapper of one).
+        ValueError (in save_state / load_state): the optimizer was not prepared by ``accelerator``.
+    """
+    zero1 = require_zero1(optimizer)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be the torch.nn.Module the optimizer trains, got {type(model).__name__}.")
+
+    def prepared_index() -> int:
+        """Where accelerate keeps the optimizer (the reference is written only if it does)."""
+        prepared = [zero1_optimizer_of(o) for o in getattr(accelerator, "_optimizers", [])]
+        if zero1 not in prepared:
+            raise ValueError("the nxd_smp optimizer was not prepared by this Accelerator: call "
+                             "accelerator.prepare(optimizer) before save_state/load_state.")
+        return prepared.index(zero1)
+
+    def save(models: list, weights: list, output_dir: str) -> None:
+        prepared_index()
+        save_beside(output_dir, model, zero1)
+
+    def load(models: list, input_dir: str) -> None:
+        index = prepared_index()
+        name = "optimizer.bin" if index == 0 else f"optimizer_{index}.bin"  # accelerate's names
+        reference = read_reference(Path(input_dir) / name)
+        if reference is not None:
+            load_beside(input_dir, model, zero1, reference)
+
+    return accelerator.register_save_state_pre_hook(save), accelerator.register_load_state_pre_hook(load)

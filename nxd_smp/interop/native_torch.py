@@ -1,0 +1,443 @@
+"""The way out to native PyTorch, and back: an nxd_smp checkpoint as the
+``torch.distributed.checkpoint`` (DCP) directory a plain torch run saves, and such a
+directory loaded into a live model and ``Zero1Optimizer``.
+
+The layout is ``{"model": model_sd, "optim": optim_sd}`` as
+``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` returns it for
+the same model in fp32 under the same ``torch.optim`` class: model keys are parameter and
+buffer FQNs; ``optim`` is ``{"state": {fqn: {"step", "exp_avg", ...}}, "param_groups":
+[{every key the torch optimizer writes in its own state_dict(), "params": [fqn, ...]}]}``.
+
+* ``export_torch(checkpoint, out_dir)`` writes it (process-local: it never joins a
+  collective, whatever process group exists);
+* ``import_torch(dcp_dir, model=, optimizer=)`` loads what a native run saved with
+  ``dcp.save({"model": ..., "optim": ...})`` into nxd_smp at its own DP size, reading
+  nothing through torch's ``FileSystemReader`` or ``dcp.load`` (they unpickle freely): the
+  index through nxd_smp's one DCP index reader (``checkpointing.dcp_index``), every record
+  through the strict reader;
+* ``export_safetensors(checkpoint, out_file)`` writes the model weights as one
+  safetensors file.
+
+Precision decisions, made here once: the exported parameters are the fp32 master weights
+where the checkpoint has them, else the saved parameters upcast (with a warning that
+precision below their dtype is lost); every other floating entry narrower than fp32
+(buffers, frozen parameters, optimizer state of a run without masters) is upcast to fp32,
+as ``model.float()`` would hold it; fp32, fp64 and integer entries stay as saved. On import
+the native fp32 parameters become the fp32 masters, and the model's parameters those
+masters rounded to the parameter dtype.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta, TensorStorageMetadata
+
+from ..backend.agreement import agree
+from ..checkpointing.dcp_index import DcpEntry, read_dcp_index
+from ..checkpointing.format import check_args, group_hyperparameters, managed_param_names, param_group_names
+from ..checkpointing.load import check_full_optimizer_state, install_full_optimizer_state, name_differences
+from ..checkpointing.outputs import check_target, write_directory, write_file
+from ..checkpointing.reader import UnsafeFileError
+from ..checkpointing.storage import read_record
+from ..checkpointing.tools import read_checkpoint
+from ..checkpointing.values import check_cast, is_shape
+from ..core.errors import CheckpointError
+from ..zero1_optimizer import Zero1Optimizer
+
+__all__ = ["export_torch", "import_torch", "export_safetensors"]
+
+MODEL = "model"
+OPTIM = "optim"
+
+
+def _as_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """A floating tensor narrower than fp32 upcast to fp32 (exact); anything else as it is."""
+    if tensor.is_floating_point() and tensor.dtype.itemsize < 4:
+        return tensor.float()
+    return tensor
+
+
+# ---------------------------------------------------------------------------- export
+def export_torch(path: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Write the checkpoint at ``path`` as a DCP directory ``out_dir`` holding ``{"model":
+    model_sd, "optim": optim_sd}`` in ``get_state_dict(model, optimizer)``'s layout for the
+    same model in fp32 under the checkpoint's ``torch.optim`` class.
+
+    ``model_sd``: the fp32 master weights for the managed parameters (without saved masters,
+    the parameters upcast to fp32, with a ``UserWarning`` that precision was lost); every
+    other entry as saved, floating ones narrower than fp32 upcast. ``optim_sd["state"]``:
+    per parameter FQN its whole state (``step`` 0-dim, moments shaped like the parameter,
+    fp32); parameters without state yet are left out, as torch leaves them out.
+    ``optim_sd["param_groups"]``: the saved hyperparameters, completed with the class
+    defaults for every key the class writes (``foreach``, ``fused``, ...), ``params`` as
+    FQN lists. A checkpoint saved without an optimizer exports ``{"model": model_sd}`` only.
+
+    Written with ``dcp.save(..., no_dist=True)`` into a fresh staging directory beside
+    ``out_dir`` (``tempfile.mkdtemp``), moved into place once complete. ``out_dir`` must be
+    absent or an empty directory (checked before the checkpoint is read); with
+    ``overwrite=True`` whatever is there (a directory, a file or a link, never followed) is
+    replaced as a whole. Load it with ``dcp.load`` and ``set_state_dict`` (docs:
+    ``docs/native_pytorch.md``).
+
+    Returns:
+        ``out_dir`` as a ``Path``.
+
+    Raises:
+        CheckpointError: ``out_dir`` exists and is not an empty directory (without
+            ``overwrite``); the checkpoint is damaged; its inner optimizer class is not a
+            ``torch.optim`` class.
+        TypeError: ``out_dir`` is not a path or ``overwrite`` not a bool.
+    """
+    out = check_target(out_dir, overwrite=overwrite, directory=True)
+    full = read_checkpoint(path)
+    opt = full["optimizer"]
+    masters = None if opt is None else opt["master_weights"]
+    managed = set() if opt is None else {name for g in opt["groups"] for name in g["params"]}
+    model_sd: dict[str, torch.Tensor] = {}
+    upcast: dict[str, torch.dtype] = {}
+    for key, value in full["model"].items():
+        if masters is not None and key in masters:
+            model_sd[key] = masters[key]
+            continue
+        model_sd[key] = _as_fp32(value)
+        if model_sd[key].dtype != value.dtype and (opt is None or key in managed):
+            upcast[key] = value.dtype
+    if upcast:
+        names = sorted(upcast)
+        warnings.warn(
+            f"{path} holds no fp32 master weights: the exported parameters {names[:8]}"
+            + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            + f" are their saved {sorted({str(d) for d in upcast.values()})} values upcast to fp32, so "
+            f"precision below that dtype is lost. Save with use_master_weights_in_ckpt=True to keep it.",
+            stacklevel=2,
+        )
+    state: dict[str, Any] = {MODEL: model_sd}
+    if opt is not None:
+        state[OPTIM] = _torch_optim_state_dict(opt, opt["inner_class"])
+    return write_directory(out, lambda staging: _save_dcp(state, staging, out), overwrite=overwrite)
+
+
+def _torch_optim_state_dict(opt: Mapping[str, Any], inner_class: str) -> dict[str, Any]:
+    """``get_optimizer_state_dict``'s layout: state by FQN, every group key the class writes."""
+    cls = getattr(torch.optim, inner_class, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise CheckpointError(
+            f"the checkpoint's inner optimizer is {inner_class!r}, not a torch.optim class, so native "
+            f"torch has no state_dict layout for it; export the weights alone with export_safetensors."
+        )
+    groups = [{**_class_group(cls, g["hyper"]), **g["hyper"], "params": list(g["params"])} for g in opt["groups"]]
+    state = {
+        name: {key: _as_fp32(value) for key, value in opt["state"][name].items()}
+        for g in opt["groups"] for name in g["params"] if opt["state"][name]
+    }
+    return {"state": state, "param_groups": groups}
+
+
+def _class_group(cls: type[torch.optim.Optimizer], hyper: Mapping[str, Any]) -> dict[str, Any]:
+    """Every key ``cls`` writes into a param group built with ``hyper``, with its value
+    there (the class defaults for what ``hyper`` lacks): from a throwaway instance."""
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {key: value for key, value in hyper.items() if key in accepted}
+    try:
+        probe = cls([torch.zeros(1, requires_grad=True)], **kwargs)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(
+            f"torch.optim.{cls.__name__} refuses the saved hyperparameters {kwargs}: {e}"
+        ) from e
+    return {key: value for key, value in probe.param_groups[0].items() if key != "params"}
+
+
+class _Writer(torch.distributed.checkpoint.FileSystemWriter):
+    """DCP's file writer, recording the final directory (not the temporary one it writes
+    into) as the checkpoint id in the index."""
+
+    def __init__(self, path: Path, final: Path):
+        super().__init__(path)
+        self._final = final
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self._final, save_id=self.save_id)
+
+
+def _save_dcp(state: dict[str, Any], staging: Path, out: Path) -> None:
+    """``dcp.save(state)`` in this process only, into the fresh directory ``staging`` that
+    will become ``out`` (the checkpoint id the index records)."""
+    with warnings.catch_warnings():
+        # no_dist=True is the point here, not a fallback; storage() is DCP's own call.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        torch.distributed.checkpoint.save(state, storage_writer=_Writer(staging, out.absolute()), no_dist=True)
+
+
+def export_safetensors(
+    path: str | os.PathLike, out_file: str | os.PathLike, *, masters: bool = False, overwrite: bool = False
+) -> Path:
+    """Write the checkpoint's model weights to one safetensors file ``out_file``: the
+    saved parameters (bf16 under SMP) and buffers as they are; with ``masters=True`` the
+    fp32 master weights in place of the managed parameters (other entries as saved).
+    Written with ``{"format": "pt"}`` as its metadata into a fresh staging file beside
+    ``out_file`` (``tempfile.mkstemp``), moved into place once complete. An existing
+    ``out_file`` (a file, or a link, dangling or not) is refused, checked before the
+    checkpoint is read, unless ``overwrite=True``: then it is replaced (a link itself, never
+    what it points to).
+
+    Returns:
+        ``out_file`` as a ``Path``.
+
+    Raises:
+        ImportError: the ``safetensors`` package is missing (``pip install safetensors``).
+        CheckpointError: ``masters=True`` and the checkpoint holds no master weights;
+            ``out_file`` is a directory, or exists (without ``overwrite``).
+        TypeError: ``masters`` or ``overwrite`` is not a bool, ``out_file`` not a path.
+    """
+    if not isinstance(masters, bool) or not isinstance(overwrite, bool):
+        raise TypeError(f"masters and overwrite must be True or False, got {masters!r} and {overwrite!r}.")
+    try:
+        from safetensors.torch import save
+    except ImportError:
+        raise ImportError("export_safetensors needs the safetensors package: pip install safetensors") from None
+    out = check_target(out_file, overwrite=overwrite, directory=False)
+    full = read_checkpoint(path)
+    tensors = dict(full["model"])
+    if masters:
+        opt = full["optimizer"]
+        if opt is None or opt["master_weights"] is None:
+            raise CheckpointError(
+                f"{path} holds no fp32 master weights; export the saved parameters with masters=False, "
+                f"or save with use_master_weights_in_ckpt=True."
+            )
+        tensors.update(opt["master_weights"])
+    tensors = {key: value.contiguous() for key, value in tensors.items()}
+    return write_file(out, lambda f: f.write(save(tensors, metadata={"format": "pt"})), overwrite=overwrite)
+
+
+# ---------------------------------------------------------------------------- import
+def _native_index(directory: Path) -> dict[tuple, tuple[str, DcpEntry]]:
+    """Every entry of the DCP checkpoint in ``directory`` by its path in the saved state dict
+    (``("optim", "state", fqn, "exp_avg")``), with its flat key: the one DCP index reader's
+    (``dcp_index.read_dcp_index``), nothing else, each record a DCP ``FileSystemWriter`` record.
+
+    Raises:
+        CheckpointError: a missing, refused or damaged index, or one this reader cannot follow.
+    """
+    if not (directory / ".metadata").is_file():
+        raise CheckpointError(f"{directory} has no .metadata: it is not a torch.distributed.checkpoint directory.")
+    try:
+        entries = read_dcp_index(directory)
+    except UnsafeFileError as e:
+        raise CheckpointError(f"the checkpoint at {directory} was refused: {e}") from None
+    out: dict[tuple, tuple[str, DcpEntry]] = {}
+    for key, entry in entries.items():
+        raw = [type(info).__name__ for info, _ in entry.records.values() if type(info).__name__ != "_StorageInfo"]
+        if raw:
+            raise CheckpointError(
+                f"{directory} is not a DCP FileSystemWriter checkpoint (entry {key!r} is stored as {raw[0]}); an "
+                f"nxd_smp checkpoint loads with nxd_smp.load_checkpoint."
+            )
+        if entry.path is None:
+            raise CheckpointError(
+                f"{directory}: entry {key!r} has no path in the index's planner data; save with DCP's "
+                f"default planner (it flattens the state dict and records each entry's path)."
+            )
+        out[entry.path] = (key, entry)
+    return out
+
+
+def _read_entry(directory: Path, key: str, entry: DcpEntry) -> Any:
+    """An entry's value: a tensor assembled from its chunks, or a non-tensor object; each
+    record through ``torch.load(weights_only=True)``."""
+    try:
+        if isinstance(entry.meta, BytesStorageMetadata):
+            info = entry.records.get(None)
+            if info is None:
+                raise CheckpointError(f"{directory}: no record for {key!r}.")
+            return read_record(directory, info[0].relative_path, info[0].offset, info[0].length, key)
+        size, dtype = tuple(entry.meta.size), entry.meta.properties.dtype
+        if not isinstance(dtype, torch.dtype) or not is_shape(size):
+            raise CheckpointError(f"{directory}: the index gives {key!r} the shape {size} and dtype {dtype!r}.")
+        whole = torch.empty(size, dtype=dtype)
+        covered = torch.zeros(size, dtype=torch.bool)
+        for chunk in entry.meta.chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            record = entry.records.get(offsets)
+            if record is None or len(offsets) != len(size) or any(
+                o < 0 or o + s > n for o, s, n in zip(offsets, sizes, size)
+            ):
+                raise CheckpointError(f"{directory}: chunk {offsets} of {key!r} is missing or out of bounds.")
+            info = record[0]
+            piece = read_record(directory, info.relative_path, info.offset, info.length, key)
+            if not isinstance(piece, torch.Tensor) or tuple(piece.shape) != sizes or piece.dtype != dtype:
+                raise CheckpointError(f"{directory}: the record of {key!r} at {offsets} is not the {sizes} "
+                                      f"{dtype} tensor its index says.")
+            span = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+            if bool(covered[span].any()):
+                raise CheckpointError(f"{directory}: the chunks of {key!r} overlap at {offsets}.")
+            whole[span].copy_(piece)
+            covered[span] = True
+        if not bool(covered.all()):
+            raise CheckpointError(f"{directory}: the chunks of {key!r} cover {int(covered.sum())} of its "
+                                  f"{whole.numel()} elements.")
+        return whole
+    except UnsafeFileError as e:
+        raise CheckpointError(f"the checkpoint at {directory} was refused: {e}") from None
+    except (CheckpointError, OSError) as e:
+        raise CheckpointError(f"the checkpoint at {directory} is damaged or refused: {e}") from e
+
+
+def _named(problems: list[str], what: str, names) -> None:
+    names = sorted(names)
+    if names:
+        problems.append(f"{what}: {names[:8]}" + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
+
+
+def import_torch(path: str | os.PathLike, *, model: nn.Module, optimizer: Zero1Optimizer) -> None:
+    """Load a native DCP checkpoint ``{"model": model_sd, "optim": optim_sd}`` (what a torch
+    run saves with ``dcp.save`` after ``get_state_dict(model, optimizer)``, under DDP, FSDP2
+    or in one process) into ``model`` and ``optimizer`` at the optimizer's own DP size.
+    Every rank calls it and reads everything itself; the reading communicates with no one
+    (the install publishes the masters into the parameters, as a step does).
+
+    The native parameters (fp32) become the master weights and the model's parameters
+    those masters rounded to its dtype; buffers and other non-managed entries are cast to
+    the model's dtypes. The optimizer state is taken by parameter FQN, the
+    hyperparameters from the native group holding each of ``optimizer``'s groups (other
+    top-level entries, such as a scheduler's, are not read; a loss scaler keeps its state).
+    Everything is read and checked before anything changes. Nothing read can run code: the
+    index is unpickled by ``SafeUnpickler``, every record loaded with
+    ``torch.load(weights_only=True)``.
+
+    Raises:
+        CheckpointError: no or a refused/damaged index or record; missing or surplus names,
+            shapes that differ, groups that do not fit; each named.
+    """
+    optimizer = check_args(model, optimizer)  # (a torch optimizer loads with dcp.load and set_state_dict)
+    if optimizer is None:
+        raise TypeError("import_torch needs the optimizer to load into.")
+    error, read = None, None
+    try:
+        read = _read_and_check(Path(path), model, optimizer)
+    except Exception as e:  # noqa: BLE001 - any failure, expected or not, is agreed on
+        error = e
+    agree(optimizer.backend.coordinator, error)  # all ranks commit, or none
+    native_model, state, hypers, masters = read
+    live = model.state_dict()
+    with torch.no_grad():
+        model.load_state_dict({key: native_model[key].to(value.dtype) for key, value in live.items()}, strict=True)
+    install_full_optimizer_state(model, optimizer, state, hypers, masters)
+
+
+def _read_and_check(directory: Path, model: nn.Module, optimizer: Zero1Optimizer):
+    """``import_torch``'s reading on this rank: everything read and checked against the live
+    objects, nothing changed. Returns (model state, optimizer state by name, hyperparameters
+    per group, masters or None)."""
+    index = _native_index(directory)
+    tops = sorted({str(where[0]) for where in index})
+    model_entries: dict[str, tuple[str, DcpEntry]] = {}
+    state_entries: dict[tuple, tuple[str, DcpEntry]] = {}
+    group_entries: dict[tuple, tuple[str, DcpEntry]] = {}
+    odd = []
+    for where, found in index.items():
+        if where[0] == MODEL and len(where) == 2:
+            model_entries[where[1]] = found
+        elif where[:2] == (OPTIM, "state") and len(where) == 4:
+            state_entries[where[2:]] = found
+        elif where[:2] == (OPTIM, "param_groups") and len(where) == 4:
+            group_entries[where[2:]] = found
+        elif where[0] in (MODEL, OPTIM):
+            odd.append(found[0])
+    if odd:
+        raise CheckpointError(f"{directory} holds entries outside get_state_dict's layout: {sorted(odd)[:8]}.")
+    if not model_entries or not group_entries:
+        raise CheckpointError(
+            f"{directory} holds top-level entries {tops}; import_torch needs 'model' and 'optim' as "
+            f"get_state_dict(model, optimizer) returns them (load the weights alone with "
+            f"dcp.load and model.load_state_dict)."
+        )
+
+    # Names, checked before any tensor is read.
+    live = model.state_dict()
+    names = managed_param_names(model, optimizer)
+    problems = name_differences(live, model_entries, "missing from the checkpoint",
+                                "in the checkpoint but not in the model")
+    for key in sorted(set(live) & set(model_entries)):
+        meta = model_entries[key][1].meta
+        if not isinstance(meta, TensorStorageMetadata):
+            problems.append(f"{key}: not a tensor in the checkpoint")
+        elif tuple(meta.size) != tuple(live[key].shape):
+            problems.append(f"{key}: shape {tuple(meta.size)} in the checkpoint, {tuple(live[key].shape)} in the model")
+    if problems:
+        raise CheckpointError(f"the checkpoint at {directory} does not fit the model: " + "; ".join(problems) + ".")
+
+    groups: dict[int, dict[str, Any]] = {}
+    for (number, key), (flat, entry) in group_entries.items():
+        if isinstance(entry.meta, TensorStorageMetadata) and math.prod(entry.meta.size) > 64:
+            files = sorted({str(info.relative_path) for info, _ in entry.records.values()})
+            raise CheckpointError(f"{directory}: param group {number}'s {key!r} (in {files}) is a tensor of shape "
+                                  f"{tuple(entry.meta.size)}; a hyperparameter is a number. Refused.")
+        groups.setdefault(number, {})[key] = _read_entry(directory, flat, entry)
+    if sorted(groups) != list(range(len(groups))) or not all(
+        isinstance(g.get("params"), list) and all(isinstance(n, str) for n in g["params"]) for g in groups.values()
+    ):
+        raise CheckpointError(f"{directory}: the param groups are not get_state_dict's (a list, each with "
+                              f"its parameters' FQNs under 'params').")
+    native_group = {fqn: number for number, g in groups.items() for fqn in g["params"]}
+    state_names = {fqn for fqn, _ in state_entries}
+    problems += name_differences(names, native_group, "parameters the native optimizer lacks",
+                                 "native optimizer parameters the optimizer does not manage")
+    _named(problems, "state for parameters the optimizer does not manage", state_names - set(names))
+    if state_names & set(names):  # all or none: a step updates every parameter's state
+        _named(problems, "parameters without native optimizer state", set(names) - state_names)
+    hypers = []
+    for mine, group in zip(param_group_names(model, optimizer), optimizer.param_groups):
+        found = sorted({native_group[n] for n in mine if n in native_group})
+        if len(found) > 1:
+            problems.append(f"the optimizer's group of {mine[:4]} spans the native groups {found}")
+        if not found:  # no parameters (or all missing, named above)
+            hypers.append(group_hyperparameters(group))
+            continue
+        native = {k: v for k, v in groups[found[0]].items() if k != "params"}
+        _named(problems, f"hyperparameters native group {found[0]} lacks (another optimizer class?)",
+               set(group_hyperparameters(group)) - set(native))
+        hypers.append(native)
+    managed = set(names)
+    keys_of: dict[str, set[str]] = {}
+    for fqn, key in state_entries:
+        keys_of.setdefault(fqn, set()).add(key)
+    kinds = {frozenset(keys) for fqn, keys in keys_of.items() if fqn in managed}
+    if len(kinds) > 1:
+        problems.append(f"the parameters' native state keys differ: {sorted(sorted(k) for k in kinds)}")
+    for (fqn, key), (_, entry) in state_entries.items():
+        if fqn in managed and isinstance(entry.meta, TensorStorageMetadata):
+            shape, param = tuple(entry.meta.size), tuple(live[fqn].shape)
+            if shape and shape != param:
+                problems.append(f"state {fqn}/{key}: shape {shape}, the parameter is {param}")
+        elif fqn in managed:
+            problems.append(f"state {fqn}/{key} is not a tensor; Zero1Optimizer shards tensor state only")
+    if problems:
+        raise CheckpointError(f"the checkpoint at {directory} does not fit the optimizer: " + "; ".join(problems) + ".")
+
+    # Read everything, then install.
+    native_model = {key: _read_entry(directory, flat, entry) for key, (flat, entry) in model_entries.items()}
+    state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in names}
+    for (fqn, key), (flat, entry) in state_entries.items():
+        state[fqn][key] = _read_entry(directory, flat, entry)
+    problems = []
+    for key, value in live.items():
+        try:
+            check_cast(native_model[key], value.dtype, f"{directory}: {key}")
+        except CheckpointError as e:
+            problems.append(str(e))
+    if problems:
+        raise CheckpointError("; ".join(problems) + ".")
+    masters = {name: native_model[name] for name in names} if optimizer.mixed_precision.use_master_weights else None
+    check_full_optimizer_state(model, optimizer, state, hypers, masters, source=directory / ".metadata")
+    return native_model, state, hypers, masters

@@ -1,0 +1,203 @@
+"""torch_xla's and NxD's per-rank ZeRO-1 optimizer state dicts, to and from nxd_smp.
+
+torch_xla's ``ZeroRedundancyOptimizer`` (and NxD's ``NeuronZero1Optimizer`` on top of it)
+shards every parameter on its own: dim 0 padded to a multiple of the DP size, chunk ``rank``
+kept. One file per DP rank holds ``param_groups``, ``base_state`` (``{param id: {step,
+exp_avg, ...}}`` of padded chunks), ``shape_info`` and, if saved, ``sharded_master_weights``.
+
+* ``export_xla(checkpoint, out_dir, dp_size)`` writes those files from an nxd_smp
+  checkpoint (``optim/dp_rank_XX_tp_rank_00_pp_rank_00.pt`` names, as NxD writes them);
+* ``import_xla(files, model=, optimizer=)`` loads them into a ``Zero1Optimizer`` at its own
+  DP size.
+
+Both go through nxd_smp's checkpointing (``read_checkpoint``, ``param_group_names``,
+``load_full_optimizer_state``: the one state-fit check, then every rank's shard installed).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..checkpointing.format import check_args, param_group_names
+from ..checkpointing.load import load_full_optimizer_state
+from ..checkpointing.outputs import check_target, write_directory
+from ..checkpointing.reader import load_file
+from ..checkpointing.tools import read_checkpoint
+from ..checkpointing.values import is_shape
+from ..core.errors import CheckpointError
+from ..optim.param_groups import index_groups
+from ..zero1_optimizer import Zero1Optimizer
+
+__all__ = ["export_xla", "import_xla"]
+
+
+def _xla_chunk(tensor: torch.Tensor, dp_size: int, rank: int) -> torch.Tensor:
+    """torch_xla's shard: pad dim 0 to a multiple of ``dp_size``, keep chunk ``rank``."""
+    remainder = tensor.shape[0] % dp_size
+    if remainder:
+        pad = torch.zeros((dp_size - remainder, *tensor.shape[1:]), dtype=tensor.dtype)
+        tensor = torch.cat([tensor, pad])
+    return tensor.chunk(dp_size)[rank].clone()
+
+
+def export_xla(path: str | os.PathLike, out_dir: str | os.PathLike, dp_size: int, *,
+               overwrite: bool = False) -> list[Path]:
+    """Write the optimizer state in torch_xla's / NxD's ZeRO-1 layout for ``dp_size``
+    ranks: ``out_dir/dp_rank_XX_tp_rank_00_pp_rank_00.pt`` holding ``state``,
+    ``param_groups``, ``base_state`` (padded dim-0 shards), ``shape_info`` and, if the
+    checkpoint has them, ``sharded_master_weights``. Load each file with
+    ``ZeroRedundancyOptimizer.load_state_dict`` over the same parameters in the same order.
+
+    The files are written into a fresh staging directory beside ``out_dir``, moved into place
+    once all are complete. ``out_dir`` must be absent or an empty directory (checked before the
+    checkpoint is read); with ``overwrite=True`` whatever is there (a directory, a file or a
+    link, never followed) is replaced as a whole.
+
+    Returns:
+        The files written, in rank order.
+
+    Raises:
+        ValueError: ``dp_size`` is not a positive int.
+        CheckpointError: ``out_dir`` is taken (see above); the checkpoint holds no optimizer
+            state, or 0-dim parameters (torch_xla cannot shard them); it is damaged.
+    """
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise ValueError(f"dp_size must be a positive int, got {dp_size!r}.")
+    out = check_target(out_dir, overwrite=overwrite, directory=True)
+    full = read_checkpoint(path)
+    opt = full["optimizer"]
+    if opt is None:
+        raise CheckpointError(f"{path} holds no optimizer state to export.")
+    names = [name for g in opt["groups"] for name in g["params"]]
+    zero_dim = [name for name in names if full["model"][name].dim() == 0]
+    if zero_dim:
+        raise CheckpointError(
+            f"torch_xla's ZeRO-1 shards every parameter along dim 0 and cannot hold the 0-dim "
+            f"parameters {zero_dim}; reshape them to (1,) in the model to export."
+        )
+    ids = index_groups([len(g["params"]) for g in opt["groups"]])
+    groups = [{**g["hyper"], "params": i} for g, i in zip(opt["groups"], ids)]
+    files = [f"dp_rank_{rank:02d}_tp_rank_00_pp_rank_00.pt" for rank in range(dp_size)]
+
+    def fill(staging: Path) -> None:
+        for rank, file in enumerate(files):
+            base_state, shape_info, masters = {}, {}, {}
+            for index, name in enumerate(names):
+                shape_info[index] = torch.Size(full["model"][name].shape)
+                state = opt["state"][name]
+                if state:
+                    base_state[index] = {
+                        key: value.clone() if value.dim() == 0 else _xla_chunk(value, dp_size, rank)
+                        for key, value in state.items()
+                    }
+                if opt["master_weights"] is not None:
+                    masters[index] = _xla_chunk(opt["master_weights"][name], dp_size, rank)
+            record = {"state": {}, "param_groups": groups, "base_state": base_state, "shape_info": shape_info}
+            if opt["master_weights"] is not None:
+                record["sharded_master_weights"] = masters
+            torch.save(record, staging / file)  # a fresh directory only this user can enter
+
+    write_directory(out, fill, overwrite=overwrite)
+    return [out / file for file in files]
+
+
+def import_xla(files: Sequence[str | os.PathLike], *, model: nn.Module, optimizer: Zero1Optimizer) -> None:
+    """Load torch_xla / NxD ZeRO-1 optimizer files (one per DP rank, in rank order) into
+    ``optimizer`` at its own DP size; every rank calls it with all the files. The files'
+    parameters must be the optimizer's, in the same group order; the model's weights are not
+    in these files (load them first). Without ``sharded_master_weights`` the masters are
+    rebuilt from the parameters, with a warning.
+
+    Raises:
+        CheckpointError: the files do not fit the optimizer (count, shapes, groups), named.
+    """
+    optimizer = check_args(model, optimizer)
+    if optimizer is None:
+        raise TypeError("import_xla needs the optimizer to load into.")
+    if not files:
+        raise ValueError("import_xla needs the per-rank files (one per DP rank, in rank order).")
+    records = [load_file(Path(f)) for f in files]
+    order = [name for names in param_group_names(model, optimizer) for name in names]
+    groups = records[0].get("param_groups") if isinstance(records[0], Mapping) else None
+    if not isinstance(groups, list) or not all(isinstance(g, Mapping) and isinstance(g.get("params"), list)
+                                               for g in groups):
+        raise CheckpointError(f"{files[0]} is not a torch_xla optimizer state dict (no param_groups of parameters).")
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        raise CheckpointError("the torch_xla optimizer files' param groups differ from the optimizer's.")
+    load_full_optimizer_state(model, optimizer, *full_state(records, order, [Path(f) for f in files]),
+                              source=_files_text([Path(f) for f in files]))
+
+
+def _files_text(files: Sequence[Path]) -> str:
+    """The first of the ranks' files, and how many more: what an error names."""
+    return str(files[0]) + (f" (and {len(files) - 1} more rank files)" if len(files) > 1 else "")
+
+
+def full_state(
+    records: Sequence[Mapping[str, Any]], order: Sequence[str], files: Sequence[Path]
+) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, Any]], dict[str, torch.Tensor] | None]:
+    """Whole per-parameter state from the DP ranks' records (rank order) of torch_xla's
+    ZeRO-1 layout: ``(state by name, param_groups, master weights by name or None)``, the
+    parameters named by ``order`` (the optimizer's group order; the records number them).
+
+    Raises:
+        CheckpointError: records that do not belong together or do not fit ``order``.
+    """
+    first = records[0]
+    shapes = first.get("shape_info") if isinstance(first, Mapping) else None
+    if not isinstance(shapes, Mapping) or sorted(shapes, key=str) != list(range(len(shapes))) or not all(
+        is_shape(shape) and len(shape) > 0 for shape in shapes.values()
+    ):
+        raise CheckpointError(f"{files[0]}: its shape_info is not {{parameter index: shape}} for parameters 0..n-1.")
+    if len(shapes) != len(order):
+        raise CheckpointError(
+            f"the torch_xla optimizer files hold {len(shapes)} parameters, the optimizer {len(order)}."
+        )
+    for f, r in zip(files, records):
+        if not isinstance(r, Mapping) or not isinstance(r.get("base_state"), Mapping) or r.get("shape_info") != shapes:
+            raise CheckpointError(f"{f} does not belong with {files[0]} (another layout or other parameters).")
+        masters_of = r.get("sharded_master_weights", {})
+        if not isinstance(masters_of, Mapping) or not all(isinstance(e, Mapping) for e in r["base_state"].values()):
+            raise CheckpointError(f"{f}: its base_state or sharded_master_weights are not {{parameter index: ...}}.")
+        odd = [f"base_state/{i}/{key}" for i, entry in r["base_state"].items() for key, v in entry.items()
+               if not isinstance(v, torch.Tensor)]
+        odd += [f"sharded_master_weights/{i}" for i, v in masters_of.items() if not isinstance(v, torch.Tensor)]
+        if odd:
+            raise CheckpointError(f"{f}: {odd[:8]} are not tensors; torch_xla's ZeRO-1 state holds tensors only.")
+    # torch_xla pads dim 0 to a multiple of the DP size and keeps chunk ``rank``: every chunk of
+    # parameter i has the shape (ceil(rows / n), *shape[1:]); checked before any is joined, so
+    # the joined tensors are no larger than the parameters
+    n = len(records)
+    for f, r in zip(files, records):
+        for i, shape in shapes.items():
+            chunk = (-(-shape[0] // n), *shape[1:])
+            chunks = [("sharded_master_weights", r["sharded_master_weights"].get(i))] if "sharded_master_weights" in r else []
+            chunks += [(key, v) for key, v in r["base_state"].get(i, {}).items() if v.dim() > 0]
+            for key, v in chunks:
+                if v is None or tuple(v.shape) != chunk:
+                    raise CheckpointError(
+                        f"{f}: {key} of parameter {i} (shape {tuple(shape)}) is a chunk of shape "
+                        f"{None if v is None else tuple(v.shape)}, not {chunk} as {n} DP ranks' files make up: a "
+                        f"rank's file is missing or from another run."
+                    )
+
+    def whole(per_rank: Callable[[Mapping], Mapping[int, torch.Tensor]], i: int) -> torch.Tensor:
+        """Parameter ``i`` from the ranks' padded dim-0 chunks."""
+        return torch.cat([per_rank(r)[i] for r in records])[: shapes[i][0]].view(tuple(shapes[i]))
+
+    state, masters = {}, {} if "sharded_master_weights" in first else None
+    for i, name in enumerate(order):
+        saved = first["base_state"].get(i, {})
+        state[name] = {
+            key: value if value.dim() == 0 else whole(lambda r, k=key: {j: s[k] for j, s in r["base_state"].items()}, i)
+            for key, value in saved.items()
+        }
+        if masters is not None:
+            masters[name] = whole(lambda r: r["sharded_master_weights"], i)
+    return state, first["param_groups"], masters

@@ -1,0 +1,246 @@
+"""The one state-fit check: whether a saved optimizer state fits the optimizer it is loaded into.
+
+torch's ``Optimizer.load_state_dict`` installs the saved hyperparameters together with the state,
+so a state is checked against the hyperparameters *being installed* (the saved ones over the live
+group's), never against those the live optimizer happened to be built with: SGD saved with
+momentum 0.9 loads into an SGD built with momentum 0 (torch's own ``ZeroRedundancyOptimizer`` test
+does that), and its momentum buffers are what the installed group keeps.
+
+* the param groups: as many as the optimizer has, each saved hyperparameter of the kind the live
+  group holds (``check_hyperparameters``; kernel options such as ``fused`` stay the live ones);
+* the state: per parameter (or per flat shard) the keys the optimizer class keeps under the
+  installed hyperparameters, tensors shaped like their parameter or 0-dim as the class keeps them
+  (``state_kinds`` asks a throwaway instance of the class).
+
+Every loader asks this module: ``Zero1Optimizer.load_state_dict`` (``rank_state``), nxd_smp's
+checkpoints, NxD's folders and state dicts, torch_xla's per-rank dicts and torch's native
+checkpoints. It raises nothing: it returns the problems, each naming where, and the caller refuses
+with its own words for the file.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..core.errors import CheckpointError
+from .param_groups import KERNEL_OPTIONS
+
+#: What a saved value may be where the live value is None or the key unknown to the live group.
+PLAIN = (type(None), bool, int, float, str)
+
+#: The inner optimizer's view of one parameter's state: per key, True for a tensor shaped like the
+#: parameter (a moment), False for a 0-dim tensor (``step``), None for a Python number.
+Kinds = dict[str, "bool | None"]
+
+
+def describe(value: Any) -> str:
+    """A short, safe description of a saved value for an error message."""
+    text = repr(value) if isinstance(value, PLAIN) else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def misfit(saved: Any, live: Any, finite: bool = True, at: str = "") -> str | None:
+    """Where and how ``saved`` is not a value of the kind ``live`` is (a hyperparameter, a
+    scheduler field), None if it is: a real number for a number or a one-element tensor (finite
+    where ``finite``; never a bool), bools for bools, the same length for tuples and lists, the
+    same keys for dicts (never ``optimizer``), recursively. ``at``: the path so far."""
+    here = f"{at} = {describe(saved)} where the live value is {describe(live)}"
+    if isinstance(live, bool):
+        return None if isinstance(saved, bool) else here
+    if isinstance(live, (int, float, torch.Tensor)):
+        if isinstance(saved, torch.Tensor):
+            shape_ok = saved.shape == live.shape if isinstance(live, torch.Tensor) else saved.numel() == 1
+            ok = (shape_ok and not saved.dtype.is_complex and saved.dtype != torch.bool
+                  and (not finite or bool(torch.isfinite(saved).all())))
+        else:
+            ok = isinstance(saved, (int, float)) and not isinstance(saved, bool) and (not finite or math.isfinite(saved))
+        return None if ok else here
+    if isinstance(live, (tuple, list)):
+        if not isinstance(saved, (tuple, list)) or len(saved) != len(live):
+            return here
+        return next((m for i, (s, v) in enumerate(zip(saved, live)) if (m := misfit(s, v, finite, f"{at}[{i}]"))),
+                    None)
+    if live is None:
+        plain = isinstance(saved, PLAIN) or (isinstance(saved, (tuple, list)) and all(isinstance(v, PLAIN) for v in saved))
+        return None if plain else here
+    if isinstance(live, str):
+        return None if isinstance(saved, str) else here
+    if isinstance(live, Mapping):
+        if not isinstance(saved, Mapping):
+            return here
+        if "optimizer" in saved:
+            return f"{at}['optimizer'] (a scheduler's state never holds its optimizer)"
+        if set(saved) != set(live):
+            return f"{at} has the keys {sorted(map(str, saved))}, the live one {sorted(map(str, live))}"
+        return next((m for k in live if (m := misfit(saved[k], live[k], finite, f"{at}[{k!r}]"))), None)
+    return None if type(saved) is type(live) else here
+
+
+def check_hyperparameters(saved: Any, group: Mapping[str, Any], where: str) -> None:
+    """``saved``, one param group's hyperparameters from a checkpoint, checked against the live
+    ``group``: a dict of string keys, never ``params``, each key the group has holding a value
+    of the kind the group holds (``lr`` a real number, ``betas`` a pair of them, ...). A key the
+    group lacks (an LR scheduler's ``initial_lr``, an option of another torch version) is kept
+    when its value is a plain number, bool, string or None.
+
+    Raises:
+        CheckpointError: naming ``where`` and every key that does not fit.
+    """
+    if not isinstance(saved, Mapping):
+        raise CheckpointError(f"{where}: the param group's hyperparameters are a {type(saved).__name__}, not a dict.")
+    problems = []
+    for key, value in saved.items():
+        if not isinstance(key, str):
+            problems.append(f"a key {describe(key)} that is not a string")
+        elif key == "params":
+            problems.append("'params', which is not a hyperparameter (a group's parameters are the live ones)")
+        elif key in KERNEL_OPTIONS:
+            if value is not None and not isinstance(value, bool):
+                problems.append(f"{key!r} = {describe(value)}, not True, False or None")
+        elif key == "param_names":  # torch >= 2.7 writes the names of named parameters
+            if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
+                problems.append(f"'param_names' = {describe(value)}, not a list of names")
+        elif key in group:
+            if found := misfit(value, group[key], at=repr(key)):
+                problems.append(found)
+        elif not isinstance(value, PLAIN):
+            problems.append(f"{key!r} = {describe(value)}, unknown to the group and not a plain value")
+    if problems:
+        raise CheckpointError(f"{where}: hyperparameters that do not fit the param group: " + "; ".join(problems) + ".")
+
+
+def installed_hyperparameters(live: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[str, Any]:
+    """What a param group holds once ``saved`` is installed over the ``live`` group: the saved
+    hyperparameters over the live ones; never ``params``, ``param_names`` or a kernel option (those
+    stay the live group's: they belong to the device that loads)."""
+    keep = {k: v for k, v in live.items() if k not in ("params", "param_names")}
+    keep.update({k: v for k, v in saved.items() if k not in ("params", "param_names", *KERNEL_OPTIONS)})
+    return keep
+
+
+def _kind(value: Any) -> bool | None:
+    return (value.dim() > 0) if isinstance(value, torch.Tensor) else None
+
+
+_probed: dict[tuple[type, str], Kinds | None] = {}
+
+
+def state_kinds(optimizer_class: type, hyperparameters: Mapping[str, Any]) -> Kinds | None:
+    """The state ``optimizer_class`` keeps for a parameter of a group holding ``hyperparameters``:
+    from a throwaway instance built with them (kernel options left at the class's defaults) and
+    stepped once on a two-element CPU parameter, which an element-wise optimizer's ``step`` does
+    not reach beyond. None when the class cannot be built or stepped so (then only ``step`` may be
+    0-dim, and the keys are not checked). Remembered per class and hyperparameters."""
+    group = {k: v for k, v in hyperparameters.items() if k not in KERNEL_OPTIONS}
+    key = (optimizer_class, repr(sorted(group.items(), key=lambda item: str(item[0]))))
+    if key not in _probed:
+        _probed[key] = _probe(optimizer_class, group)
+    return _probed[key]
+
+
+def _probe(optimizer_class: type, group: dict[str, Any]) -> Kinds | None:
+    try:
+        accepted = inspect.signature(optimizer_class.__init__).parameters
+        param = torch.zeros(2, requires_grad=True)
+        probe = optimizer_class([{**group, "params": [param]}], **{k: v for k, v in group.items() if k in accepted})
+        param.grad = torch.zeros(2)
+        probe.step()
+        return {key: _kind(v) for key, v in probe.state[param].items()}
+    except Exception:  # noqa: BLE001 - a class that cannot be probed: the fallback rule applies
+        return None
+
+
+def check_state_entry(entry: Any, kinds: Kinds | None, shape: tuple[int, ...], where: str) -> list[str]:
+    """The problems of one parameter's saved optimizer state ``entry`` (``{key: tensor}``)
+    against ``kinds`` (``state_kinds``): the same keys (or none: a parameter without state
+    yet), tensors of real dtype, shaped like the parameter (``shape``) or 0-dim where the class
+    keeps them so; with ``kinds`` None only ``step`` may be 0-dim."""
+    if not isinstance(entry, Mapping):
+        return [f"{where}: the state is a {type(entry).__name__}, not a dict"]
+    if not entry:
+        return []
+    problems = []
+    if kinds is not None and set(entry) != set(kinds):
+        lacking, surplus = sorted(set(kinds) - set(entry), key=str), sorted(set(entry) - set(kinds), key=str)
+        problems.append(f"{where}: state keys {sorted(map(str, entry))}, the optimizer's are {sorted(kinds)}"
+                        + (f" (missing {lacking})" if lacking else "") + (f" (unknown {surplus})" if surplus else ""))
+    for key, value in entry.items():
+        if kinds is not None and kinds.get(key, False) is None:  # the optimizer's own is a number
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                problems.append(f"{where}/{key} is a {type(value).__name__}, not a number")
+            continue
+        if not isinstance(value, torch.Tensor):
+            problems.append(f"{where}/{key} is a {type(value).__name__}, not a tensor")
+            continue
+        if value.dtype.is_complex or value.dtype == torch.bool:
+            problems.append(f"{where}/{key} is {value.dtype}, not a real number")
+            continue
+        moment = kinds.get(key, True) if kinds is not None else key != "step"
+        if moment and (tuple(value.shape) != tuple(shape) or not value.dtype.is_floating_point):
+            problems.append(f"{where}/{key}: {value.dtype} of shape {tuple(value.shape)}, the optimizer keeps a "
+                            f"floating tensor shaped like the parameter {tuple(shape)}")
+        elif not moment and value.dim() != 0:
+            problems.append(f"{where}/{key}: shape {tuple(value.shape)}, the optimizer keeps it 0-dim")
+    return problems
+
+
+class StateFit:
+    """The check of one saved state against one optimizer: ``optimizer_class`` with param groups
+    ``live_groups``, receiving the saved groups' hyperparameters ``saved_groups`` (dicts without
+    ``params``, which the caller takes out where its format numbers them there; kernel options are
+    checked for their kind and never installed).
+
+    ``problems`` says everything that does not fit: the group count, each group's hyperparameters,
+    and each state entry handed to it. ``expected_keys`` says which state keys the installed groups
+    make, for a format that records keys rather than entries.
+    """
+
+    def __init__(self, optimizer_class: type, live_groups: Sequence[Mapping[str, Any]], saved_groups: Sequence[Any]):
+        self.optimizer_class = optimizer_class
+        self.live_groups = list(live_groups)
+        self.saved_groups = list(saved_groups)
+
+    def group_problems(self) -> list[str]:
+        """The group count and each group's hyperparameters."""
+        if len(self.saved_groups) != len(self.live_groups):
+            return [f"{len(self.saved_groups)} param groups, the optimizer has {len(self.live_groups)}"]
+        problems = []
+        for i, (saved, group) in enumerate(zip(self.saved_groups, self.live_groups)):
+            try:
+                check_hyperparameters(saved, group, f"param group {i}")
+            except CheckpointError as e:
+                problems.append(str(e).rstrip("."))
+        return problems
+
+    def kinds(self, group: int) -> Kinds | None:
+        """The state kinds of param group ``group`` once its saved hyperparameters are installed
+        (call after ``group_problems`` found none)."""
+        return state_kinds(self.optimizer_class, installed_hyperparameters(self.live_groups[group],
+                                                                          self.saved_groups[group]))
+
+    def problems(self, entries: Iterable[tuple[int, str, Any, tuple[int, ...]]] = ()) -> list[str]:
+        """Everything that does not fit: ``group_problems``, then each entry ``(group, where,
+        state, shape)`` against the state its installed group keeps."""
+        problems = self.group_problems()
+        if problems:
+            return problems
+        for group, where, entry, shape in entries:
+            problems += check_state_entry(entry, self.kinds(group), shape, where)
+        return problems
+
+    def expected_keys(self) -> tuple[set[str], set[str]] | None:
+        """The state keys every installed group makes together: (moments, 0-dim), or None where
+        a class could not be probed."""
+        tensors, scalars = set(), set()
+        for group in range(len(self.live_groups)):
+            kinds = self.kinds(group)
+            if kinds is None:
+                return None
+            tensors |= {k for k, moment in kinds.items() if moment}
+            scalars |= {k for k, moment in kinds.items() if moment is False}
+        return tensors, scalars

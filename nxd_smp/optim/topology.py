@@ -1,0 +1,153 @@
+"""The topology: every group one optimizer communicates over, and this rank's place in them, built
+once from whatever forms the caller passed.
+
+* ``data``: the data-parallel (ZeRO-1 sharding) group: the shards, the gradient's reduce-scatter,
+  the parameters' all-gather;
+* ``tensor``: the tensor-parallel groups: a parameter marked ``tensor_model_parallel=True`` adds each
+  member's part to the norm, the others count once; with sequence parallelism the gradients of the
+  parameters NxD marks ``sequence_parallel_enabled`` are summed over them;
+* ``pipeline``: the pipeline-parallel groups: the stages' squares add up in the norm (a parameter
+  marked ``shared=True`` is counted by another stage);
+* ``context``: the context-parallel groups the gradients are averaged over, those the data group does
+  not already span (NxD's ZeRO-1 sharding groups span data x context parallelism, whose mean then
+  covers them).
+
+Every group is a backend (``nxd_smp.backend``), so any group form works on any device. The two
+reductions NxD's trainer wrapper does before its step (the context-parallel mean, the
+sequence-parallel sum) and the norm by role live here once, for the ``Zero1Optimizer`` (on its flat
+buckets) and for NxD's wrapper with ZeRO-1 off (on ``.grad``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..backend import Backend, GroupSpec, NormGroupSpec, group_backends, select_backend
+from .norm import global_norm, sum_of_squares
+from .param_groups import check_sequence_parallel
+
+
+@dataclass(frozen=True)
+class Coordinate:
+    """Where this rank sits: its data-parallel rank and the group's size, its tensor- and
+    pipeline-parallel ranks (0 without those groups)."""
+
+    data: int
+    data_size: int
+    tensor: int
+    pipeline: int
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The groups of one optimizer (see the module's docstring); build it with ``build``.
+
+    Attributes:
+        data: the data-parallel group's backend.
+        tensor, pipeline: the tensor- and pipeline-parallel groups' backends (empty without).
+        context: the context-parallel groups the data group does not span.
+        context_size: the size of the context-parallel groups passed (1 without), whether or not
+            the data group spans them.
+        sequence_parallel: the gradients of marked parameters are summed over ``tensor``.
+    """
+
+    data: Backend
+    tensor: tuple[Backend, ...] = ()
+    pipeline: tuple[Backend, ...] = ()
+    context: tuple[Backend, ...] = ()
+    context_size: int = 1
+    sequence_parallel: bool = False
+
+    @classmethod
+    def build(
+        cls,
+        device: torch.device,
+        *,
+        data: GroupSpec = None,
+        tensor: NormGroupSpec = None,
+        pipeline: NormGroupSpec = None,
+        context: NormGroupSpec = None,
+        sequence_parallel: bool = False,
+        params: Sequence[torch.Tensor] = (),
+        owner: str = "Zero1Optimizer",
+        pin_layout: bool = True,
+    ) -> "Topology":
+        """The topology of groups given in any form (None, a process group, a list of process
+        groups, torch_xla replica groups) for parameters on ``device``. ``sequence_parallel``:
+        sum the gradients of ``params`` marked ``sequence_parallel_enabled`` over the
+        tensor-parallel groups (off when none is marked).
+
+        Raises:
+            TypeError, ValueError: a group form that does not fit the device or this rank.
+            ConfigError: sequence parallelism with marked parameters and no tensor-parallel group.
+        """
+        data_backend = select_backend(device, data, pin_layout=pin_layout)
+        tensor_backends = tuple(group_backends(tensor, device, pin_layout=pin_layout))
+        contexts = group_backends(context, device, pin_layout=pin_layout)
+        outside = tuple(cp for cp in contexts if not set(cp.global_ranks) <= set(data_backend.global_ranks))
+        marked = sequence_parallel and check_sequence_parallel(
+            params, tensor_parallel_known=bool(tensor_backends), owner=owner)
+        return cls(data_backend, tensor_backends, tuple(group_backends(pipeline, device, pin_layout=pin_layout)),
+                   outside, math.prod(cp.world_size for cp in contexts), bool(marked))
+
+    @property
+    def tensor_size(self) -> int:
+        """The size of the tensor-parallel group (1 without one)."""
+        return math.prod(group.world_size for group in self.tensor)
+
+    @property
+    def mean_over(self) -> int:
+        """How many ranks a gradient's mean is over: data x the context parallelism outside it."""
+        return self.data.world_size * math.prod(group.world_size for group in self.context)
+
+    @property
+    def coordinate(self) -> Coordinate:
+        return Coordinate(self.data.rank, self.data.world_size, self.tensor[0].rank if self.tensor else 0,
+                          self.pipeline[0].rank if self.pipeline else 0)
+
+    def sum_model_parallel_(self, tensors: Sequence[torch.Tensor], marked: Sequence[bool], *,
+                            per_parameter: bool = False) -> None:
+        """NxD's trainer wrapper's reductions before the step, in its order, in place: every tensor
+        over the context-parallel groups, then those ``marked`` (sequence parallel) over the
+        tensor-parallel groups (when ``sequence_parallel``).
+
+        ``per_parameter``: as NxD's wrapper does on ``.grad``: the context-parallel mean divides
+        first, tensors are all-reduced in buckets (``Backend.all_reduce_many_``) and groups of one
+        send nothing. Else the tensors are flat buckets (or shards of them), each all-reduced
+        alone, and the context-parallel sum is left a sum (its 1/size is in ``mean_over``)."""
+        for group in self.context:
+            if not per_parameter:
+                for tensor in tensors:
+                    group.all_reduce_(tensor)
+            elif group.world_size > 1 and tensors:
+                torch._foreach_div_(list(tensors), float(group.world_size))
+                group.all_reduce_many_(tensors)
+        if not self.sequence_parallel:
+            return
+        chosen = [tensor for tensor, m in zip(tensors, marked, strict=True) if m]
+        for group in self.tensor:
+            if not per_parameter:
+                for tensor in chosen:
+                    group.all_reduce_(tensor)
+            elif group.world_size > 1 and chosen:
+                group.all_reduce_many_(chosen)
+
+    def global_norm(self, by_role: Mapping[str, Sequence[torch.Tensor]], *, sharded: bool, dtype: torch.dtype,
+                    device: torch.device, compiled: bool = False) -> torch.Tensor:
+        """The L2 norm over the whole model of the gradients ``by_role`` (``"replicated"`` and
+        ``"split"`` tensors of ``norm.norm_role``; ``"shared"`` ones are left out), a 0-dim tensor
+        of ``dtype`` (the plan's norm dtype) on every rank: the split parts added up over the
+        tensor-parallel groups, then the total over the data-parallel group when the tensors are
+        this rank's ``sharded`` part, and over the pipeline stages."""
+        split = by_role.get("split", ())
+        return global_norm(
+            sum_of_squares(list(by_role.get("replicated", ())), device, compiled, dtype=dtype),
+            sum_of_squares(list(split), device, compiled, dtype=dtype) if split else None,
+            tensor_parallel=self.tensor,
+            data_parallel=self.data if sharded else None,
+            pipeline_parallel=self.pipeline,
+        )
