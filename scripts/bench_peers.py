@@ -42,6 +42,9 @@ import torch.nn as nn
 TARGETS = {"vs_torch_xla": 0.8, "vs_torch_zero_ddp": 0.8}
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from memory_slope import check_sizes, slope  # noqa: E402
 
 
 def rss(field: str = "VmRSS") -> int:
@@ -124,9 +127,9 @@ def run_xla(kind: str, args: dict) -> dict:
     return run(kind, 1, args["width"], args["layers"], args["iters"], args["warmup"])
 
 
-def slope(small: dict, large: dict) -> float:
+def bytes_per_param(small: dict, large: dict) -> float:
     """Peak resident bytes per parameter, as the slope over two sizes."""
-    return (large["peak_rss"] - small["peak_rss"]) / (large["params"] - small["params"])
+    return slope(small["peak_rss"], small["params"], large["peak_rss"], large["params"])
 
 
 def main() -> None:
@@ -140,6 +143,10 @@ def main() -> None:
     a = p.parse_args()
     if min(a.width, a.iters) < 1 or a.warmup < 2 or not 0 < a.layers[0] < a.layers[1]:
         p.error("--width and --iters must be positive, --warmup >= 2, --layers two increasing depths")
+    try:
+        check_sizes(*(depth * (a.width * a.width + a.width) for depth in a.layers))
+    except ValueError as e:
+        p.error(str(e))
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # glibc returns large frees
 
     results = {}
@@ -150,7 +157,7 @@ def main() -> None:
             continue
         sizes = [runner(kind, {"width": a.width, "layers": layers, "iters": a.iters, "warmup": a.warmup})
                  for layers in a.layers]
-        results[name] = {**sizes[1], "small": sizes[0], "bytes_per_param": slope(*sizes)}
+        results[name] = {**sizes[1], "small": sizes[0], "bytes_per_param": bytes_per_param(*sizes)}
         print(f"  {name}: {results[name]['iter_ms']:.1f} ms/iteration, {results[name]['bytes_per_param']:.1f} "
               f"bytes/param", flush=True)
     r = results

@@ -46,6 +46,9 @@ import torch.nn as nn
 
 import nxd_smp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory_slope import check_sizes, slope  # noqa: E402
+
 REQUIRED = {"ratio": 1.25, "bytes_per_param": 20.0}
 # The memory target at DP=1 (docs/design.md): 6 + 12/N bytes per parameter, plus 2%.
 TARGET = {"ratio": 1.10, "bytes_per_param": (6 + 12) * 1.02}
@@ -67,10 +70,14 @@ class Weights(nn.Module):
 
     def __init__(self, n_params: float, width: int):
         super().__init__()
-        layers = max(1, round(n_params / (width * width)))
+        layers = self.layers(n_params, width)
         self.weights = nn.ParameterList(
             nn.Parameter(torch.randn(width, width, dtype=torch.bfloat16) * 0.02) for _ in range(layers)
         )
+
+    @staticmethod
+    def layers(n_params: float, width: int) -> int:
+        return max(1, round(n_params / (width * width)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return sum((w * x).float().sum() for w in self.weights)
@@ -202,13 +209,16 @@ def run_options(args) -> None:
     memory = {}
     chosen = [name for name in OPTIONS if name == "default" or name in args.option]
     for name in chosen:
-        small, large = (max(run_ranks(world, options_memory_rank, name, n, args.width, args.bucket_cap_mb),
+        small, large = (max(run_ranks(world, options_memory_rank, name, n, args.width, args.bucket_cap_mb,
+                                      start_method="spawn"),
                             key=lambda r: r["peak_bytes"])
                         for n in (args.params, 2 * args.params))
         memory[name] = {"small": small, "large": large,
-                        "bytes_per_param": (large["peak_bytes"] - small["peak_bytes"]) / (large["params"] - small["params"]),
+                        "bytes_per_param": slope(small["peak_bytes"], small["params"], large["peak_bytes"],
+                                                 large["params"]),
                         "floor": options_floor(name, world)}
         print(f"  {name}: {memory[name]['bytes_per_param']:.2f} bytes/param", flush=True)
+    # (the timings alternate the options in one pair of ranks: how the ranks start does not enter them)
     timing = run_ranks(world, options_timing_rank, args.params, args.width, args.iters, args.bucket_cap_mb,
                        chosen)[0]
     med = {key: statistics.median(v) for key, v in timing["times_ms"].items()}
@@ -267,6 +277,10 @@ def main() -> None:
     args = p.parse_args()
     if args.params < 1 or args.width < 1 or args.iters < 1 or args.warmup < 1:
         p.error("--params, --width, --iters and --warmup must be positive")
+    try:  # the memory slope is over the model at --params and at twice that
+        check_sizes(*(Weights.layers(n, args.width) * args.width**2 for n in (args.params, 2 * args.params)))
+    except ValueError as e:
+        p.error(str(e))
     if args.options:
         if not any(OPTIONS[name].get("use_sharded_grad_acc") for name in args.option):
             p.error("--option needs one with sharded accumulation (sharded_acc or sharded_acc+remainders)")
@@ -278,7 +292,7 @@ def main() -> None:
 
     small = probe_in_subprocess(args.params, args.width, args.warmup)
     large = probe_in_subprocess(2 * args.params, args.width, args.warmup)
-    per_param = (large["peak_bytes"] - small["peak_bytes"]) / (large["params"] - small["params"])
+    per_param = slope(small["peak_bytes"], small["params"], large["peak_bytes"], large["params"])
 
     model, opt, backward = build(args.params, args.width, args.warmup)
     n = sum(q.numel() for q in model.parameters())

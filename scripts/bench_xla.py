@@ -52,6 +52,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from memory_slope import check_sizes, slope  # noqa: E402
 
 TARGETS = {"iteration_ratio": 0.8, "memory_ratio": 0.8}
 #: The memory options' targets against torch_xla as shipped: DP 1 with the settings the README
@@ -212,6 +215,10 @@ def main() -> None:
         p.error("--dp, --width and --micro must be positive, --iters >= 1, --warmup >= 2")
     if "torch_xla" not in a.kinds or "nxd_smp" not in a.kinds:
         p.error("--kinds must include torch_xla and nxd_smp (the baseline and the default)")
+    try:
+        check_sizes(*(depth * (a.width * a.width + a.width) for depth in a.layers))
+    except ValueError as e:
+        p.error(str(e))
     kinds = [k for k in KINDS if k in a.kinds]
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # glibc returns large frees
 
@@ -220,10 +227,10 @@ def main() -> None:
         for kind in kinds:
             small = run(kind, world, a.width, a.layers[0], a.iters, a.warmup, a.micro)
             large = run(kind, world, a.width, a.layers[1], a.iters, a.warmup, a.micro)
-            slope = (large["peak_rss"] - small["peak_rss"]) / (large["params"] - small["params"]) / world
-            results[f"{kind}_dp{world}"] = {"small": small, "large": large, "bytes_per_param": slope,
+            per_param = slope(small["peak_rss"], small["params"], large["peak_rss"], large["params"], per=world)
+            results[f"{kind}_dp{world}"] = {"small": small, "large": large, "bytes_per_param": per_param,
                                             "theory_bytes_per_param": theory(kind, world)}
-            print(f"  {kind} DP={world}: {large['iter_ms']:.1f} ms/iteration, {slope:.1f} bytes/param", flush=True)
+            print(f"  {kind} DP={world}: {large['iter_ms']:.1f} ms/iteration, {per_param:.1f} bytes/param", flush=True)
     ratios = {}
     for world in a.dp:
         theirs = results[f"torch_xla_dp{world}"]

@@ -41,6 +41,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from memory_slope import check_sizes  # noqa: E402
+from memory_slope import slope as bytes_slope  # noqa: E402
 
 from scripts.bench_step import rss_bytes  # noqa: E402
 from scripts.bench_xla import KINDS, build, make_model, theory  # noqa: E402
@@ -110,6 +114,10 @@ def main() -> None:
     a = p.parse_args()
     if a.layers[0] >= a.layers[1] or min(a.layers) < 1 or min(a.dp) < 1 or a.width < 1 or a.warmup < 2:
         p.error("--layers needs two increasing positive depths; --dp and --width positive; --warmup >= 2")
+    try:
+        check_sizes(*(depth * (a.width * a.width + a.width) for depth in a.layers))
+    except ValueError as e:
+        p.error(str(e))
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # as bench_xla.py: large frees go back
     from tests.xla_replicas import run_replicas
 
@@ -118,8 +126,8 @@ def main() -> None:
         for kind in a.kinds:
             small, large = (run_replicas(world, "scripts.xla_memory_phases:replica", kind, a.width, layers,
                                          a.warmup, timeout=1800)[0] for layers in a.layers)
-            slope = {phase: (large["bytes"][phase] - small["bytes"][phase])
-                     / (large["params"] - small["params"]) / world for phase in PHASES}
+            slope = {phase: bytes_slope(small["bytes"][phase], small["params"], large["bytes"][phase], large["params"],
+                                        per=world) for phase in PHASES}
             peak = slope["between steps"] + max(slope["forward+backward"], slope["step"])
             results[f"{kind}_dp{world}"] = {"bytes_per_param": slope, "peak": peak,
                                             "floor": theory(kind, world), "small": small, "large": large}

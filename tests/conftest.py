@@ -16,8 +16,8 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 # ``make test`` runs two pytest-xdist workers with ``--dist loadscope``: a module's tests run on
 # one worker (its module-scoped fixtures, a replica child or a set of gloo ranks, are built
 # once), and the modules are handed out longest first so that no long one starts last.
-LONGEST_FIRST = ["test_xla_replicas", "test_benchmarks", "test_checkpoint", "test_zero1_oracle",
-                 "test_training_loops", "test_scripts", "test_docs_snippets", "test_launch"]
+LONGEST_FIRST = ["test_benchmarks", "test_docs_snippets", "test_xla_replicas", "test_checkpoint",
+                 "test_training_loops", "test_scripts", "test_trainer_dp", "test_launch"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,16 +1,33 @@
-"""Smoke tests of the benchmarks with tiny settings: each runs and writes finite JSON with the
+"""Smoke tests of the benchmarks with small settings: each runs and writes finite JSON with the
 command that made it and the report it printed. Their figures come from the scripts at full
-size (docs/results.md), not from here."""
+size (docs/results.md), not from here. A memory slope needs two sizes that peak RSS can tell
+apart, so the smallest settings here are 1M parameters apart (``scripts/memory_slope.py``)."""
 
 from __future__ import annotations
 
 import json
+import sys
 
-from tests.test_scripts import finite, run
+import pytest
+
+from tests.test_scripts import ROOT, finite, run
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from memory_slope import MIN_PARAMS, check_sizes, slope  # noqa: E402
+
+
+def test_a_memory_slope_over_sizes_the_meter_cannot_tell_apart_is_refused_not_divided_by():
+    """Over 4,160 parameters the slope came out 0 or negative (the allocator's noise), and a ratio
+    against it inf: the benchmarks refuse such sizes before they run, naming the fix."""
+    with pytest.raises(ValueError, match="at least"):
+        check_sizes(4_160, 8_320)
+    with pytest.raises(ValueError, match="cannot resolve"):
+        slope(10 << 20, 4_160, 10 << 20, 8_320)
+    assert slope(100 << 20, MIN_PARAMS, (100 << 20) + 18 * MIN_PARAMS, 2 * MIN_PARAMS, per=2) == 9.0
 
 
 def test_the_step_benchmark_writes_finite_json(tmp_path):
-    run("bench_step.py", "--params", "2e5", "--width", "256", "--iters", "3", "--out", str(tmp_path / "step.json"))
+    run("bench_step.py", "--params", "1.1e6", "--width", "1024", "--iters", "3", "--out", str(tmp_path / "step.json"))
     step = json.loads((tmp_path / "step.json").read_text())
     assert finite(step["ratio"], step["bytes_per_param_slope"], step["zero1_step_ms_median"])
 
@@ -26,18 +43,16 @@ def test_the_checkpoint_benchmark_writes_finite_json(tmp_path):
 
 def test_the_peers_benchmark_writes_finite_json(tmp_path):
     # the XLA half is bench_xla's own code (the next test): the gloo half here
-    run("bench_peers.py", "--only", "gloo", "--width", "64", "--layers", "1", "2", "--iters", "1", "--warmup", "2",
+    run("bench_peers.py", "--only", "gloo", "--width", "1024", "--layers", "1", "2", "--iters", "1", "--warmup", "2",
         "--out", str(tmp_path / "peers.json"))
     peers = json.loads((tmp_path / "peers.json").read_text())
     assert finite(*peers["ratios"].values()) and set(peers["ratios"]) == {
         "vs_torch_zero_ddp_step", "vs_torch_zero_ddp_iter", "vs_torch_zero_ddp_memory"}
-    # a slope over 4,160 parameters of difference is the allocator's noise (it came out negative
-    # on one clean-clone run): its sign says nothing at this size, only that it was computed
     assert finite(peers["results"]["torch_zero_ddp"]["bytes_per_param"]) and peers["report"]
 
 
 def test_xla_benchmark_runs_both_optimizers_on_replicas(tmp_path):
-    run("bench_xla.py", "--width", "32", "--layers", "2", "4", "--dp", "2", "--iters", "1", "--warmup", "2",
+    run("bench_xla.py", "--width", "1024", "--layers", "1", "2", "--dp", "2", "--iters", "1", "--warmup", "2",
         "--kinds", "torch_xla", "nxd_smp", "--out", str(tmp_path / "xla.json"), timeout=900)
     result = json.loads((tmp_path / "xla.json").read_text())
     for kind in ("nxd_smp_dp2", "torch_xla_dp2"):
@@ -49,8 +64,8 @@ def test_xla_benchmark_runs_both_optimizers_on_replicas(tmp_path):
 
 
 def test_the_memory_options_benchmark_writes_finite_json(tmp_path):
-    run("bench_step.py", "--options", "--option", "sharded_acc", "--params", "2e5", "--width", "256", "--iters", "1",
-        "--bucket-cap-mb", "0.25", "--out", str(tmp_path / "options.json"))
+    run("bench_step.py", "--options", "--option", "sharded_acc", "--params", "1.1e6", "--width", "1024", "--iters", "1",
+        "--bucket-cap-mb", "4", "--out", str(tmp_path / "options.json"))
     result = json.loads((tmp_path / "options.json").read_text())
     assert set(result["memory"]) == {"default", "sharded_acc"}
     assert finite(*(m["bytes_per_param"] for m in result["memory"].values()), *result["iteration_ms_median"].values())

@@ -24,7 +24,7 @@ The Trainer writes ``checkpoint-N/optimizer.pt`` from rank 0 only (on XLA every 
 ``state_dict()`` and the master writes), and on resume hands that one file to every rank. So
 when the Trainer is about to save (``on_step_end``/``on_epoch_end`` with ``should_save``, before
 its own files and its rotation of old checkpoints), every rank writes the nxd_smp checkpoint
-``checkpoint-N/nxd_smp`` (``nxd_smp.loop_checkpoints``) and ``optimizer.pt`` becomes a reference
+``checkpoint-N/nxd_smp`` (``loop_checkpoints``) and ``optimizer.pt`` becomes a reference
 to it. On ``resume_from_checkpoint`` the optimizer's ``load_state_dict(reference)`` loads that
 checkpoint first, at this DP size, from ``TrainingArguments.output_dir/checkpoint-<step>``
 (a ``load_state_dict`` pre-hook of the callback's).

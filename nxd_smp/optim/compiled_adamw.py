@@ -228,7 +228,7 @@ class CompiledAdamW:
     def _state(self, shard: torch.Tensor, numel: int) -> dict[str, Any]:
         """The optimizer's state for ``shard`` (of ``numel`` elements: a shard that holds no
         data between steps has none), created as torch.optim.Adam(W) creates it (its moments
-        placed as ``nxd_smp.placement`` says)."""
+        placed as ``nxd_smp.core.memory`` says)."""
         state = self.optimizer.state[shard]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32, device=shard.device)
@@ -237,7 +237,7 @@ class CompiledAdamW:
         return state
 
     def place_state(self) -> None:
-        """Move each shard's moments that do not start where ``nxd_smp.placement`` wants
+        """Move each shard's moments that do not start where ``nxd_smp.core.memory`` wants
         them (a loaded state) there: one copy per tensor, the old one freed right away."""
         for group in self.optimizer.param_groups:
             for shard in group["params"]:
