@@ -21,7 +21,7 @@ the optimizer's ``step()`` and ``zero_grad()``) the first gradient of a paramete
 *copied* into its ``main_grad``, later ones are added; ``flat(b)`` zeroes only the
 parameters that got no gradient since. So no training loop has to clear anything, and a
 loop that calls ``model.zero_grad()``, ``optimizer.zero_grad()`` or nothing trains the same.
-``A ``.grad`` the hooks did not see (set by hand, or computed before the optimizer existed) is taken
+A ``.grad`` the hooks did not see (set by hand, or computed before the optimizer existed) is taken
 into the step's sum.
 """
 
@@ -90,8 +90,9 @@ class GradientSource(ABC):
                 else:
                     p.grad.detach_().zero_()
 
-    def main_grad(self, index: int) -> torch.Tensor:
-        """The fp32 gradient of managed parameter ``index`` accumulated so far."""
+    def main_grad(self, index: int | None) -> torch.Tensor:
+        """The fp32 gradient of managed parameter ``index`` accumulated so far (None: a parameter
+        the optimizer does not manage)."""
         raise RuntimeError("main_grad exists only with use_fp32_grad_acc=True.")
 
     def _take_stray_grads(self) -> None:
@@ -103,8 +104,9 @@ class GradientSource(ABC):
                 p.grad = None
 
     def add(self, index: int, grad: torch.Tensor, in_backward: bool = False) -> None:
-        """Accumulate ``grad`` for managed parameter ``index``."""
-        raise NotImplementedError
+        """Accumulate ``grad`` for managed parameter ``index`` (the sources with hooks: autograd's
+        ``.grad`` accumulates by itself)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no gradient by hand; autograd fills .grad.")
 
     def _reduce_flat(self, flats: list[torch.Tensor], spares: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """Each bucket's whole gradient ``flats`` (overwritten), in its wire dtype, summed over the
@@ -192,9 +194,15 @@ class MainGradBuffers(GradientSource):
         if not self.contiguous:
             self._acc = [None] * self._numel
 
-    def main_grad(self, index: int) -> torch.Tensor:
+    def main_grad(self, index: int | None) -> torch.Tensor:
         """The accumulated gradient of managed parameter ``index``, shaped like it (zeros if
-        it got none since the accumulation started)."""
+        it got none since the accumulation started).
+
+        Raises:
+            ValueError: ``index`` is None (the parameter asked for is not managed).
+        """
+        if index is None:
+            raise ValueError("this parameter is not managed by the optimizer; pass one it was built with.")
         if self._fresh[index]:
             if self.contiguous:
                 self._acc[index].zero_()

@@ -386,7 +386,9 @@ def _one_rank_cannot_read(rank: int, world: int, root: str) -> tuple[str, bool]:
     import nxd_smp.interop.nxd.folders
 
     if rank == 1:  # this rank's (TP) files are not there
-        nxd_smp.interop.nxd.folders._coordinate = lambda: (1, 0)
+        from nxd_smp.optim.topology import Coordinate
+
+        nxd_smp.interop.nxd.folders.nxd_coordinate = lambda: Coordinate(0, 1, 1, 0)
     model, opt, _ = build(seed=5)
     before = params(model)
     with pytest.raises(CheckpointError) as refused:

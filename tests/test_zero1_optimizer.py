@@ -510,6 +510,8 @@ def test_writes_through_data_are_not_counted_by_torch_and_can_be_adopted_explici
     assert torch.all(model.lin2.weight == 0.25)
     with pytest.raises(ValueError, match="not managed"):
         opt.rebuild_master_from_params([model.frozen])
+    with pytest.raises(ValueError, match="not managed"):
+        opt.main_grad(model.frozen)
 
 
 def test_a_state_dict_taken_after_a_load_holds_the_loaded_weights():

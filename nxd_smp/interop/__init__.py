@@ -14,5 +14,5 @@ Importing this package registers NxD's tag folders with the checkpoint entry poi
 advice with the optimizer's refusals; it imports neither transformers nor accelerate.
 """
 
-from .loop_checkpoints import HOW_TO_LOAD as _HOW_TO_LOAD  # noqa: F401 - (registers the loops' advice)
-from .nxd import checkpoint_format as _nxd_checkpoint_format  # noqa: F401 - (registers NxD's tag folders)
+from . import loop_checkpoints  # noqa: F401 - importing it registers the loops' advice with the refusals
+from .nxd import checkpoint_format  # noqa: F401 - importing it registers NxD's tag folders with checkpointing

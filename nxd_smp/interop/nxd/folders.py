@@ -15,12 +15,12 @@ tensor_<id>.pt``. The newest complete tag is the one whose ``done`` is newest (N
 
 ``load_nxd`` reads a tag into a live model and ``Zero1Optimizer`` at the optimizer's own DP
 size: the live model gives the parameter names and the param-group order, which NxD's files
-hold only as integer ids. Every file is read with ``torch.load(weights_only=True)``; xser's
-reference class is admitted by its name and becomes a plain record, nothing from the files
-runs. Everything is read and checked before the model or the optimizer changes. With tensor
-or pipeline parallelism each (TP, PP) coordinate reads its own files (its coordinate comes
-from NxD's parallel state); resharding is over DP only, and expert-parallel files
-(``ep_rank``) are refused.
+hold only as integer ids. Every file goes through the strict reader; xser's reference class is
+admitted by its name and becomes a plain record, nothing from the files runs. Everything is read
+and checked before the model or the optimizer changes. With tensor or pipeline parallelism each
+(TP, PP) coordinate reads its own files (its coordinate from NxD's parallel state, or else the
+optimizer's topology); resharding is over DP only, and expert-parallel files (``ep_rank``) are
+refused.
 
 NxD Training's state dicts in the same layout are ``state_dicts``'; ``NxdFolders`` (``formats``)
 is the format both make, which ``nxd_smp``'s checkpoint entry points take.
@@ -50,7 +50,7 @@ from ...checkpointing.reader import load_file
 from ...checkpointing.values import check_cast, check_scheduler_state, load_objects
 from ...core.errors import CheckpointError
 from ...optim.topology import Coordinate
-from ...zero1_optimizer import Zero1Optimizer
+from ...zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
 from ..torch_xla import full_state
 from .parallel_state import nxd_coordinate
 
@@ -89,16 +89,15 @@ def nxd_tags(directory: Path) -> list[Path]:
     return sorted(done, key=lambda p: ((p / DONE_FILE).stat().st_mtime_ns, p.name))
 
 
-def _coordinate() -> tuple[int, int]:
-    """This process's (TP rank, PP rank) in NxD's parallel state; (0, 0) without it."""
+def _here(coordinator: Coordinator, optimizer: Any = None) -> Coordinate:
+    """This rank's place among NxD's rank files: NxD's parallel state where it is initialised, else
+    the optimizer's topology (its data-, tensor- and pipeline-parallel ranks), else a rank of one
+    data-parallel group."""
     here = nxd_coordinate()
-    return (0, 0) if here is None else (here.tensor, here.pipeline)
-
-
-def _here(coordinator: Coordinator) -> Coordinate:
-    """This rank's place: NxD's parallel state, or without it a rank of one data-parallel group."""
-    here = nxd_coordinate()
-    return Coordinate(coordinator.rank, coordinator.size, 0, 0) if here is None else here
+    if here is not None:
+        return here
+    zero1 = zero1_optimizer_of(optimizer) if not isinstance(optimizer, Mapping) else None
+    return zero1.topology.coordinate if zero1 is not None else Coordinate(coordinator.rank, coordinator.size, 0, 0)
 
 
 def _rank_file(kind: str, dp: int, tp: int, pp: int) -> str:
@@ -232,7 +231,7 @@ def load_nxd(
     """
     error, read, undo = None, None, None
     try:
-        read = _read_and_check(tag, model, optimizer, scheduler, strict)
+        read = _read_and_check(tag, model, optimizer, scheduler, strict, _here(coordinator, optimizer))
         undo = _load_scheduler(tag, scheduler, read[2])
     except Exception as e:  # noqa: BLE001 - any failure, expected or not, is agreed on
         error = e
@@ -253,11 +252,12 @@ def _load_scheduler(tag: Path, scheduler: Any, state: Any):
     return load_objects({SCHEDULER: scheduler}, {SCHEDULER: state}, str(tag / SCHEDULER_FILE))
 
 
-def _read_and_check(tag: Path, model: nn.Module, optimizer: Zero1Optimizer | None, scheduler: Any, strict: bool):
-    """This rank's files of ``tag``, read and checked against the live objects: (model
-    weights, whole optimizer state or None, scheduler state or None, user content)."""
+def _read_and_check(tag: Path, model: nn.Module, optimizer: Zero1Optimizer | None, scheduler: Any, strict: bool,
+                    here: Coordinate):
+    """This rank's files of ``tag`` (at its coordinate ``here``), read and checked against the live
+    objects: (model weights, whole optimizer state or None, scheduler state or None, user content)."""
     _check_complete(tag)
-    tp, pp = _coordinate()
+    tp, pp = here.tensor, here.pipeline
     model_file = tag / _rank_file("model", 0, tp, pp)
     weights = _read(tag, _rank_file("model", 0, tp, pp))
     _check_weights(weights, model, strict, model_file)

@@ -106,7 +106,7 @@ def save_state_dicts(
     coordinator = backend.coordinator
     if async_save:
         check_async_save(coordinator)
-    here = _here(coordinator)
+    here = _here(coordinator, optimizer)
     files: dict[str, bytes] = {}
     if model is not None and here.data == 0:
         files[_rank_file("model", 0, here.tensor, here.pipeline)] = _serialized(model, backend)
@@ -236,7 +236,7 @@ def _read_state_dicts(tag: Path, model: Any, optimizer: Any, scheduler: Any, str
     scheduler state or None, user content)."""
     if not (tag / DONE_FILE).is_file():
         raise CheckpointError(f"{tag} is not a complete checkpoint tag (no '{DONE_FILE}' file).")
-    here = _here(coordinator)
+    here = _here(coordinator, optimizer)
     weights = optimizer_state = scheduler_state = None
     if model is not None:
         model_file = tag / _rank_file("model", 0, here.tensor, here.pipeline)
