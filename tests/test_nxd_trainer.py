@@ -13,7 +13,6 @@ from nxd_smp import ConfigError
 from tests.distributed import run_ranks
 from tests.nxd_trainer_worker import (
     ADAMW,
-    SHAPES,
     CP_CASES,
     DP_OPTIMIZERS,
     MARKED,
