@@ -57,7 +57,7 @@ def main() -> None:
     if a.step_runs < 0 or a.checkpoint_runs < 0:
         p.error("--step-runs and --checkpoint-runs must be >= 0")
     checkouts = {"base": base, "this": ROOT}
-    result: dict = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "checkouts": {
+    result: dict = {"command": " ".join(sys.argv), "checkouts": {
         name: subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True).stdout.strip() or str(path) for name, path in checkouts.items()}}
     report = [f"this checkout ({result['checkouts']['this']}, with its uncommitted changes) against "

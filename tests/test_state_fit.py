@@ -104,6 +104,8 @@ def test_a_checkpoint_with_momentum_loads_into_an_optimizer_built_without_it(tmp
     assert_trains_like_torch(result(fresh_model, fresh), torch_run())
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process, as intended
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")  # torch's own DCP writer
 def test_torchs_own_checkpoint_with_momentum_imports_into_an_optimizer_built_without_it(tmp_path):
     """A native run saves ``get_state_dict`` with DCP after a momentum step; nxd_smp imports it."""
     native = One()
