@@ -4,6 +4,7 @@ kill-safety, offline inspect/consolidate."""
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -690,3 +691,37 @@ def test_a_checkpoint_of_an_earlier_release_reshards_to_dp3(fixtures_at_dp3, rel
     expected = torch.load(FIXTURES / release / "expected.pt", weights_only=True)["params"]
     for rank in fixtures_at_dp3:
         assert all(torch.equal(v, expected[n]) for n, v in rank[release].items())
+
+
+#: What the previous release's index reader admits (at 1732418, checkpoint_storage's
+#: _dcp_metadata_globals), beside torch's dtypes: a checkpoint written now must name nothing else,
+#: or that release refuses it as unsafe.
+EARLIER_READERS_ADMIT = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+        "StorageMeta", "_MEM_FORMAT_ENCODING", "BytesStorageMetadata")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("nxd_smp.checkpoint_storage", "RawItem"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
+}
+
+
+def test_a_checkpoints_index_names_only_what_earlier_releases_read(tmp_path):
+    model, opt = build()
+    train(model, opt, 1, 0)
+    save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt)
+    named = set()
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            named.add((module, name))
+            return super().find_class(module, name)
+
+    indexes = list((tmp_path / "ckpt").rglob(".metadata"))
+    assert indexes
+    for index in indexes:
+        with open(index, "rb") as f:
+            Recording(f).load()
+    dtypes = {("torch", n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
+    assert ("nxd_smp.checkpoint_storage", "RawItem") in named
+    assert named <= EARLIER_READERS_ADMIT | dtypes, sorted(named - EARLIER_READERS_ADMIT - dtypes)

@@ -43,6 +43,10 @@ class RawItem:
     shape: tuple[int, ...]
 
 
+#: The name the index pickles ``RawItem`` under: part of the format (``nxd_smp/checkpoint_storage.py``).
+RawItem.__module__ = "nxd_smp.checkpoint_storage"
+
+
 def _dcp_metadata_globals() -> dict[tuple[str, str], Any]:
     """Every global a DCP ``.metadata`` refers to, with the object it names."""
     import collections
@@ -59,8 +63,7 @@ def _dcp_metadata_globals() -> dict[tuple[str, str], Any]:
     }
     allowed.update({
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,  # format 1, native
-        (RawItem.__module__, "RawItem"): RawItem,
-        ("nxd_smp.checkpoint_storage", "RawItem"): RawItem,  # where format 2 of earlier releases pickled it
+        ("nxd_smp.checkpoint_storage", "RawItem"): RawItem,  # its name in format 2 (RawItem.__module__)
         ("torch", "Size"): torch.Size,
         ("torch.serialization", "_get_layout"): _get_layout,  # a layout by its name
         ("pathlib", "PosixPath"): pathlib.PosixPath,  # StorageMeta.checkpoint_id
