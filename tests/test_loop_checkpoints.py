@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import nxd_smp
+import nxd_smp.optim.rank_state
 from nxd_smp.checkpoint import read_checkpoint
 from nxd_smp.checkpoint import CheckpointError
 from nxd_smp.interop.loop_checkpoints import is_reference
@@ -63,6 +64,18 @@ def test_after_save_beside_the_state_dict_is_the_reference_until_the_next_step(t
     model(torch.randn(4, 8).bfloat16()).float().pow(2).mean().backward()
     opt.step()
     assert checkpoint_reference(opt) is None and opt.state_dict()["format"] != reference["format"]
+
+
+def test_while_the_reference_is_held_the_state_dict_builds_no_copy_of_the_state(tmp_path, monkeypatch):
+    model, opt = trained()
+    save_beside(tmp_path, model, opt)
+    built = []
+    real = nxd_smp.optim.rank_state.rank_state
+    monkeypatch.setattr(nxd_smp.optim.rank_state, "rank_state", lambda o: built.append(o) or real(o))
+    assert is_reference(opt.state_dict()) and built == []  # (with the masters it would clone them all)
+    model(torch.randn(4, 8).bfloat16()).float().pow(2).mean().backward()
+    opt.step()
+    assert not is_reference(opt.state_dict()) and built == [opt]
 
 
 def test_load_beside_restores_what_was_saved_and_then_accepts_the_reference(tmp_path):

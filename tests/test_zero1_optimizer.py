@@ -245,6 +245,24 @@ def test_state_dict_round_trip_with_master_weights_is_bit_exact():
         assert torch.equal(p, uninterrupted[n]), n
 
 
+def test_load_state_dict_keeps_the_gradients_accumulated_since_the_last_step_as_torch_does():
+    model, opt = _fresh(True, seed=0)
+    train(model, opt, 1)
+    saved = copy.deepcopy(opt.state_dict())
+    backward(model, step=1)
+    accumulated = {n: opt.main_grad(p).clone() for n, p in model.named_parameters() if p.requires_grad}
+    opt.load_state_dict(saved)
+    weight = nn.Parameter(torch.ones(3))
+    plain = torch.optim.AdamW([weight])
+    weight.grad = torch.full((3,), 2.0)
+    plain.load_state_dict(plain.state_dict())
+    assert torch.equal(weight.grad, torch.full((3,), 2.0))  # torch's rule
+    assert accumulated and any(g.abs().sum() > 0 for g in accumulated.values())
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(opt.main_grad(p), accumulated[n]), n
+
+
 def test_state_dict_without_master_weights_rebuilds_them_from_the_loaded_params():
     model, opt = _fresh(False, seed=0)
     train(model, opt, 3)

@@ -11,7 +11,7 @@ hook of the loop's own loads the checkpoint it names first (``load_beside``, whi
 checkpoint is the save the reference names), and the reference is then accepted. When the loop
 rotates or removes the folder, nxd_smp's files go with it.
 
-All of it goes through torch's optimizer hooks (a ``state_dict`` post-hook, a ``load_state_dict``
+All of it goes through torch's optimizer hooks (a ``state_dict`` pre-hook, a ``load_state_dict``
 pre-hook), so the optimizer itself names no training loop; what a refusal advises about the loops
 is registered here (``optim.rank_state.add_hint``). ``nxd_smp.interop.accelerate`` does this for
 accelerate, ``nxd_smp.interop.hf_trainer`` for the Trainer. Importing this module imports neither
@@ -100,15 +100,15 @@ class _ReferenceHooks:
     def __init__(self, optimizer: Zero1Optimizer) -> None:
         self.reference: dict[str, Any] | None = None
         self.generation = -1
-        optimizer.register_state_dict_post_hook(self._state_dict)
+        optimizer.register_state_dict_pre_hook(self._state_dict)
         optimizer.register_load_state_dict_pre_hook(self._load_state_dict)
 
     def held(self, optimizer: Zero1Optimizer) -> dict[str, Any] | None:
         fresh = self.reference is not None and self.generation == optimizer.state_generation
         return dict(self.reference) if fresh else None
 
-    def _state_dict(self, optimizer: Zero1Optimizer, state: dict[str, Any]) -> dict[str, Any] | None:
-        return self.held(optimizer)
+    def _state_dict(self, optimizer: Zero1Optimizer) -> dict[str, Any] | None:
+        return self.held(optimizer)  # (a dict: the state dict, and the rank's state is not built)
 
     def _load_state_dict(self, optimizer: Zero1Optimizer, state_dict: Any) -> Any:
         if not is_reference(state_dict):

@@ -165,11 +165,16 @@ class RankLocalState:
         layout it was written with, and the master shards with ``use_master_weights_in_ckpt``. It
         loads at the same DP size and rank; ``nxd_smp.checkpoint`` moves across DP sizes. Parameters
         written in place since the last step are taken up first, so the masters match the model.
-        torch's state-dict hooks run around it (a post-hook may return another dict instead)."""
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        self.adopt_param_changes()
-        state = rank_state(self)
+        torch's state-dict hooks run around it: a pre-hook that returns a dict gives the state dict
+        instead (then nothing is built: a training loop's reference to a checkpoint), and a post-hook
+        may return another."""
+        state = None
+        for hook in list(self._optimizer_state_dict_pre_hooks.values()):
+            result = hook(self)
+            state = result if state is None else state
+        if state is None:
+            self.adopt_param_changes()
+            state = rank_state(self)
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, state)
             state = state if result is None else result
@@ -196,6 +201,7 @@ class RankLocalState:
         Raises:
             CheckpointError (a ``ValueError``): the state dict does not fit, naming how.
         """
+        self._require_initialized()
         for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):  # (a hook may add one)
             result = hook(self, state_dict)
             state_dict = state_dict if result is None else result
@@ -213,20 +219,22 @@ class RankLocalState:
             # would write into the caller's state dict)
             self.install_state(copy.deepcopy(state_dict["inner"]["state"]),
                                [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]],
-                               state_dict.get("master_weights"), rebuild=False)
+                               state_dict.get("master_weights"), rebuild=False, discard_gradients=False)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
     def install_state(self, state: Mapping[int, Mapping[str, torch.Tensor]],
                       hyperparameters: Sequence[Mapping[str, Any]], masters: Sequence[torch.Tensor] | None, *,
-                      rebuild: bool = True) -> None:
+                      rebuild: bool = True, discard_gradients: bool = True) -> None:
         """Install a checked state: the inner optimizer's state by shard index (its tensors become
         the optimizer's own), each param group's ``hyperparameters`` (over the live group; kernel
         options stay the live ones), and the master shards, published into the parameters. Without
         masters (under master weights) they are rebuilt from the current parameters now
         (``rebuild``), or else at the next step from those loaded by then, with a warning that
-        precision below the parameter dtype was lost. The accumulation in progress is discarded.
-        Every rank calls it, once the ranks agreed (the masters' publication is a collective)."""
+        precision below the parameter dtype was lost. ``discard_gradients``: drop the gradients
+        accumulated since the last step (a checkpoint's load does; ``load_state_dict`` keeps them, as
+        torch's optimizers do). Every rank calls it, once the ranks agreed (the masters' publication
+        is a collective)."""
         inner = self.inner_optimizer
         groups = [installed_hyperparameters(group, hyper) for group, hyper in zip(inner.param_groups, hyperparameters)]
         ids = index_groups([len(group["params"]) for group in inner.param_groups])
@@ -234,7 +242,8 @@ class RankLocalState:
                                "param_groups": [{**group, "params": i} for group, i in zip(groups, ids)]})
         for group, installed in zip(self.param_groups, groups):
             group.update(installed)
-        self.zero_grad()
+        if discard_gradients:
+            self.zero_grad()
         self._state_changed()
         if not self.mixed_precision.use_master_weights:
             return
