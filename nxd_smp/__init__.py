@@ -1,9 +1,10 @@
 """nxd_smp: a ZeRO-1 sharded optimizer with standard mixed precision, compatible with
 neuronx-distributed's ``NeuronZero1Optimizer`` and ``mixed_precision_config``.
 
-The names here, and the modules the README lists as entry points, are the public surface; the
-rest of the package (``core``, ``backend``, ``optim``, ``checkpointing`` and ``interop``'s insides) is
-internal. ``docs/design.md`` draws the layers.
+The names here, the entry modules (``mixed_precision_config``, ``precision_ops``, ``grad_accum``,
+``zero1_optimizer``, ``checkpoint``), ``nxd_smp.backend``, ``nxd_smp.core.environment``,
+``nxd_smp.optim.topology`` and the ``nxd_smp.interop`` modules the README lists are the public
+surface; the rest is internal. ``docs/design.md`` draws the layers.
 """
 
 from . import precision_ops

@@ -33,6 +33,7 @@ import torch.nn as nn
 from .backend import Backend, select_backend, this_replica
 from .backend.agreement import error_text
 from .checkpointing.format import check_args, stateful_objects
+from .checkpointing.format import managed_param_names, param_group_names  # noqa: F401 - (the previous release's names here)
 from .checkpointing.formats import folder_format_of, registered_formats, state_dict_format
 from .checkpointing.links import checkpoint_links, replaceable_folder, resolve, unpublish, version_prefix
 from .checkpointing.load import load, load_full_optimizer_state

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 
 from .backend import GroupSpec, NormGroupSpec
+from .backend.eager import DEFAULT_BUCKET_CAP_MB  # noqa: F401 - (the previous release's names here)
+from .backend.xla import DEFAULT_BUCKET_CAP_MB as DEFAULT_XLA_BUCKET_CAP_MB  # noqa: F401
 from .core.environment import check_master_weights_storage
 from .core.layout import BucketKey, BucketLayout, plan_buckets
 from .grad_accum import AutogradGrads, GradientSource, MainGradBuffers, ShardedMainGrads

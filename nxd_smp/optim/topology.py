@@ -30,6 +30,8 @@ from ..backend import Backend, GroupSpec, NormGroupSpec, group_backends, select_
 from .norm import global_norm, sum_of_squares
 from .param_groups import check_sequence_parallel
 
+__all__ = ["Coordinate", "Topology"]
+
 
 @dataclass(frozen=True)
 class Coordinate:
