@@ -234,6 +234,17 @@ def test_zero_grad_keeps_gradients_allocated_by_default_as_nxds_wrapper():
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
 
+def test_zero_one_off_takes_param_groups_whose_first_is_empty():
+    """A decay/no-decay split can leave the first group empty; NxD's wrapper builds the inner
+    optimizer over the groups as given, as torch does."""
+    model = _lin(dtype=torch.float32)
+    cfg = nxd_smp.neuronx_distributed_config(optimizer_config={"zero_one_enabled": False})
+    groups = [{"params": [], "weight_decay": 0.1}, {"params": list(model.parameters()), "weight_decay": 0.0}]
+    opt = nxd_smp.initialize_parallel_optimizer(cfg, torch.optim.SGD, groups, lr=0.1)
+    reference = torch.optim.SGD([dict(g) for g in groups], lr=0.1)
+    assert [len(g["params"]) for g in opt.param_groups] == [len(g["params"]) for g in reference.param_groups]
+
+
 def test_init_zero_after_loading_weights_starts_the_next_step_from_them():
     """NxD's Llama scripts build the optimizer, load pretrained weights into the model and call
     ``optimizer.optimizer.init_zero()``. Weights written through ``.data`` are invisible to

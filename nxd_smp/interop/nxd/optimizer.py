@@ -12,7 +12,7 @@ import torch
 from ...backend import GroupSpec, NormGroupSpec
 from ...core.errors import ConfigError
 from ...mixed_precision_config import MixedPrecisionConfig, require_bool
-from ...optim.param_groups import managed_params, normalize_param_groups
+from ...optim.param_groups import check_optimizer_class, managed_params, normalize_param_groups
 from ...zero1_optimizer import Zero1Optimizer
 from .parallel_state import nxd_topology
 
@@ -88,6 +88,8 @@ class NeuronZero1Optimizer(Zero1Optimizer):
                 f"save_master_weights=True needs fp32 master weights, but optimizer_dtype="
                 f"{optimizer_dtype} keeps none; use optimizer_dtype=torch.float32."
             )
+        check_optimizer_class(optimizer_class)  # (the arguments first, then the groups)
+        bucket_cap_mb = _torch_xla_bucket_cap(bucket_cap_mb_reduce_scatter, bucket_cap_mb_all_gather)
         groups = normalize_param_groups(params)
         managed, device = managed_params(groups)
         # NxD's parallel state, where it is initialised, gives the groups left None, as NxD's own
@@ -111,7 +113,7 @@ class NeuronZero1Optimizer(Zero1Optimizer):
             # torch_xla: the gradient travels in the parameter dtype unless higher_cc_precision asks
             # for the optimizer dtype
             reduce_dtype="master" if higher_cc_precision else "param",
-            bucket_cap_mb=_torch_xla_bucket_cap(bucket_cap_mb_reduce_scatter, bucket_cap_mb_all_gather),
+            bucket_cap_mb=bucket_cap_mb,
             topology=topology,
             pin_layout=pin_layout,
             lazy_init=lazy_init,

@@ -362,8 +362,10 @@ def initialize_parallel_optimizer(
         ConfigError: the config breaks a rule, or a group the config needs is missing.
     """
     opt_cfg, mp_cfg = configs_from_nxd_dict(nxd_config)
+    check_optimizer_class(optimizer_class, sharded=opt_cfg.zero_one_enabled)  # (before any group is built)
     groups = normalize_param_groups(parameters)
-    device = managed_params(groups)[1] if opt_cfg.zero_one_enabled else groups[0]["params"][0].device
+    device = managed_params(groups)[1] if opt_cfg.zero_one_enabled else next(
+        (p.device for group in groups for p in group["params"]), torch.device("cpu"))  # (a group may be empty)
     topology = nxd_topology(
         device, data=process_group, tensor=grad_norm_groups, pipeline=pipeline_groups, context=context_parallel_groups,
         sequence_parallel=sequence_parallel_on(nxd_config), sharded=opt_cfg.zero_one_enabled,
@@ -374,6 +376,5 @@ def initialize_parallel_optimizer(
         zero1 = Zero1Optimizer(groups, optimizer_class, mixed_precision=mp_cfg, grad_clipping=opt_cfg.grad_clipping,
                                max_norm=opt_cfg.max_grad_norm, topology=topology, **defaults)
         return NxDOptimizer(zero1, nxd_config)
-    check_optimizer_class(optimizer_class, sharded=False)
     inner = optimizer_class(groups, **inner_hyperparameters(optimizer_class, defaults))
     return ClippedOptimizer(inner, nxd_config=nxd_config, topology=topology)
