@@ -22,7 +22,7 @@ graph can be read alone.
 Per optimizer and DP size:
 * iteration time (median after warm-up; every replica waits at a barrier before each graph);
 * peak resident memory per parameter on each rank, as a slope over two model depths run in
-  separate processes (docs/results.md, "How memory is measured"): (peak_b - peak_a) /
+  separate processes (docs/design.md, "How performance is measured"): (peak_b - peak_a) /
   (params_b - params_a) / dp (depths rather than widths, so that both sizes cut into buckets the
   same way);
 * graph compilations (all replicas together), after warm-up, and compile time;

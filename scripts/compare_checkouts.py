@@ -38,6 +38,16 @@ def run(checkout: Path, script: str, args: list[str], out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def check_imports_its_own(checkout: Path) -> None:
+    """Refuse to compare a checkout whose scripts would import another copy of nxd_smp (an
+    installed one, say) than its own."""
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    found = subprocess.run([sys.executable, "-c", "import nxd_smp; print(nxd_smp.__file__)"], cwd=checkout, env=env,
+                           capture_output=True, text=True, timeout=300).stdout.strip()
+    if not found or not Path(found).resolve().is_relative_to(checkout):
+        raise SystemExit(f"{checkout}: its scripts would import nxd_smp from {found or 'nowhere'}, not from it")
+
+
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
@@ -57,6 +67,8 @@ def main() -> None:
     if a.step_runs < 0 or a.checkpoint_runs < 0:
         p.error("--step-runs and --checkpoint-runs must be >= 0")
     checkouts = {"base": base, "this": ROOT}
+    for path in checkouts.values():
+        check_imports_its_own(path)
     result: dict = {"command": " ".join(sys.argv), "checkouts": {
         name: subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True).stdout.strip() or str(path) for name, path in checkouts.items()}}

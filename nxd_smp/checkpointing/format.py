@@ -2,7 +2,7 @@
 optimizer, the completion record that says it is whole, and the safe reading of its small
 files.
 
-A checkpoint is a directory (a version, named by a link; ``checkpoint_links``) holding
+A checkpoint is a directory (a version, named by a link; ``links``) holding
 
 * ``model/<state_dict key>``: the full model tensors (replicated: each written by one rank);
 * ``optim/<param>/<state key>/<start>``: elements ``[start, end)`` of the flattened

@@ -53,6 +53,10 @@ class PrecisionPlan:
     reduce: torch.dtype | str | None = None
     rounding: str = "nearest_even"
 
+    def __post_init__(self) -> None:
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}.")
+
     @classmethod
     def resolve(
         cls,

@@ -1,7 +1,7 @@
 """NxD's tag folders as a checkpoint format nxd_smp's entry points take: ``load_checkpoint``,
 ``has_checkpoint``, ``remove_checkpoint`` and ``save_checkpoint`` with state dicts (NxD Training's
 call shape) reach ``folders`` and ``state_dicts`` through it. Registered when this module is
-imported (``nxd_smp`` imports it)."""
+imported (``nxd_smp.interop`` imports it)."""
 
 from __future__ import annotations
 

@@ -22,8 +22,9 @@ and checked before the model or the optimizer changes. With tensor or pipeline p
 optimizer's topology); resharding is over DP only, and expert-parallel files (``ep_rank``) are
 refused.
 
-NxD Training's state dicts in the same layout are ``state_dicts``'; ``NxdFolders`` (``formats``)
-is the format both make, which ``nxd_smp``'s checkpoint entry points take.
+NxD Training's state dicts in the same layout are ``state_dicts``'; ``NxdTagFolders``
+(``checkpoint_format``, a ``checkpointing.formats.FolderFormat``) is the format both make, which
+nxd_smp's checkpoint entry points take.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def _rank_file(kind: str, dp: int, tp: int, pp: int) -> str:
 
 def _read(tag: Path, name: str) -> Any:
     """The file ``name`` of NxD's tag folder ``tag``, its xser tensors put back in place; every
-    file resolved inside the folder, a regular file, loaded by ``checkpoint_checks.load_file``."""
+    file resolved inside the folder, a regular file, loaded by ``checkpointing.reader.load_file``."""
     path = tag / name
     if not os.path.lexists(path):
         raise CheckpointError(f"the NxD checkpoint has no {path}.")
@@ -178,7 +179,7 @@ def _optimizer_files(tag: Path, tp: int, pp: int) -> list[Path]:
 
 def _full_state(records: list[Any], groups: list[list[str]], files: list[Path]):
     """Whole per-parameter optimizer state by name, param groups and masters (or None):
-    torch_xla's ZeRO-1 layout (``xla_state_dict.full_state``), or a plain torch optimizer's
+    torch_xla's ZeRO-1 layout (``interop.torch_xla.full_state``), or a plain torch optimizer's
     ``state_dict()`` (NxD without ZeRO-1: one replicated file, state by parameter id).
     ``groups``: the live optimizer's parameter names per group, which name NxD's ids."""
     first = records[0]
