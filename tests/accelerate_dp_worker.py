@@ -94,3 +94,6 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    # (exiting with gloo's threads still up can abort the interpreter's exit: pytorch/pytorch#190489)
+    if dist.is_initialized():
+        dist.destroy_process_group()

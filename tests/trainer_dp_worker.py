@@ -193,3 +193,6 @@ def missing_file(checkpoint: Path) -> str:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    # (exiting with gloo's threads still up can abort the interpreter's exit: pytorch/pytorch#190489)
+    if dist.is_initialized():
+        dist.destroy_process_group()
