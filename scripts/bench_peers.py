@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from memory_slope import check_sizes, slope  # noqa: E402
+from memory_slope import check_depths, slope  # noqa: E402
 
 
 def rss(field: str = "VmRSS") -> int:
@@ -143,10 +143,7 @@ def main() -> None:
     a = p.parse_args()
     if min(a.width, a.iters) < 1 or a.warmup < 2 or not 0 < a.layers[0] < a.layers[1]:
         p.error("--width and --iters must be positive, --warmup >= 2, --layers two increasing depths")
-    try:
-        check_sizes(*(depth * (a.width * a.width + a.width) for depth in a.layers))
-    except ValueError as e:
-        p.error(str(e))
+    check_depths(p, a.width, a.layers)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # glibc returns large frees
 
     results = {}

@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from memory_slope import check_sizes, slope  # noqa: E402
+from memory_slope import check_depths, slope  # noqa: E402
 
 TARGETS = {"iteration_ratio": 0.8, "memory_ratio": 0.8}
 #: The memory options' targets against torch_xla as shipped: DP 1 with the settings the README
@@ -215,10 +215,7 @@ def main() -> None:
         p.error("--dp, --width and --micro must be positive, --iters >= 1, --warmup >= 2")
     if "torch_xla" not in a.kinds or "nxd_smp" not in a.kinds:
         p.error("--kinds must include torch_xla and nxd_smp (the baseline and the default)")
-    try:
-        check_sizes(*(depth * (a.width * a.width + a.width) for depth in a.layers))
-    except ValueError as e:
-        p.error(str(e))
+    check_depths(p, a.width, a.layers)
     kinds = [k for k in KINDS if k in a.kinds]
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # glibc returns large frees
 

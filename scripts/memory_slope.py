@@ -9,6 +9,9 @@ sizes closer than ``MIN_PARAMS`` apart, before they run, instead of dividing by 
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Sequence
+
 #: The least difference in parameters between the two sizes: at 1M parameters even 1 byte per
 #: parameter is a MiB, above the meter's noise.
 MIN_PARAMS = 1 << 20
@@ -26,6 +29,15 @@ def check_sizes(small_params: int, large_params: int) -> None:
             f"{large_params:,}), which peak RSS cannot resolve (its noise is a few MiB); choose sizes at least "
             f"{MIN_PARAMS:,} parameters apart (a larger --params, --width or second --layers)."
         )
+
+
+def check_depths(parser: argparse.ArgumentParser, width: int, depths: Sequence[int]) -> None:
+    """``parser.error`` unless the benchmarks' MLPs at the two ``depths`` (layers of a ``width`` x
+    ``width`` weight and a bias) are far enough apart for a slope (``check_sizes``)."""
+    try:
+        check_sizes(*(depth * (width * width + width) for depth in depths))
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def slope(small_bytes: int, small_params: int, large_bytes: int, large_params: int, per: int = 1) -> float:

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from memory_slope import check_sizes  # noqa: E402
+from memory_slope import check_depths  # noqa: E402
 from memory_slope import slope as bytes_slope  # noqa: E402
 
 from scripts.bench_step import rss_bytes  # noqa: E402
@@ -114,10 +114,7 @@ def main() -> None:
     a = p.parse_args()
     if a.layers[0] >= a.layers[1] or min(a.layers) < 1 or min(a.dp) < 1 or a.width < 1 or a.warmup < 2:
         p.error("--layers needs two increasing positive depths; --dp and --width positive; --warmup >= 2")
-    try:
-        check_sizes(*(depth * (a.width * a.width + a.width) for depth in a.layers))
-    except ValueError as e:
-        p.error(str(e))
+    check_depths(p, a.width, a.layers)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # as bench_xla.py: large frees go back
     from tests.xla_replicas import run_replicas
 

@@ -54,13 +54,13 @@ def backward(model, step, micro=0):
 '''
 
 
-def run_scenario(code: str, cwd: Path) -> None:
-    """Run ``code`` after the prelude in a fresh interpreter in ``cwd``; it must end with "checked"."""
+def run_scenario(code: str, cwd: Path) -> tuple[bool, str]:
+    """Run ``code`` (its own assertions) after the prelude in a fresh interpreter in ``cwd``:
+    whether it ran to its end ("checked"), and what it printed."""
     env = {**os.environ, "PYTHONPATH": f"{STAND_INS}:{ROOT}", "USE_TORCH_XLA": "0"}
     script = f"STAND_INS = {str(STAND_INS)!r}\n" + _PRELUDE + code + '\nprint("checked")\n'
     proc = subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
-    checked = proc.returncode == 0 and proc.stdout.rstrip().endswith("checked")
-    assert checked, proc.stdout + proc.stderr
+    return proc.returncode == 0 and proc.stdout.rstrip().endswith("checked"), proc.stdout + proc.stderr
 
 
 _THE_PATCH = '''
@@ -157,7 +157,8 @@ def test_the_patch_binds_nxd_smp_wherever_nxd_is_bound_and_only_once(tmp_path):
     (and raise); patched, NxD's six names are nxd_smp's in NxD's modules, in the modules that
     bound them before (optimum-neuron's) and in what imports them after, each caller builds
     nxd_smp's optimizer, NxD's io state is the patch's; a second call rebinds nothing."""
-    run_scenario(_THE_PATCH, tmp_path)
+    checked, output = run_scenario(_THE_PATCH, tmp_path)
+    assert checked, output
 
 
 _NXD_TRAINING = '''
@@ -232,7 +233,8 @@ def test_nxd_trainings_flow_saves_removes_and_resumes_bit_for_bit(tmp_path):
     and checkpoint IO, with synchronous and with asynchronous saves: two tags saved, the older
     removed through NxD's io state, the newer loaded into fresh dicts and from them into a fresh
     model and optimizer: the next step is the uninterrupted run's, bit for bit."""
-    run_scenario(_NXD_TRAINING, tmp_path)
+    checked, output = run_scenario(_NXD_TRAINING, tmp_path)
+    assert checked, output
 
 
 _OPTIMUM_NEURON = '''
@@ -298,4 +300,5 @@ def test_optimum_neurons_flow_saves_asynchronously_and_resumes_bit_for_bit(tmp_p
     as soon as the save returns, its background part possibly still writing); each checkpoint
     resumes into a fresh model and wrapper, and training goes on as the uninterrupted run, bit
     for bit."""
-    run_scenario(_OPTIMUM_NEURON, tmp_path)
+    checked, output = run_scenario(_OPTIMUM_NEURON, tmp_path)
+    assert checked, output

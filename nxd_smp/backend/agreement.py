@@ -10,6 +10,7 @@ leave the others waiting in.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ..core.errors import CheckpointError
 from .coordination import Coordinator
@@ -21,15 +22,26 @@ def error_text(error: BaseException) -> str:
     return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
 
 
-def agree(coordinator: Coordinator, error: BaseException | None, undo: Callable[[], None] | None = None, *,
-          what: str = "the checkpoint") -> None:
-    """Every rank of ``coordinator``'s group calls it with its own ``error`` (None: it is ready).
-    If any rank failed, every rank raises a ``CheckpointError`` after ``undo()`` (what this rank did
-    before the agreement, put back): its own refusal as it is, any other exception of its own
-    wrapped, or the other ranks' failures. ``what``: what was being loaded, named in the errors."""
+T = TypeVar("T")
+
+
+def agree(coordinator: Coordinator, prepare: Callable[[], tuple[T, Callable[[], None] | None]], *,
+          what: str = "the checkpoint") -> T:
+    """Every rank of ``coordinator``'s group calls it with its own ``prepare``: this rank's reading
+    and checking, which returns its result and the undo of what it changed (None: nothing). If
+    ``prepare`` raised on any rank, expected or not, every rank raises a ``CheckpointError`` after
+    its undo: its own refusal as it is, any other exception of its own wrapped, or the other ranks'
+    failures. Else every rank gets its result. ``what``: what was being loaded, named in the errors."""
+    result: Any = None
+    error: BaseException | None = None
+    undo = None
+    try:
+        result, undo = prepare()
+    except Exception as e:  # noqa: BLE001 - every rank learns of any failure
+        error = e
     failures = [f for f in coordinator.all_gather(None if error is None else error_text(error)) if f]
     if error is None and not failures:
-        return
+        return result
     if undo is not None:
         undo()
     if isinstance(error, CheckpointError):

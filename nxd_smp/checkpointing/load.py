@@ -90,8 +90,8 @@ def load(
         if isinstance(found, dict):
             raise FileNotFoundError(found["missing"]) if "missing" in found else CheckpointError(found["refused"])
         target, record = Path(found[0]), found[1]
-        error, undo = None, None
-        try:
+
+        def prepare() -> tuple[tuple[Any, dict[str, Any], LoadPlan], Any]:
             meta = load_file(target / META_FILE)
             check_meta(meta, target / META_FILE)
             saved = _saved_objects(load_file(target / EXTRA_FILE), record["format"], objects, target / EXTRA_FILE)
@@ -100,10 +100,9 @@ def load(
                              source=target / META_FILE)
             read_entries(plan.staging, target, verify_checksums)
             plan.assemble()
-            undo = load_objects(objects, saved["objects"], str(target / EXTRA_FILE))
-        except Exception as e:  # noqa: BLE001 - any failure, expected or not, is agreed on
-            error = e
-        agree(coordinator, error, undo)
+            return (meta, saved, plan), load_objects(objects, saved["objects"], str(target / EXTRA_FILE))
+
+        meta, saved, plan = agree(coordinator, prepare)
         advance("read")
         _commit(plan, meta, model, optimizer, strict=strict)
         advance("commit")

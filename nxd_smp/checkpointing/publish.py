@@ -75,12 +75,16 @@ def write_and_publish(
 
 
 # ---------------------------------------------------------------------------- moves
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _fsync(path: str | Path, flags: int = 0) -> None:
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    _fsync(path)
 
 
 def fsync_tree(path: Path) -> None:
@@ -90,12 +94,8 @@ def fsync_tree(path: Path) -> None:
             if entry.is_dir(follow_symlinks=False):
                 fsync_tree(Path(entry.path))
             elif entry.is_file(follow_symlinks=False):
-                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-    fsync_dir(path)
+                _fsync(entry.path, os.O_NOFOLLOW)
+    _fsync(path)
 
 
 def swap_link(path: Path, version: str, adopt: Callable[[Path, Path], None]) -> None:

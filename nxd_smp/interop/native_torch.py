@@ -322,13 +322,9 @@ def import_torch(path: str | os.PathLike, *, model: nn.Module, optimizer: Zero1O
     optimizer = check_args(model, optimizer)  # (a torch optimizer loads with dcp.load and set_state_dict)
     if optimizer is None:
         raise TypeError("import_torch needs the optimizer to load into.")
-    error, read = None, None
-    try:
-        read = _read_and_check(Path(path), model, optimizer)
-    except Exception as e:  # noqa: BLE001 - any failure, expected or not, is agreed on
-        error = e
-    agree(optimizer.backend.coordinator, error)  # all ranks commit, or none
-    native_model, state, hypers, masters = read
+    # all ranks commit, or none
+    native_model, state, hypers, masters = agree(
+        optimizer.backend.coordinator, lambda: (_read_and_check(Path(path), model, optimizer), None))
     live = model.state_dict()
     with torch.no_grad():
         model.load_state_dict({key: native_model[key].to(value.dtype) for key, value in live.items()}, strict=True)

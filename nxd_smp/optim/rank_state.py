@@ -206,13 +206,8 @@ class RankLocalState:
             result = hook(self, state_dict)
             state_dict = state_dict if result is None else result
         if state_dict is not STATE_LOADED:
-            error = None
-            try:
-                self.check_state_dict(state_dict)
-            except Exception as e:  # noqa: BLE001 - every rank learns of any failure
-                error = e
             # every rank loads (the masters are published to all): one refusing means all refuse
-            agree(self.backend.coordinator, error, what="its state dict")
+            agree(self.backend.coordinator, lambda: (self.check_state_dict(state_dict), None), what="its state dict")
             if self.loss_scaler is not None and "loss_scaler" in state_dict:
                 self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
             # (copied: torch.optim keeps given tensors where dtype and device match, and training

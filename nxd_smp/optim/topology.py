@@ -122,21 +122,13 @@ class Topology:
         send nothing. Else the tensors are flat buckets (or shards of them), each all-reduced
         alone, and the context-parallel sum is left a sum (its 1/size is in ``mean_over``)."""
         for group in self.context:
-            if not per_parameter:
-                for tensor in tensors:
-                    group.all_reduce_(tensor)
-            elif group.world_size > 1 and tensors:
+            if per_parameter and group.world_size > 1 and tensors:
                 torch._foreach_div_(list(tensors), float(group.world_size))
-                group.all_reduce_many_(tensors)
-        if not self.sequence_parallel:
-            return
-        chosen = [tensor for tensor, m in zip(tensors, marked, strict=True) if m]
-        for group in self.tensor:
-            if not per_parameter:
-                for tensor in chosen:
-                    group.all_reduce_(tensor)
-            elif group.world_size > 1 and chosen:
-                group.all_reduce_many_(chosen)
+            _sum_over(group, tensors, per_parameter)
+        if self.sequence_parallel:
+            chosen = [tensor for tensor, m in zip(tensors, marked, strict=True) if m]
+            for group in self.tensor:
+                _sum_over(group, chosen, per_parameter)
 
     def global_norm(self, by_role: Mapping[str, Sequence[torch.Tensor]], *, sharded: bool, dtype: torch.dtype,
                     device: torch.device, compiled: bool = False) -> torch.Tensor:
@@ -153,3 +145,13 @@ class Topology:
             data_parallel=self.data if sharded else None,
             pipeline_parallel=self.pipeline,
         )
+
+
+def _sum_over(group: Backend, tensors: Sequence[torch.Tensor], per_parameter: bool) -> None:
+    """All-reduce ``tensors`` over ``group`` in place: each alone (flat buckets), or in buckets,
+    sending nothing over a group of one (``per_parameter``, as NxD's wrapper does)."""
+    if not per_parameter:
+        for tensor in tensors:
+            group.all_reduce_(tensor)
+    elif group.world_size > 1 and tensors:
+        group.all_reduce_many_(tensors)

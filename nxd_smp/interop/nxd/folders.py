@@ -230,14 +230,8 @@ def load_nxd(
         CheckpointError: an incomplete tag, missing or unsafe files, or state that does not
             fit the model or the optimizer, each named; nothing is changed then.
     """
-    error, read, undo = None, None, None
-    try:
-        read = _read_and_check(tag, model, optimizer, scheduler, strict, _here(coordinator, optimizer))
-        undo = _load_scheduler(tag, scheduler, read[2])
-    except Exception as e:  # noqa: BLE001 - any failure, expected or not, is agreed on
-        error = e
-    agree(coordinator, error, undo)
-    weights, full, _, user_content = read
+    weights, full, _, user_content = agree(coordinator, lambda: _load_scheduler(
+        tag, scheduler, _read_and_check(tag, model, optimizer, scheduler, strict, _here(coordinator, optimizer))))
     live = model.state_dict()
     with torch.no_grad():
         model.load_state_dict({k: v for k, v in weights.items() if k in live}, strict=strict)
@@ -246,11 +240,12 @@ def load_nxd(
     return user_content
 
 
-def _load_scheduler(tag: Path, scheduler: Any, state: Any):
-    """Load the checked scheduler state before the ranks agree; returns the undo."""
+def _load_scheduler(tag: Path, scheduler: Any, read: tuple) -> tuple[tuple, Any]:
+    """Load the checked scheduler state (``read[2]``) before the ranks agree: ``read`` and the
+    undo, as ``agree`` takes them."""
     if scheduler is None:
-        return None
-    return load_objects({SCHEDULER: scheduler}, {SCHEDULER: state}, str(tag / SCHEDULER_FILE))
+        return read, None
+    return read, load_objects({SCHEDULER: scheduler}, {SCHEDULER: read[2]}, str(tag / SCHEDULER_FILE))
 
 
 def _read_and_check(tag: Path, model: nn.Module, optimizer: Zero1Optimizer | None, scheduler: Any, strict: bool,

@@ -196,14 +196,8 @@ def load_state_dicts(
         CheckpointError: incomplete, at another DP size, missing or unsafe files, or state that
             does not fit a live object, each named; nothing is changed then.
     """
-    error, read, undo = None, None, None
-    try:
-        read = _read_state_dicts(tag, model, optimizer, scheduler, strict, coordinator)
-        undo = _load_scheduler(tag, scheduler, read[2])
-    except Exception as e:  # noqa: BLE001 - any failure, expected or not, is agreed on
-        error = e
-    agree(coordinator, error, undo)
-    weights, optimizer_state, _, user_content = read
+    weights, optimizer_state, _, user_content = agree(coordinator, lambda: _load_scheduler(
+        tag, scheduler, _read_state_dicts(tag, model, optimizer, scheduler, strict, coordinator)))
     for target, value in ((model, weights), (optimizer, optimizer_state)):
         if value is None:
             continue
