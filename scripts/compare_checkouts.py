@@ -72,7 +72,10 @@ def main() -> None:
     result: dict = {"command": " ".join(sys.argv), "checkouts": {
         name: subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True).stdout.strip() or str(path) for name, path in checkouts.items()}}
-    report = [f"this checkout ({result['checkouts']['this']}, with its uncommitted changes) against "
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    changes = ", with its uncommitted changes" if dirty else ""
+    report = [f"this checkout ({result['checkouts']['this']}{changes}) against "
               f"{result['checkouts']['base']}; the benchmarks alternate between the two", ""]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
