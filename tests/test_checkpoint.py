@@ -4,7 +4,6 @@ kill-safety, offline inspect/consolidate."""
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -287,7 +286,7 @@ def test_corrupted_shard_file_is_refused_naming_it(saved, live):
     assert_unchanged(model, opt, before)
 
 
-@pytest.mark.parametrize("name", [".metadata", "nxd_smp_meta.pt"])
+@pytest.mark.parametrize("name", ["nxd_smp_index.json", "nxd_smp_meta.json", "extra.json"])
 def test_missing_metadata_is_refused(saved, live, name):
     model, opt = live
     (version_dir(saved) / name).unlink()
@@ -623,8 +622,8 @@ def write_format_1(directory: Path, model, opt) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP: "torch.distributed is disabled", TypedStorage
         dcp.save(state, storage_writer=dcp.FileSystemWriter(version), no_dist=True)
-    torch.save(meta, version / fmt.META_FILE)
-    torch.save({"step": 2}, version / fmt.EXTRA_FILE)
+    torch.save(meta, version / fmt.META_FILE_V2)
+    torch.save({"step": 2}, version / fmt.EXTRA_FILE_V2)
     files = {f.name: [f.stat().st_size, zlib.crc32(f.read_bytes())] for f in version.iterdir()}
     (version / fmt.COMPLETE_FILE).write_text(json.dumps({"format": fmt.FORMAT_V1, "files": files}))
     os.symlink(version.name, directory / "c")
@@ -693,35 +692,86 @@ def test_a_checkpoint_of_an_earlier_release_reshards_to_dp3(fixtures_at_dp3, rel
         assert all(torch.equal(v, expected[n]) for n, v in rank[release].items())
 
 
-#: What the previous release's index reader admits (at 1732418, checkpoint_storage's
-#: _dcp_metadata_globals), beside torch's dtypes: a checkpoint written now must name nothing else,
-#: or that release refuses it as unsafe.
-EARLIER_READERS_ADMIT = {
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-        "StorageMeta", "_MEM_FORMAT_ENCODING", "BytesStorageMetadata")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("nxd_smp.checkpoint_storage", "RawItem"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
-}
+def _every_state(tmp_path):
+    """A run with every kind of state nxd_smp's format holds: two param groups (tuples in their
+    betas, a tensor lr), an fp16 loss scaler, master weights, a scheduler, a stateful object, RNG
+    states, and user content with integer keys, non-finite floats, dtypes, bytes and tensors."""
+    model, opt = build(master_in_ckpt=True)
+    train(model, opt, 2, 0)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    scheduler.step()
+    extra = {
+        "step": 2, "loss": float("nan"), "best": float("-inf"), "ratio": 0.1, "betas": (0.9, (0.95, None)),
+        3: "an integer key", (1, "a"): [True, None], "$dollar": "a key the encoding tags", "dtype": torch.bfloat16,
+        "size": torch.Size([2, 3]), "raw": b"\x00\xff", "rng": torch.get_rng_state(), "ids": torch.arange(5),
+        "empty": torch.empty(0, 3), "ordered": __import__("collections").OrderedDict(b=1, a=2),
+        "python_rng": __import__("random").getstate(),
+    }
+    return model, opt, scheduler, extra
 
 
-def test_a_checkpoints_index_names_only_what_earlier_releases_read(tmp_path):
+def test_nothing_nxd_smp_writes_in_its_own_format_is_a_pickle(tmp_path):
+    """Every file of a fresh checkpoint is JSON or a raw data file whose bytes are exactly its
+    index's tensors, one after the other: there is no byte a pickle could hide in."""
+    import json
+
+    model, opt, scheduler, extra = _every_state(tmp_path)
+    save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt, scheduler=scheduler, extra=extra)
+    version = (tmp_path / "ckpt").resolve()
+    index = json.loads((version / "nxd_smp_index.json").read_text())["entries"]
+    spans: dict[str, list] = {}
+    for file, offset, length, *_ in index.values():
+        spans.setdefault(file, []).append((offset, length))
+    for f in sorted(version.iterdir()):
+        data = f.read_bytes()
+        assert b"PK\x03\x04" not in data[:4], f.name
+        if f.suffix == ".json":
+            json.loads(data)  # (a JSON file holds no pickle)
+        else:
+            assert f.suffix == ".bin" and f.name in spans, f.name
+            covered = 0
+            for offset, length in sorted(spans[f.name]):
+                assert offset == covered, f.name
+                covered += length
+            assert covered == len(data), f.name
+
+
+def test_every_state_round_trips_exactly_in_type_and_value(tmp_path):
+    model, opt, scheduler, extra = _every_state(tmp_path)
+    save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt, scheduler=scheduler, extra=extra)
+    fresh, fresh_opt = build(seed=5)
+    fresh_scheduler = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=3, gamma=0.5)
+    got = load_checkpoint(tmp_path / "ckpt", model=fresh, optimizer=fresh_opt, scheduler=fresh_scheduler)
+    assert same_value(got, extra)
+    assert same_value(fresh_scheduler.state_dict(), scheduler.state_dict())
+    assert same_value([{k: v for k, v in g.items() if k != "params"} for g in fresh_opt.param_groups],
+                      [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+
+
+def same_value(a, b) -> bool:
+    """``a`` and ``b`` equal in type and value, recursively (NaN equal to NaN; tensors by dtype,
+    shape and bytes)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8)
+                                                                         if a.numel() else a, b.view(-1).view(torch.uint8)
+                                                                         if b.numel() else b)
+    if isinstance(a, float):
+        return a == b or (a != a and b != b)
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("value, where", [
+    (object(), "extra (the top level)"), ({"a": [1, {2}]}, "extra['a'][1]"),
+    ({"p": torch.nn.Parameter(torch.ones(2))}, "extra['p']"), ({"n": __import__("numpy").ones(2)}, "extra['n']"),
+])
+def test_user_content_that_is_not_json_or_tensors_is_refused_at_save_with_the_fix(tmp_path, value, where):
     model, opt = build()
-    train(model, opt, 1, 0)
-    save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt)
-    named = set()
-
-    class Recording(pickle.Unpickler):
-        def find_class(self, module, name):
-            named.add((module, name))
-            return super().find_class(module, name)
-
-    indexes = list((tmp_path / "ckpt").rglob(".metadata"))
-    assert indexes
-    for index in indexes:
-        with open(index, "rb") as f:
-            Recording(f).load()
-    dtypes = {("torch", n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
-    assert ("nxd_smp.checkpoint_storage", "RawItem") in named
-    assert named <= EARLIER_READERS_ADMIT | dtypes, sorted(named - EARLIER_READERS_ADMIT - dtypes)
+    with pytest.raises(TypeError, match=__import__("re").escape(where) + ".*never a pickle"):
+        save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt, extra=value)
+    assert not os.path.lexists(tmp_path / "ckpt") and not list(tmp_path.glob(".ckpt.v-*"))

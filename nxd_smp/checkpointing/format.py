@@ -38,17 +38,24 @@ import torch.nn as nn
 
 from ..core.errors import CheckpointError
 from ..optim.param_groups import KERNEL_OPTIONS, index_groups
+from ..optim.state_fit import describe
 from ..zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
 from .paths import inside, open_regular
+from .reader import load_file
 from .storage import IO_THREADS, StoredTensor, read_tensors
 from .storage import read_index as storage_index
+from .typed_json import decode, dumps, encode, loads
 from .values import is_shape, is_size
 
-FORMAT = "nxd_smp.checkpoint/2"
+FORMAT = "nxd_smp.checkpoint/3"  # no pickle: raw tensors, a JSON index, typed JSON small files
+FORMAT_V2 = "nxd_smp.checkpoint/2"  # raw tensors under DCP's pickled index, torch.save small files; still loaded
 FORMAT_V1 = "nxd_smp.checkpoint/1"  # tensors in DCP's own FileSystemWriter files; still loaded
-META_FILE = "nxd_smp_meta.pt"
-EXTRA_FILE = "extra.pt"
+READABLE = (FORMAT, FORMAT_V2, FORMAT_V1)
+META_FILE = "nxd_smp_meta.json"
+EXTRA_FILE = "extra.json"
+META_FILE_V2, EXTRA_FILE_V2 = "nxd_smp_meta.pt", "extra.pt"  # (formats 1 and 2)
 COMPLETE_FILE = "COMPLETE.json"
+SMALL_PREFIX = "small/"  # the index keys of the tensors in the small files (an RNG state, ...)
 SCHEDULER = "scheduler"  # the name the scheduler's state is saved under
 _CRC_BLOCK = 16 << 20
 
@@ -196,9 +203,9 @@ def completion_record(target: Path) -> dict[str, Any]:
             record = json.loads(f.read())
         except (ValueError, RecursionError) as e:
             raise CheckpointError(f"{path} is damaged: {e}") from None
-    if not isinstance(record, dict) or record.get("format") not in (FORMAT, FORMAT_V1):
+    if not isinstance(record, dict) or record.get("format") not in READABLE:
         found = record.get("format") if isinstance(record, dict) else record
-        raise CheckpointError(f"{target} has format {found!r}; this nxd_smp reads {FORMAT!r} and {FORMAT_V1!r}.")
+        raise CheckpointError(f"{target} has format {describe(found)}; this nxd_smp reads {', '.join(READABLE)}.")
     files = record.get("files")
     if not isinstance(files, dict) or not all(
         isinstance(entry, list) and len(entry) == 2 and all(is_size(v) for v in entry)
@@ -245,8 +252,8 @@ def check_meta(meta: Any, source: Path) -> None:
     def refuse(what: str) -> NoReturn:
         raise CheckpointError(f"{source} is damaged or crafted: {what}; refused.")
 
-    if not isinstance(meta, Mapping) or meta.get("format") not in (FORMAT, FORMAT_V1):
-        refuse(f"format {meta.get('format') if isinstance(meta, Mapping) else type(meta).__name__!r}")
+    if not isinstance(meta, Mapping) or meta.get("format") not in READABLE:
+        refuse(f"format {describe(meta.get('format')) if isinstance(meta, Mapping) else type(meta).__name__}")
     model = meta.get("model")
     if not isinstance(model, Mapping):
         refuse("'model' is not a dict")
@@ -290,20 +297,20 @@ def check_meta(meta: Any, source: Path) -> None:
             refuse(f"the pieces of {name!r} cover [0, {end}) of its {numel} elements")
 
 
-def read_index(target: Path) -> dict[str, StoredTensor]:
-    """The tensor index of the checkpoint at ``target`` (read without running code).
+def read_index(target: Path, form: str) -> dict[str, StoredTensor]:
+    """The tensor index of the checkpoint of format ``form`` at ``target`` (read without running code).
 
     Raises:
         CheckpointError: the index is refused or names something nxd_smp does not write.
     """
     try:
-        return storage_index(target)
+        return storage_index(target, dcp=form != FORMAT)
     except (ValueError, OSError) as e:
         raise CheckpointError(f"the checkpoint at {target} is damaged or refused: {e}") from e
 
 
 def read_entries(
-    staging: Mapping[str, torch.Tensor], target: Path, verify: bool, index: Mapping[str, StoredTensor] | None = None
+    staging: Mapping[str, torch.Tensor], target: Path, verify: bool, index: Mapping[str, StoredTensor]
 ) -> None:
     """Read every ``staging`` tensor from the checkpoint at ``target`` (this process only;
     checked against its CRC-32 when ``verify``).
@@ -311,7 +318,6 @@ def read_entries(
     Raises:
         CheckpointError: a missing, damaged or refused tensor, named.
     """
-    index = read_index(target) if index is None else index
     missing = sorted(set(staging) - set(index))
     if missing:
         raise CheckpointError(f"the checkpoint at {target} lacks the tensors {missing[:8]}"
@@ -320,3 +326,77 @@ def read_entries(
         read_tensors(target, index, staging, verify=verify, threads=IO_THREADS)
     except (ValueError, OSError) as e:
         raise CheckpointError(f"the checkpoint at {target} is damaged or refused: {e}") from e
+
+
+# ---------------------------------------------------------------------------- small files
+def small_files(meta: Mapping[str, Any], extra: Any, objects: Mapping[str, Any]) -> tuple[dict[str, bytes],
+                                                                                         dict[str, torch.Tensor]]:
+    """The metadata and the caller's state (``extra``, each stateful object's ``state_dict()``)
+    as the bytes of their typed-JSON files, taken now (an asynchronous save writes what the state
+    was at the call), and the tensors they refer to, copied, by their index keys.
+
+    Raises:
+        TypeError: a value that is not a JSON value or a tensor (``typed_json``), naming where.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def entry(tensor: torch.Tensor) -> str:
+        key = f"{SMALL_PREFIX}{len(tensors)}"
+        tensors[key] = tensor.detach().to("cpu", copy=True).contiguous()
+        return key
+
+    states = {name: obj.state_dict() for name, obj in objects.items()}
+    files = {META_FILE: dumps(encode(meta, entry, what="the checkpoint's metadata")),
+             EXTRA_FILE: dumps({"extra": encode(extra, entry, what="extra"),
+                                "objects": {name: encode(state, entry, what=f"{name}.state_dict()")
+                                            for name, state in states.items()}})}
+    return files, tensors
+
+
+def read_small_files(target: Path, record: Mapping[str, Any],
+                     index: Mapping[str, StoredTensor]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checkpoint's metadata (checked by ``check_meta``) and its caller's state as ``{"extra",
+    "objects"}``: format 3's typed JSON (its bytes checked against the completion record, its
+    tensors read from ``index``), formats 1 and 2's ``torch.save`` files through the strict reader
+    (format 1 held the extra alone)."""
+    form = record["format"]
+    if form == FORMAT:
+        meta_file, extra_file = target / META_FILE, target / EXTRA_FILE
+        meta = _read_json(target, META_FILE, record, index)
+    else:
+        meta_file, extra_file = target / META_FILE_V2, target / EXTRA_FILE_V2
+        meta = load_file(meta_file, folder=target, name=META_FILE_V2)
+    check_meta(meta, meta_file)
+    if form == FORMAT:
+        saved = _read_json(target, EXTRA_FILE, record, index)
+    else:
+        saved = load_file(extra_file, folder=target, name=EXTRA_FILE_V2)
+        saved = {"extra": saved, "objects": {}} if form == FORMAT_V1 else saved
+    if not isinstance(saved, dict) or set(saved) != {"extra", "objects"} or not isinstance(saved["objects"], dict) \
+            or not all(isinstance(name, str) for name in saved["objects"]):
+        raise CheckpointError(f"{extra_file} is damaged or crafted: not {{'extra': ..., 'objects': {{name: state}}}}.")
+    return meta, saved
+
+
+def _read_json(target: Path, name: str, record: Mapping[str, Any], index: Mapping[str, StoredTensor]) -> Any:
+    """A format-3 small file: its bytes (those the completion record lists: size and CRC-32), decoded,
+    each tensor it refers to read from its index entry."""
+    path = inside(target, name)
+    if name not in record["files"]:
+        raise CheckpointError(f"{target / COMPLETE_FILE} does not list {name}; the checkpoint is damaged.")
+    size, crc = record["files"][name]
+    with open_regular(path) as f:
+        data = f.read(size + 1)
+    if len(data) != size or zlib.crc32(data) != crc:
+        raise CheckpointError(f"{path} is truncated, altered or corrupted (not the {size} bytes with the CRC-32 its "
+                              f"completion record lists).")
+
+    def tensor(key: str) -> torch.Tensor:
+        stored = index.get(key) if key.startswith(SMALL_PREFIX) else None
+        if stored is None:
+            raise CheckpointError(f"{path} refers to the tensor {key!r}, which is not one of its entries.")
+        value = torch.empty(stored.shape, dtype=stored.dtype)
+        read_entries({key: value}, target, True, index)
+        return value
+
+    return decode(loads(data, str(path)), tensor, str(path))

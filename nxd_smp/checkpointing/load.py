@@ -29,13 +29,12 @@ from ..core.errors import CheckpointError
 from ..optim.state_fit import StateFit
 from ..zero1_optimizer import Zero1Optimizer
 from .format import (
-    EXTRA_FILE,
     FORMAT,
     FORMAT_V1,
     META_FILE,
+    META_FILE_V2,
     SCHEDULER,
     check_args,
-    check_meta,
     completion_record,
     group_hyperparameters,
     group_records,
@@ -44,13 +43,14 @@ from .format import (
     model_key,
     param_group_names,
     read_entries,
+    read_index,
+    read_small_files,
     scaler_key,
     state_key,
     verify_files,
 )
 from .links import resolve
 from .progress import phases
-from .reader import load_file
 from .resharding import named_pieces, overlaps
 from .values import check_scheduler_state, is_scheduler, load_objects
 
@@ -92,15 +92,15 @@ def load(
         target, record = Path(found[0]), found[1]
 
         def prepare() -> tuple[tuple[Any, dict[str, Any], LoadPlan], Any]:
-            meta = load_file(target / META_FILE)
-            check_meta(meta, target / META_FILE)
-            saved = _saved_objects(load_file(target / EXTRA_FILE), record["format"], objects, target / EXTRA_FILE)
+            index = read_index(target, record["format"])
+            meta, saved = read_small_files(target, record, index)
+            source = target / (META_FILE if record["format"] == FORMAT else META_FILE_V2)
+            _check_objects(saved, objects, source)
             advance("verify")
-            plan = plan_load(meta, model, optimizer, strict=strict, device_dtype=backend.device_dtype,
-                             source=target / META_FILE)
-            read_entries(plan.staging, target, verify_checksums)
+            plan = plan_load(meta, model, optimizer, strict=strict, device_dtype=backend.device_dtype, source=source)
+            read_entries(plan.staging, target, verify_checksums, index)
             plan.assemble()
-            return (meta, saved, plan), load_objects(objects, saved["objects"], str(target / EXTRA_FILE))
+            return (meta, saved, plan), load_objects(objects, saved["objects"], str(source.parent))
 
         meta, saved, plan = agree(coordinator, prepare)
         advance("read")
@@ -109,13 +109,9 @@ def load(
     return saved["extra"]
 
 
-def _saved_objects(saved: Any, form: str, objects: Mapping[str, Any], source: Path) -> dict[str, Any]:
-    """``extra.pt``'s content as ``{"extra", "objects"}``, checked: a state for every object
+def _check_objects(saved: Mapping[str, Any], objects: Mapping[str, Any], source: Path) -> None:
+    """The saved states (``read_small_files``' ``{"extra", "objects"}``) hold one for every object
     asked for, the scheduler's fitting the scheduler."""
-    if form == FORMAT_V1:
-        saved = {"extra": saved, "objects": {}}
-    if not isinstance(saved, Mapping) or "extra" not in saved or not isinstance(saved.get("objects"), Mapping):
-        raise CheckpointError(f"{source} is damaged or crafted: not {{'extra': ..., 'objects': {{name: state}}}}.")
     missing = sorted(set(objects) - set(saved["objects"]))
     if missing:
         raise CheckpointError(
@@ -124,8 +120,7 @@ def _saved_objects(saved: Any, form: str, objects: Mapping[str, Any], source: Pa
         )
     for name, obj in objects.items():
         if name == SCHEDULER or is_scheduler(obj):
-            check_scheduler_state(saved["objects"][name], obj, f"{source} ({name})")
-    return saved
+            check_scheduler_state(saved["objects"][name], obj, f"{source.parent} ({name})")
 
 
 @dataclass
@@ -162,8 +157,6 @@ def name_differences(wanted, given, missing: str, extra: str) -> list[str]:
 
 def _check_model(meta: Mapping[str, Any], model: nn.Module, strict: bool,
                  device_dtype: Callable[[torch.dtype], torch.dtype]) -> None:
-    if meta.get("format") not in (FORMAT, FORMAT_V1):
-        raise CheckpointError(f"unknown checkpoint format {meta.get('format')!r}; expected {FORMAT!r}.")
     live = model.state_dict()
     saved = meta["model"]
     problems = []

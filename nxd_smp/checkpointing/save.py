@@ -11,7 +11,6 @@ and the rest happens on the background writer (``writer``).
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -31,21 +30,20 @@ from ..core.errors import CheckpointError
 from ..zero1_optimizer import Zero1Optimizer
 from .format import (
     COMPLETE_FILE,
-    EXTRA_FILE,
     FORMAT,
-    META_FILE,
     group_records,
     managed_param_names,
     master_key,
     model_key,
     scaler_key,
+    small_files,
     state_key,
 )
 from .links import clear_folder, publish_version, replaceable_folder, retain, version_prefix
 from .progress import phases
 from .publish import fsync_dir, write_and_publish
 from .resharding import named_pieces, saved_pieces
-from .storage import IO_THREADS, METADATA_FILE, write_bytes, write_metadata, write_tensors
+from .storage import INDEX_FILE, IO_THREADS, write_bytes, write_index, write_tensors
 from .writer import stage, start_save
 
 log = logging.getLogger("nxd_smp.checkpoint")
@@ -82,11 +80,22 @@ def save(
     coordinator.barrier()
 
     state, meta, copied = state_to_save(model, optimizer, bool(save_master_weights), backend)
-    small_files = serialize_small_files(meta, extra, objects) if rank == 0 else {}
+    small, refused = {}, None
+    if rank == 0:
+        try:
+            small, tensors = small_files(meta, extra, objects)
+            state.update(tensors)
+        except Exception as e:  # noqa: BLE001 - every rank learns why the save cannot be made
+            refused = f"{type(e).__name__}: {e}"
+            target.rmdir()
+    refused = coordinator.broadcast(refused)
+    if refused is not None:
+        raise (TypeError if refused.startswith("TypeError: ") else CheckpointError)(
+            f"nothing was saved to {path}: {refused.removeprefix('TypeError: ')}")
     job = dict(path=path, target=target, version=version, num_kept=num_kept_ckpts)
     if not async_save:
         with phases(progress, rank, ["write", "publish"], f"save {path.name}", log) as advance:
-            _write_and_publish(state, small_files, coordinator, advance=advance, **job)
+            _write_and_publish(state, small, coordinator, advance=advance, **job)
         return target
 
     with phases(progress, rank, ["stage"], f"stage {path.name}", log) as advance:
@@ -95,7 +104,7 @@ def save(
         advance("stage")
 
     def work() -> None:
-        _write_and_publish(state, small_files, coordinator,
+        _write_and_publish(state, small, coordinator,
                            advance=lambda name: log.info("save %s: %s", path.name, name), **job)
 
     start_save(str(path), work)
@@ -115,20 +124,6 @@ def check_async_save(coordinator: Coordinator) -> None:
             "with torchrun and init_process_group('xla') (a gloo group then coordinates), or save "
             "with async_save=False."
         )
-
-
-def serialize_small_files(meta: dict[str, Any], extra: Any, objects: Mapping[str, Any]) -> dict[str, bytes]:
-    """The metadata and the caller's state as bytes, taken now (an asynchronous save writes
-    what the state was at the call, whatever happens to the objects afterwards)."""
-    files = {}
-    for name, value in (
-        (META_FILE, meta),
-        (EXTRA_FILE, {"extra": extra, "objects": {k: obj.state_dict() for k, obj in objects.items()}}),
-    ):
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        files[name] = buffer.getvalue()
-    return files
 
 
 def _write_and_publish(
@@ -151,7 +146,7 @@ def _write_and_publish(
             for key, entry in part_entries.items():
                 entries.setdefault(key, entry)
         files = {name: v for _, part_files in written for name, v in part_files.items()}
-        files[METADATA_FILE] = write_metadata(target, entries)
+        files[INDEX_FILE] = write_index(target, entries)
         complete_and_publish(path, target, version, files, small_files, num_kept)
 
     write_and_publish(coordinator, lambda: write_tensors(target, f"__{coordinator.rank}_", state, threads=IO_THREADS),

@@ -3,23 +3,25 @@
 Each rank writes the tensors it saves straight from their memory (a view of a flat shard
 is written as it is: no clone, no per-tensor pickle) into a few large files
 (``__<rank>_<k>.bin``, one per writer thread), computing CRC-32 of each tensor and of each
-file on the bytes while it writes them, then fsyncs (``write_tensors``). The index is a
-``torch.distributed.checkpoint`` ``Metadata`` in ``.metadata`` (``write_metadata``), whose
-storage data say where each tensor's bytes are (``dcp_index.RawItem``: file, offset, length,
-CRC-32), so the directory stays in DCP's layout. Checkpoints of format 1 hold DCP's own
-``FileSystemWriter`` files (each tensor a ``torch.save`` at an offset); they still load.
+file on the bytes while it writes them, then fsyncs (``write_tensors``). The index is a JSON
+file (``write_index``: per key its file, offset, length, CRC-32, dtype and shape). Checkpoints of
+format 2 kept the same records as ``dcp_index.RawItem`` in a pickled DCP ``Metadata``, and those of
+format 1 DCP's own ``FileSystemWriter`` files (each tensor a ``torch.save`` at an offset); both still
+load, their index through the one DCP index reader (``dcp_index``) and their records through the
+strict reader (``reader``).
 
-Reading never runs code from the files nor reads outside the checkpoint or more than it holds: the
-index goes through the one DCP index reader (``dcp_index``), every entry's dtype, shape and length
-is checked against it here before anything is allocated, and the format-1 records load through the
-strict reader (``reader``). Nothing here communicates: each rank reads and writes its own files,
-and whoever calls these functions coordinates.
+Reading never runs code from the files nor reads outside the checkpoint or more than it holds:
+every entry's dtype, shape and length is checked against its record, and every record against its
+file, before anything is allocated (``check_records``). Nothing here communicates: each rank reads
+and writes its own files, and whoever calls these functions coordinates.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-import pickle
+import stat
 import threading
 import zlib
 from collections.abc import Mapping, Sequence
@@ -29,19 +31,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..core.errors import CheckpointError
 from .dcp_index import METADATA_FILE, RawItem, read_dcp_index
 from .paths import inside, open_regular
 from .reader import load_bytes
+from .typed_json import dtype_named, loads
 from .values import check_cast, is_size
+
+#: Format 3's index: a JSON file (formats 1 and 2 kept DCP's pickled ``Metadata`` in ``.metadata``).
+INDEX_FILE = "nxd_smp_index.json"
+INDEX_FORMAT = "nxd_smp.index/1"
+#: The most bytes a checkpoint's JSON file may hold (an index of a million tensors is ~100 MB).
+JSON_LIMIT = 1 << 30
 
 #: Files (and threads) per rank: two overlap one file's checksum with the other's writes.
 IO_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -53,12 +56,13 @@ class ChecksumError(CheckpointError):
 
 
 # ---------------------------------------------------------------------------- writing
-def write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """``data`` as the file ``path``, on disk (fsynced) when this returns."""
+def write_bytes(path: str | os.PathLike, data: bytes, *, sync: bool = True) -> None:
+    """``data`` as the file ``path``, on disk (fsynced) when this returns, unless not ``sync``."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
@@ -130,23 +134,13 @@ def write_tensors(
     return entries, files
 
 
-def write_metadata(directory: str | os.PathLike, entries: Mapping[str, Sequence], *, sync: bool = True) -> list[int]:
-    """The index of every rank's ``entries`` (as ``write_tensors`` returns them) as DCP's
-    ``Metadata`` in ``directory/.metadata``: one whole-tensor chunk per key, its
-    ``RawItem`` as storage data. Returns the file's ``[size, crc32]``."""
-    state, storage = {}, {}
-    for key, (file, offset, length, crc, dtype_name, shape) in sorted(entries.items()):
-        dtype = getattr(torch, dtype_name)
-        size = torch.Size(shape)
-        zeros = torch.Size([0] * len(shape))
-        state[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), size, [ChunkStorageMetadata(zeros, size)])
-        storage[MetadataIndex(key, zeros, 0)] = RawItem(file, offset, length, crc, dtype, tuple(shape))
-    data = pickle.dumps(Metadata(state_dict_metadata=state, storage_data=storage))
-    with open(Path(directory) / METADATA_FILE, "wb") as f:
-        f.write(data)
-        f.flush()
-        if sync:
-            os.fsync(f.fileno())
+def write_index(directory: str | os.PathLike, entries: Mapping[str, Sequence], *, sync: bool = True) -> list[int]:
+    """The index of every rank's ``entries`` (as ``write_tensors`` returns them) as the JSON file
+    ``directory/INDEX_FILE`` (format 3: ``{"format", "entries": {key: [file, offset, length,
+    crc32, dtype name, shape]}}``). Returns the file's ``[size, crc32]``."""
+    data = json.dumps({"format": INDEX_FORMAT, "entries": dict(sorted(entries.items()))},
+                      ensure_ascii=True, separators=(",", ":")).encode("ascii")
+    write_bytes(Path(directory) / INDEX_FILE, data, sync=sync)
     return [len(data), zlib.crc32(data)]
 
 
@@ -173,23 +167,48 @@ class StoredTensor:
         return n * self.dtype.itemsize
 
 
-def read_index(directory: str | os.PathLike) -> dict[str, StoredTensor]:
-    """Every tensor of the nxd_smp checkpoint in ``directory``, from its DCP index
-    (``dcp_index.read_dcp_index``, which checked every record's file, offset and length), each
-    one whole tensor whose record holds its bytes (a raw entry exactly so).
+def read_index(directory: str | os.PathLike, *, dcp: bool = False) -> dict[str, StoredTensor]:
+    """Every tensor of the nxd_smp checkpoint in ``directory``, from its JSON index (format 3) or,
+    with ``dcp``, its DCP index (formats 1 and 2, through ``dcp_index.read_dcp_index``), each one
+    whole tensor whose record holds its bytes (a raw entry exactly so), in a regular file inside
+    the folder, no two records of a file overlapping: what a reader allocates is bounded by the
+    folder's size.
 
     Raises:
-        UnsafeFileError: the index asks for a class a DCP index does not hold.
         CheckpointError: an entry that is not one whole tensor (nxd_smp writes no other), or whose
-            dtype, shape or length does not fit its record.
+            dtype, shape or length does not fit its record, or a record outside its file.
     """
+    if dcp:
+        return _dcp_index(directory)
+    path = inside(directory, INDEX_FILE)
+    with open_regular(path) as f:
+        data = f.read(JSON_LIMIT + 1)
+    if len(data) > JSON_LIMIT:
+        raise CheckpointError(f"{path} is larger than {JSON_LIMIT} bytes; no index nxd_smp writes is. Refused.")
+    value = loads(data, str(path))
+    entries = value.get("entries") if isinstance(value, dict) and value.get("format") == INDEX_FORMAT else None
+    if not isinstance(entries, dict):
+        raise CheckpointError(f"{path} is not an nxd_smp index ({{'format': {INDEX_FORMAT!r}, 'entries': ...}}).")
+    out: dict[str, StoredTensor] = {}
+    for key, entry in entries.items():
+        if not (isinstance(entry, list) and len(entry) == 6 and isinstance(entry[0], str)
+                and all(is_size(v) for v in entry[1:4]) and entry[3] < 1 << 32 and dtype_named(entry[4])
+                and isinstance(entry[5], list) and all(is_size(d) for d in entry[5])):
+            raise CheckpointError(f"{path}: entry {key!r} is not [file, offset, length, CRC-32, dtype, shape].")
+        file, offset, length, crc, dtype, shape = entry
+        out[key] = StoredTensor(dtype_named(dtype), tuple(shape), file, offset, length, crc, True)
+    return check_records(directory, out, str(path))
+
+
+def _dcp_index(directory: str | os.PathLike) -> dict[str, StoredTensor]:
+    """``read_index`` of formats 1 and 2: a DCP index of ``RawItem`` (2) or DCP's own records (1)."""
     path = Path(directory) / METADATA_FILE
     out: dict[str, StoredTensor] = {}
     for key, entry in read_dcp_index(directory).items():
         meta = entry.meta
         if not isinstance(meta, TensorStorageMetadata) or len(meta.chunks) != 1 or len(entry.records) != 1:
             raise CheckpointError(f"{path}: entry {key!r} is not one whole tensor; nxd_smp writes no other.")
-        (info, file), = entry.records.values()
+        (info, _), = entry.records.values()
         shape = tuple(meta.size) if isinstance(meta.size, (tuple, list)) else None
         if shape is None or not all(is_size(d) for d in shape):
             raise CheckpointError(f"{path}: entry {key!r} has the shape {meta.size!r}, not a tuple of sizes.")
@@ -204,13 +223,47 @@ def read_index(directory: str | os.PathLike) -> dict[str, StoredTensor]:
             dtype = getattr(meta.properties, "dtype", None)
         if not isinstance(dtype, torch.dtype):
             raise CheckpointError(f"{path}: entry {key!r} has the dtype {dtype!r}; refused.")
-        nbytes = dtype.itemsize
-        for d in shape:
-            nbytes *= d
-        if raw and length != nbytes or not raw and length < nbytes:
-            raise CheckpointError(f"{path}: entry {key!r} claims {length} bytes for a {shape} {dtype} tensor of "
-                                  f"{nbytes}.")
-        out[key] = StoredTensor(dtype, shape, str(name), offset, length, crc, raw, file)
+        out[key] = StoredTensor(dtype, shape, str(name), offset, length, crc, raw)
+    return check_records(directory, out, str(path))
+
+
+def check_records(directory: str | os.PathLike, index: dict[str, StoredTensor], source: str) -> dict[str, StoredTensor]:
+    """``index`` checked against the folder: each record's length that of its tensor (a raw
+    entry's exactly, a ``torch.save`` record's at least), in a regular file inside ``directory``
+    (resolved, its ``path`` filled in), within the file's size, no two records of a file overlapping.
+
+    Raises:
+        CheckpointError: naming ``source``, the entry and the file.
+    """
+    sizes: dict[str, tuple[Path, int]] = {}
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    out = {}
+    for key, stored in index.items():
+        if stored.raw and stored.length != stored.nbytes or not stored.raw and stored.length < stored.nbytes:
+            raise CheckpointError(f"{source}: entry {key!r} claims {stored.length} bytes for a {stored.shape} "
+                                  f"{stored.dtype} tensor of {stored.nbytes}.")
+        if stored.file not in sizes:
+            file = inside(directory, stored.file, source=f"{source}: entry {key!r}")
+            try:
+                st = os.stat(file)
+            except FileNotFoundError:
+                raise CheckpointError(f"{source}: entry {key!r} is in {stored.file}, which is missing.") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{source}: entry {key!r} is in {stored.file}, which is not a regular file; "
+                                      f"refused.")
+            sizes[stored.file] = (file, st.st_size)
+        file, size = sizes[stored.file]
+        if stored.offset + stored.length > size:
+            raise CheckpointError(f"{source}: entry {key!r} claims bytes [{stored.offset}, {stored.offset + stored.length})"
+                                  f" of {stored.file}, which holds {size} (truncated, or a crafted index).")
+        spans.setdefault(stored.file, []).append((stored.offset, stored.offset + stored.length, key))
+        out[key] = dataclasses.replace(stored, path=file)
+    for name, found in spans.items():
+        found.sort()
+        for (_, end, first), (start, _, second) in zip(found, found[1:]):
+            if start < end:
+                raise CheckpointError(f"{source}: the entries {first!r} and {second!r} overlap in {name}; refused "
+                                      f"(each record's bytes are its own).")
     return out
 
 

@@ -15,23 +15,19 @@ import torch
 
 from ..core.errors import CheckpointError
 from .format import (
-    EXTRA_FILE,
-    FORMAT,
     FORMAT_V1,
-    META_FILE,
-    check_meta,
     completion_record,
     master_key,
     model_key,
     read_entries,
     read_index,
+    read_small_files,
     state_key,
     torch_optim_groups,
     verify_files,
 )
 from .links import resolve
 from .outputs import check_target, write_file
-from .reader import load_file
 
 
 def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
@@ -41,8 +37,8 @@ def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = False) -> dict
     target = resolve(Path(path))
     record = completion_record(target)
     verify_files(target, record, checksums=verify)
-    meta, saved = _small_files(target, record)
-    index = read_index(target)
+    index = read_index(target, record["format"])
+    meta, saved = read_small_files(target, record, index)
     tensors = {key: {"shape": info.shape, "dtype": str(info.dtype), "bytes": info.nbytes}
                for key, info in sorted(index.items())}
     opt = meta["optimizer"]
@@ -50,7 +46,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = False) -> dict
         "path": str(target),
         "format": record["format"],
         "saved_at_ns": record.get("saved_at_ns"),
-        "stateful": sorted(saved["objects"]) if record["format"] == FORMAT else [],
+        "stateful": sorted(saved["objects"]),
         "model": meta["model"],
         "optimizer": None if opt is None else {
             "dp_size_written_at": opt["world_size"],
@@ -74,8 +70,8 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     target = resolve(Path(path))
     record = completion_record(target)
     verify_files(target, record, checksums=record["format"] == FORMAT_V1)
-    meta, saved = _small_files(target, record)
-    index = read_index(target)
+    index = read_index(target, record["format"])
+    meta, saved = read_small_files(target, record, index)
     staging = {key: torch.empty(shape, dtype=index[key].dtype) for key, shape in _entries(meta, index, target).items()}
     read_entries(staging, target, verify=True, index=index)
     result: dict[str, Any] = {
@@ -108,19 +104,6 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         } if opt["master_weights"] else None,
     }
     return result
-
-
-def _small_files(target: Path, record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The checkpoint's metadata (checked by ``check_meta``) and its ``extra.pt`` as
-    ``{"extra", "objects"}`` (format 1 held the extra alone)."""
-    meta = load_file(target / META_FILE)
-    check_meta(meta, target / META_FILE)
-    saved = load_file(target / EXTRA_FILE)
-    if record["format"] == FORMAT_V1:
-        return meta, {"extra": saved, "objects": {}}
-    if not isinstance(saved, dict) or "extra" not in saved or not isinstance(saved.get("objects"), dict):
-        raise CheckpointError(f"{target / EXTRA_FILE} is damaged or crafted: not {{'extra': ..., 'objects': {{...}}}}.")
-    return meta, saved
 
 
 def _entries(meta: dict[str, Any], index: dict[str, Any], target: Path) -> dict[str, tuple[int, ...]]:

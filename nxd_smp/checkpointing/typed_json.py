@@ -1,0 +1,201 @@
+"""The typed JSON of nxd_smp's own checkpoints (format 3): every value that is not a tensor's bytes
+(the metadata, hyperparameters, the scheduler's and other objects' states, the loss scaler, RNG
+states, the caller's ``extra``) is JSON, and reading it runs no code and builds nothing but the
+values below.
+
+JSON alone would lose types a state needs back exactly, so each is one tagged object
+``{"$<tag>": payload}``:
+
+=============================  ======================================================
+value                          written as
+=============================  ======================================================
+``None``, bool, int, str       itself
+float                          itself if finite, else ``{"$float": "nan" | "inf" | "-inf"}``
+list                           a JSON list
+tuple                          ``{"$tuple": [items]}`` (``betas``, RNG states)
+dict of strings                a JSON object (no key starting with ``$``)
+any other dict                 ``{"$dict": [[key, value], ...]}`` (integer keys, ...)
+``collections.OrderedDict``    ``{"$odict": [[key, value], ...]}``
+bytes                          ``{"$bytes": base64}``
+``torch.dtype``                ``{"$dtype": "bfloat16"}``
+``torch.Size``                 ``{"$size": [sizes]}``
+``torch.Tensor``               ``{"$tensor": key}``: a raw entry of the checkpoint's index
+=============================  ======================================================
+
+Anything else is refused when it is saved (``encode``), naming where it is and what to do. A file
+decodes into a tree: every tensor entry is referred to once, nesting is bounded, and a tag, key or
+dtype outside this table is a ``CheckpointError`` naming the file and the place (``decode``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import collections
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..core.errors import CheckpointError
+
+MAX_DEPTH = 100
+_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_TAGS = frozenset({"$float", "$tuple", "$dict", "$odict", "$bytes", "$dtype", "$size", "$tensor"})
+
+
+def dtype_named(name: Any) -> torch.dtype | None:
+    """The torch dtype called ``name`` (``"bfloat16"``, ``"torch.bfloat16"``), None for anything else."""
+    if not isinstance(name, str):
+        return None
+    found = getattr(torch, name.removeprefix("torch."), None)
+    return found if isinstance(found, torch.dtype) else None
+
+
+def _where(at: tuple) -> str:
+    return "".join(f"[{key!r}]" for key in at) or " (the top level)"
+
+
+def encode(value: Any, tensor: Callable[[torch.Tensor], str], *, what: str = "extra") -> Any:
+    """``value`` as a JSON value of the table above; each tensor is handed to ``tensor``, which
+    stores it as a raw entry and returns the entry's key.
+
+    Raises:
+        TypeError: a value of another type, naming ``what`` and where in it, and the fix.
+    """
+
+    def walk(item: Any, at: tuple) -> Any:
+        if len(at) > MAX_DEPTH:
+            raise TypeError(f"{what}{_where(at[:4])}... nests containers more than {MAX_DEPTH} deep.")
+        if item is None or isinstance(item, (bool, str)) or type(item) is int:
+            return item
+        if type(item) is float:
+            return item if math.isfinite(item) else {"$float": "nan" if item != item else
+                                                     "inf" if item > 0 else "-inf"}
+        if type(item) is list:
+            return [walk(v, (*at, i)) for i, v in enumerate(item)]
+        if type(item) is tuple:
+            return {"$tuple": [walk(v, (*at, i)) for i, v in enumerate(item)]}
+        if type(item) is dict and all(isinstance(k, str) and not k.startswith("$") for k in item):
+            return {k: walk(v, (*at, k)) for k, v in item.items()}
+        if type(item) in (dict, collections.OrderedDict):
+            tag = "$dict" if type(item) is dict else "$odict"
+            return {tag: [[walk(k, (*at, "<key>")), walk(v, (*at, k))] for k, v in item.items()]}
+        if type(item) is bytes:
+            return {"$bytes": base64.b64encode(item).decode("ascii")}
+        if isinstance(item, torch.dtype):
+            return {"$dtype": str(item).removeprefix("torch.")}
+        if type(item) is torch.Size:
+            return {"$size": list(item)}
+        if type(item) is torch.Tensor:
+            if item.layout != torch.strided or item.is_quantized or item.is_nested:
+                raise TypeError(f"{what}{_where(at)} is a {item.layout} tensor; checkpoints hold dense tensors. "
+                                f"Save it as dense tensors (e.g. .to_dense()).")
+            return {"$tensor": tensor(item)}
+        kind = type(item).__module__ + "." + type(item).__qualname__
+        raise TypeError(
+            f"{what}{_where(at)} is a {kind}; nxd_smp's checkpoints hold JSON values (None, bool, int, float, str, "
+            f"list, tuple, dict, bytes), torch dtypes, sizes and plain tensors only, and never a pickle. Convert it "
+            f"(a parameter: .detach(); a numpy array: torch.from_numpy; an object: its state_dict() through "
+            f"stateful=), or save it yourself beside the checkpoint.")
+
+    return walk(value, ())
+
+
+def decode(value: Any, tensor: Callable[[str], torch.Tensor], source: str) -> Any:
+    """The value ``encode`` wrote as ``value`` (parsed JSON), each ``{"$tensor": key}`` replaced by
+    ``tensor(key)``, which reads that raw entry. ``source`` names the file in errors.
+
+    Raises:
+        CheckpointError: a tag, dtype or key outside the table, an entry referred to twice, nesting
+            deeper than ``MAX_DEPTH``; naming ``source`` and the place.
+    """
+    used: set[str] = set()
+
+    def refuse(at: tuple, what: str) -> CheckpointError:
+        return CheckpointError(f"{source}{_where(at)}: {what}; refused (nxd_smp writes no such value).")
+
+    def pairs(payload: Any, at: tuple) -> list[tuple[Any, Any]]:
+        if not isinstance(payload, list) or not all(isinstance(p, list) and len(p) == 2 for p in payload):
+            raise refuse(at, "a dict that is not a list of [key, value] pairs")
+        out = []
+        for k, v in payload:
+            key = walk(k, (*at, "<key>"))
+            try:
+                hash(key)
+            except TypeError:
+                raise refuse(at, f"a key of type {type(key).__name__}, which cannot be a key") from None
+            out.append((key, walk(v, (*at, key))))
+        return out
+
+    def walk(item: Any, at: tuple) -> Any:
+        if len(at) > MAX_DEPTH:
+            raise refuse(at[:4], f"containers nested more than {MAX_DEPTH} deep")
+        if item is None or isinstance(item, (bool, int, str)):
+            return item
+        if isinstance(item, float):
+            return item  # (JSON has no non-finite numbers: json.loads is told to refuse them)
+        if isinstance(item, list):
+            return [walk(v, (*at, i)) for i, v in enumerate(item)]
+        if not isinstance(item, dict):
+            raise refuse(at, f"a {type(item).__name__}")
+        tags = [k for k in item if k.startswith("$")]
+        if not tags:
+            return {k: walk(v, (*at, k)) for k, v in item.items()}
+        if len(item) != 1 or tags[0] not in _TAGS:
+            raise refuse(at, f"the object with keys {sorted(item)[:4]}")
+        (tag, payload), = item.items()
+        if tag == "$float":
+            if payload not in _FLOATS:
+                raise refuse(at, f"the float {payload!r}")
+            return _FLOATS[payload]
+        if tag == "$tuple":
+            if not isinstance(payload, list):
+                raise refuse(at, "a tuple that is not a list")
+            return tuple(walk(v, (*at, i)) for i, v in enumerate(payload))
+        if tag in ("$dict", "$odict"):
+            found = pairs(payload, at)
+            return dict(found) if tag == "$dict" else collections.OrderedDict(found)
+        if tag == "$bytes":
+            try:
+                return base64.b64decode(payload, validate=True) if isinstance(payload, str) else None
+            except (binascii.Error, ValueError):
+                raise refuse(at, "bytes that are not base64") from None
+        if tag == "$dtype":
+            dtype = dtype_named(payload)
+            if dtype is None:
+                raise refuse(at, f"the dtype {payload!r}")
+            return dtype
+        if tag == "$size":
+            if not isinstance(payload, list) or not all(type(d) is int and d >= 0 for d in payload):
+                raise refuse(at, "a size that is not a list of sizes")
+            return torch.Size(payload)
+        if not isinstance(payload, str) or payload in used:
+            raise refuse(at, f"the tensor entry {payload!r} " + ("referred to twice" if payload in used else ""))
+        used.add(payload)
+        return tensor(payload)
+
+    return walk(value, ())
+
+
+def dumps(value: Any) -> bytes:
+    """An encoded value as the bytes of a JSON file (ASCII: every control character escaped)."""
+    return json.dumps(value, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"the non-JSON number {name}")
+
+
+def loads(data: bytes, source: str) -> Any:
+    """The JSON value of a file's bytes (not yet decoded).
+
+    Raises:
+        CheckpointError: not JSON (or nested too deep for the parser), naming ``source``.
+    """
+    try:
+        return json.loads(data, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{source} is not a JSON file nxd_smp wrote: {type(e).__name__}: {e}") from None
