@@ -238,6 +238,35 @@ def test_each_job_has_one_place(job, pattern, place):
     assert sorted(found) == place, f"{job}: {found}"
 
 
+#: What unpickles a file or parses a zip: the strict reader's tools, used nowhere else.
+READER_ONLY = {("torch", "load"), ("pickle", "load"), ("pickle", "loads"), ("pickle", "Unpickler"),
+               ("pickle", "_Unpickler")}
+
+
+def unpickling_in(path: Path) -> list[str]:
+    """Where ``path``'s code (not its docstrings: ``ast`` sees no text) loads a pickle or touches
+    ``zipfile``: ``torch.load``, ``pickle.load(s)``, an unpickler, ``import zipfile``, by line."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and (node.value.id, node.attr) in READER_ONLY:
+            found.append(f"{node.lineno}: {node.value.id}.{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and (node.module == "zipfile" or any(
+                (node.module, alias.name) in READER_ONLY for alias in node.names)):
+            found.append(f"{node.lineno}: from {node.module} import {', '.join(a.name for a in node.names)}")
+        elif isinstance(node, ast.Import) and any(alias.name == "zipfile" for alias in node.names):
+            found.append(f"{node.lineno}: import zipfile")
+    return found
+
+
+def test_only_the_strict_reader_unpickles_or_parses_a_zip():
+    """Every pickled file goes through ``checkpointing/reader.py``'s one zip parse and allow-listed
+    unpickler; a second reader elsewhere would be a second set of rules to attack."""
+    found = {str(p.relative_to(PACKAGE)): where for p in PACKAGE.rglob("*.py")
+             if (where := unpickling_in(p)) and p != PACKAGE / "checkpointing" / "reader.py"}
+    assert not found, found
+    assert unpickling_in(PACKAGE / "checkpointing" / "reader.py")  # (the rule sees the reader's own)
+
+
 def test_the_public_surface_is_what_the_readme_documents():
     """``__all__`` stands only in the modules a user imports from, and holds what they document."""
     with_all = set()

@@ -1,8 +1,9 @@
 """The one reader of ``torch.distributed.checkpoint`` (DCP) indexes: the ``.metadata`` of nxd_smp's
 formats 1 and 2, and of a native torch run's checkpoint (``import_torch``).
 
-A DCP index is a pickled ``Metadata``. It is unpickled by ``SafeUnpickler``, which admits only the
-classes DCP writes into its metadata (and nxd_smp's own ``RawItem``), and then checked as a whole
+A DCP index is a pickled ``Metadata``. It is unpickled by the strict reader
+(``reader.load_pickle``, kind ``"dcp_metadata"``), which admits only the classes DCP writes into its
+metadata (and nxd_smp's own ``RawItem``, passed to it from here), and then checked as a whole
 before anything it describes is read: every storage record belongs to an entry of the index, is a
 ``RawItem`` (nxd_smp's raw bytes) or a DCP ``_StorageInfo`` without storage transforms, in a regular
 file inside the checkpoint folder, at an offset and length within that file, and no two records
@@ -11,9 +12,7 @@ of one file overlap. What the index makes a reader allocate is then bounded by t
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..core.errors import CheckpointError
 from .paths import inside, open_regular
-from .reader import UnsafeFileError
+from .reader import UnsafeFileError, load_pickle
 from .values import is_size
 
 METADATA_FILE = ".metadata"
@@ -47,55 +46,13 @@ class RawItem:
 RawItem.__module__ = "nxd_smp.checkpoint_storage"
 
 
-def _dcp_metadata_globals() -> dict[tuple[str, str], Any]:
-    """Every global a DCP ``.metadata`` refers to, with the object it names."""
-    import collections
-    import pathlib
-
-    from torch.distributed.checkpoint import filesystem, metadata
-    from torch.serialization import _get_layout
-
-    allowed: dict[tuple[str, str], Any] = {
-        ("torch.distributed.checkpoint.metadata", name): getattr(metadata, name)
-        for name in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-                     "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
-                     "BytesStorageMetadata")  # a non-tensor entry (native DCP saves; an empty dataclass)
-    }
-    allowed.update({
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,  # format 1, native
-        ("nxd_smp.checkpoint_storage", "RawItem"): RawItem,  # its name in format 2 (RawItem.__module__)
-        ("torch", "Size"): torch.Size,
-        ("torch.serialization", "_get_layout"): _get_layout,  # a layout by its name
-        ("pathlib", "PosixPath"): pathlib.PosixPath,  # StorageMeta.checkpoint_id
-        ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
-        ("collections", "OrderedDict"): collections.OrderedDict,
-    })
-    allowed.update({("torch", name): getattr(torch, name) for name in dir(torch)
-                    if isinstance(getattr(torch, name, None), torch.dtype)})
-    return allowed
-
-
-class SafeUnpickler(pickle.Unpickler):
-    """Unpickles only the classes ``torch.distributed.checkpoint`` writes into its metadata (and
-    nxd_smp's ``RawItem``); anything else is an ``UnsafeFileError`` naming the class."""
-
-    _allowed: dict[tuple[str, str], Any] | None = None
-
-    def __init__(self, file, *, source: str = "the file"):
-        super().__init__(file)
-        self._source = source
-        if SafeUnpickler._allowed is None:
-            SafeUnpickler._allowed = _dcp_metadata_globals()
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = self._allowed.get((module, name))
-        if found is None:
-            raise UnsafeFileError(f"{self._source} asks to load {module}.{name}, which is not part of a checkpoint "
-                                  f"index; refused (loading it could run code).")
-        return found
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise UnsafeFileError(f"{self._source} holds a persistent reference; refused.")
+def SafeUnpickler(file, *, source: str = "the file") -> Any:  # noqa: N802 - the name earlier releases exported
+    """Kept for callers of earlier releases: an object whose ``load()`` reads ``file`` as a DCP
+    index by the strict reader (``reader.load_pickle``), which now holds the allow-list."""
+    class _Index:
+        def load(self) -> Any:
+            return load_pickle(file.read(), source, kind="dcp_metadata", own=(RawItem,))
+    return _Index()
 
 
 @dataclass
@@ -117,8 +74,8 @@ class DcpEntry:
 
 
 def read_metadata(directory: str | os.PathLike) -> Metadata:
-    """The DCP ``Metadata`` in ``directory/.metadata``, unpickled by ``SafeUnpickler`` (not yet
-    checked against the folder: ``read_dcp_index`` does that).
+    """The DCP ``Metadata`` in ``directory/.metadata``, unpickled by the strict reader's
+    ``"dcp_metadata"`` kind (not yet checked against the folder: ``read_dcp_index`` does that).
 
     Raises:
         UnsafeFileError: the file asks for a class a DCP index does not hold, or is no index.
@@ -127,11 +84,11 @@ def read_metadata(directory: str | os.PathLike) -> Metadata:
     with open_regular(index_path) as f:
         data = f.read()  # bounded by the file: no read the pickle asks for can exceed it
     try:
-        metadata = SafeUnpickler(io.BytesIO(data), source=str(index_path)).load()
+        metadata = load_pickle(data, str(index_path), kind="dcp_metadata", own=(RawItem,))
     except UnsafeFileError:
         raise
-    except Exception as e:  # noqa: BLE001 - any way a damaged pickle fails
-        raise UnsafeFileError(f"{index_path} is not a readable checkpoint index: {type(e).__name__}: {e}") from None
+    except CheckpointError as e:  # a damaged pickle
+        raise UnsafeFileError(f"{index_path} is not a readable checkpoint index: {e}") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise UnsafeFileError(f"{index_path} holds a {type(metadata).__name__}, not a checkpoint index.")
     return metadata

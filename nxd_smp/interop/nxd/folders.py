@@ -32,7 +32,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,7 @@ from ...checkpointing.links import DONE_FILE, MARKER_FILE
 from ...checkpointing.load import check_full_optimizer_state, install_full_optimizer_state, name_differences
 from ...checkpointing.paths import inside
 from ...checkpointing.publish import fsync_dir
-from ...checkpointing.reader import load_file
+from ...checkpointing.reader import XserReference, load_file
 from ...checkpointing.values import check_cast, check_scheduler_state, load_objects
 from ...core.errors import CheckpointError
 from ...optim.topology import Coordinate
@@ -57,18 +56,10 @@ from .parallel_state import nxd_coordinate
 
 USER_CONTENT_FILE = "user_content.pt"
 SCHEDULER_FILE = "scheduler.pt"
-XSER_REFERENCE = "torch_xla.utils.serialization.TensorReference"
 #: Written into a tag saved from state dicts: the format and the sizes it was saved at.
 STATE_DICTS_FILE = "nxd_smp_state_dicts.json"
 STATE_DICTS_FORMAT = "nxd_smp.state_dicts/1"
 _RANK_FILE = re.compile(r"dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt")
-_XSER_ADMISSION = threading.Lock()
-
-
-class _TensorReference:
-    """What an xser ``TensorReference`` unpickles to: only its tensor id."""
-
-    tid: int
 
 
 def is_nxd_checkpoint(path: Path) -> bool:
@@ -115,18 +106,14 @@ def _read(tag: Path, name: str) -> Any:
     if not os.path.lexists(tag / tensors_name):
         return load_file(path, folder=tag, name=name)
     tensors = inside(tag, tensors_name, source=str(path))
-    # torch's allow-list is process-wide and its context manager restores it on exit, so
-    # threads loading at once (XLA replicas) take turns: one thread's exit must not end
-    # another's admission.
-    with _XSER_ADMISSION, torch.serialization.safe_globals([(_TensorReference, XSER_REFERENCE)]):
-        data = load_file(path, folder=tag, name=name)
+    data = load_file(path, folder=tag, name=name, kind="xser")  # its references read as XserReference
 
     tensors_by_id: dict[int, torch.Tensor] = {}  # a tensor referred to twice is loaded once
     containers: dict[int, tuple[Any, Any]] = {}  # by id(): a container referred to twice is rebuilt once
 
-    def tensor(reference: _TensorReference) -> torch.Tensor:
-        tid = getattr(reference, "tid", None)
-        if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < 1 << 62:
+    def tensor(reference: XserReference) -> torch.Tensor:
+        tid = reference.tid
+        if not 0 <= tid < 1 << 62:  # (the reader checked its type; -1: a reference without one)
             raise CheckpointError(f"{path} holds a tensor reference without an integer id.")
         if tid not in tensors_by_id:
             file = tensors / f"tensor_{tid}.pt"
@@ -142,7 +129,7 @@ def _read(tag: Path, name: str) -> Any:
         return tensors_by_id[tid]
 
     def restore(value: Any) -> Any:
-        if isinstance(value, _TensorReference):
+        if isinstance(value, XserReference):
             return tensor(value)
         if not isinstance(value, (dict, list, tuple)):
             return value
