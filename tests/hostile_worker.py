@@ -43,7 +43,7 @@ from tests.xla_export_worker import make_model
 #: ``load_checkpoint``; ``torch`` is ``import_torch``, ``xla`` is ``import_xla`` (of the files in
 #: a folder), ``read`` is the offline ``read_checkpoint``; ``ballast`` loads nothing and takes
 #: 256 MiB (the memory meter's control).
-LOADERS = ("nxd_smp", "format1", "nxd", "torch", "xla", "read", "ballast")
+LOADERS = ("nxd_smp", "nxd_smp3", "format1", "nxd", "torch", "xla", "read", "ballast")
 
 
 # ---------------------------------------------------------------- the live objects
@@ -97,7 +97,7 @@ def step(model, opt, seed: int = 9) -> None:
 def load(loader: str, path: str | os.PathLike, model, opt, scheduler) -> Any:
     """Load the folder ``path`` with ``loader`` (``LOADERS``)."""
     path = Path(path)
-    if loader in ("nxd_smp", "format1", "nxd"):
+    if loader in ("nxd_smp", "nxd_smp3", "format1", "nxd"):
         return load_checkpoint(path, model=model, optimizer=opt, scheduler=scheduler)
     if loader == "torch":
         from nxd_smp.interop.native_torch import import_torch

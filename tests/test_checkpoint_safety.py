@@ -26,6 +26,7 @@ from nxd_smp import CheckpointError, MixedPrecisionConfig, Zero1Optimizer, load_
 from nxd_smp.checkpoint import consolidate, inspect_checkpoint, read_checkpoint
 from nxd_smp.interop.torch_xla import export_xla, import_xla
 from tests.distributed import run_ranks
+from tests.previous_format import to_format_2
 from tests.oracle import batch, loss_fn, make_model, param_groups
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,25 +108,30 @@ def marker(tmp_path):
 
 @pytest.fixture
 def crafted(tmp_path, marker):
-    """Checkpoints that would run code: by content, and by each pickled file replaced."""
+    """Checkpoints of the previous format (2, whose small files and index were pickles) that would
+    run code, by each pickled file replaced. (Format 3 holds no pickle: an object in ``extra`` or a
+    stateful object's state is refused when it is saved.)"""
     model, opt = build()
     made = {}
-    made["extra"] = tmp_path / "extra"
-    save_checkpoint(made["extra"], model=model, optimizer=opt, extra={"step": 1, "note": Exploit(marker)})
-    made["stateful"] = tmp_path / "stateful"
-    save_checkpoint(made["stateful"], model=model, optimizer=opt, stateful={"sampler": HoldsAnExploit(marker)})
     for name, data in ((".metadata", pickle.dumps(Exploit(marker))),
                        ("nxd_smp_meta.pt", torch_saved({"format": Exploit(marker)})),
-                       ("extra.pt", torch_saved(Exploit(marker)))):
+                       ("extra.pt", torch_saved(Exploit(marker))),
+                       ("extra", torch_saved({"extra": {"step": 1, "note": Exploit(marker)}, "objects": {}})),
+                       ("stateful", torch_saved({"extra": None, "objects": {"sampler": {"s": Exploit(marker)}}}))):
         made[name] = tmp_path / f"replaced{name.replace('.', '_')}"
         save_checkpoint(made[name], model=model, optimizer=opt)
-        overwrite(made[name], name, data)
+        to_format_2(made[name])
+        overwrite(made[name], name if name.startswith(".") or name.endswith(".pt") else "extra.pt", data)
     return made
 
 
-REFUSED_FILE = {"extra": "extra.pt", "stateful": "extra.pt", ".metadata": ".metadata",
-                "nxd_smp_meta.pt": "nxd_smp_meta.pt", "extra.pt": "extra.pt"}
-KINDS = sorted(REFUSED_FILE)
+def test_code_in_user_content_is_refused_when_it_is_saved(tmp_path, marker):
+    model, opt = build()
+    with pytest.raises(TypeError, match="Exploit.*never a pickle"):
+        save_checkpoint(tmp_path / "extra", model=model, optimizer=opt, extra={"step": 1, "note": Exploit(marker)})
+    with pytest.raises(TypeError, match="sampler.state_dict.*Exploit"):
+        save_checkpoint(tmp_path / "stateful", model=model, optimizer=opt, stateful={"sampler": HoldsAnExploit(marker)})
+    assert not list(tmp_path.iterdir())
 
 
 def assert_refused(error: BaseException, kind: str) -> None:

@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from nxd_smp import CheckpointError, MixedPrecisionConfig, Zero1Optimizer, save_checkpoint
 from nxd_smp.checkpointing.dcp_index import RawItem, read_metadata
 from tests.distributed import run_ranks
+from tests.previous_format import to_format_2
 from tests.hostile_worker import assert_unchanged, changes, live, load, one_rank_fails_unexpectedly, snapshot, step
 from tests.nxd_layout import HYPER, backward, grads, scheduler_of
 from tests.nxd_layout import param_groups as nxd_param_groups
@@ -71,7 +72,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 TAG = "tag_2"  # (not "step_2": a refusal naming the path would name "step" by accident)
 RANK_FILE = "dp_rank_00_tp_rank_00_pp_rank_00.pt"
-META, EXTRA, INDEX = "nxd_smp_meta.pt", "extra.pt", ".metadata"
+META, EXTRA, INDEX = "nxd_smp_meta.pt", "extra.pt", ".metadata"  # format 2
+META3, EXTRA3, INDEX3 = "nxd_smp_meta.json", "extra.json", "nxd_smp_index.json"  # format 3
 NATIVE_FILES = (INDEX, "__0_0.distcp")  # import_torch: the index or the data file holding the record
 GROWTH_LIMIT_MIB = 100
 CASE_LIMIT_S = 10  # a load of these folders takes well under a second
@@ -154,7 +156,7 @@ class Healthy:
 
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory) -> Healthy:
-    """One trained run saved in every format: ``nxd_smp`` (format 2), ``nxd`` and ``xser`` (NxD's
+    """One trained run saved in every format: ``nxd_smp`` (rewritten as format 2), ``nxd`` and ``xser`` (NxD's
     tag folders, optimizer files from ``export_xla``), ``xla`` (those files alone), ``torch`` (a
     native fp32 run's DCP directory) and ``format1`` (tests/fixtures/format1)."""
     from nxd_smp.interop.torch_xla import export_xla
@@ -168,7 +170,9 @@ def healthy(tmp_path_factory) -> Healthy:
         step(model, opt, s)
         scheduler.step()
     save_checkpoint(root / "nxd_smp" / "ckpt", model=model, optimizer=opt, scheduler=scheduler, extra={"step": 2})
+    shutil.copytree(root / "nxd_smp", root / "nxd_smp3", symlinks=True)  # format 3, as nxd_smp writes it
     (xla_file,) = export_xla(root / "nxd_smp" / "ckpt", root / "xla", dp_size=1)
+    to_format_2(root / "nxd_smp" / "ckpt")  # (the attacks on pickled small files and index need format 2's)
     optim_state = torch.load(xla_file, weights_only=True)
     for layout in ("nxd", "xser"):
         write_nxd_tag(root / layout, model.state_dict(), optim_state, scheduler.state_dict(), xser=layout == "xser")
@@ -185,7 +189,7 @@ def healthy(tmp_path_factory) -> Healthy:
     shutil.copytree(FIXTURES / "format1", root / "format1", symlinks=True)
 
     ours = {k: v.clone() for k, v in model.state_dict().items()}
-    weights = {"nxd_smp": ours, "nxd": ours, "xser": ours,
+    weights = {"nxd_smp": ours, "nxd_smp3": ours, "nxd": ours, "xser": ours,
                "torch": {k: v.to(torch.bfloat16) for k, v in msd.items()},
                "format1": torch.load(FIXTURES / "format1" / "expected.pt", weights_only=True)["params"]}
     return Healthy(root, (msd, osd), weights)
@@ -194,7 +198,7 @@ def healthy(tmp_path_factory) -> Healthy:
 def copy_of(healthy: Healthy, source: str, where: Path) -> Path:
     """A copy of the healthy ``source`` folder under ``where``: the path its loader takes."""
     shutil.copytree(healthy.root / source, where / source, symlinks=True)
-    if source in ("nxd_smp", "format1"):
+    if source in ("nxd_smp", "nxd_smp3", "format1"):
         return where / source / "ckpt"
     if source in ("nxd", "xser"):
         return where / source / TAG
@@ -432,6 +436,79 @@ def index_edit(*edits: Callable) -> Callable:
     return lambda path, healthy: edit_index(path, *edits)
 
 
+# -- nxd_smp (format 3: JSON and raw bytes)
+def edit_json(path: Path, name: str, edit: Callable) -> None:
+    """Rewrite the JSON file ``name`` of the checkpoint ``path`` with ``edit`` applied to its parsed
+    (still encoded: tuples as ``{"$tuple": [...]}``) value in place, resealed."""
+    version = path.resolve()
+    value = json.loads((version / name).read_text())
+    edit(value)
+    (version / name).write_text(json.dumps(value))
+    reseal(version, name)
+
+
+def json_edit(name: str, edit: Callable) -> Callable:
+    return lambda path, healthy: edit_json(path, name, edit)
+
+
+def entry3(key: str, **fields: Any) -> Callable:
+    """A format-3 index edit: ``key``'s entry ``[file, offset, length, crc32, dtype, shape]`` with
+    ``fields`` changed."""
+    names = ("file", "offset", "length", "crc32", "dtype", "shape")
+
+    def edit(index) -> None:
+        entry = index["entries"][key]
+        for field, value in fields.items():
+            entry[names.index(field)] = value
+    return json_edit(INDEX3, edit)
+
+
+def set_entry(path: Path, key: str, tensor: torch.Tensor) -> None:
+    """The index entry ``key`` becomes ``tensor``: its bytes appended to ``__0_0.bin``, the entry
+    pointing at them with their CRC-32, everything resealed (only the loader's checks of the value
+    itself stand in the way)."""
+    version = path.resolve()
+    data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    with open(version / "__0_0.bin", "ab") as f:
+        offset = f.tell()
+        f.write(data)
+    index = json.loads((version / INDEX3).read_text())
+    index["entries"][key] = ["__0_0.bin", offset, len(data), zlib.crc32(data), str(tensor.dtype).removeprefix("torch."),
+                             list(tensor.shape)]
+    (version / INDEX3).write_text(json.dumps(index))
+    reseal(version, INDEX3, "__0_0.bin")
+
+
+def steps3(value: float) -> Callable:
+    """Every bucket's ``step`` (its first parameter's 0-dim entry) set to ``value``."""
+    def craft(path: Path, healthy: Healthy) -> None:
+        index = json.loads((path.resolve() / INDEX3).read_text())["entries"]
+        for key in [k for k in index if k.endswith("/step")]:
+            set_entry(path, key, torch.tensor(value, dtype=torch.float32))
+    return craft
+
+
+def hyper3(group: int, **values: Any) -> Callable:
+    """Format 3's metadata: param group ``group``'s hyperparameters with ``values`` (encoded) set."""
+    return json_edit(META3, lambda meta: meta["optimizer"]["groups"][group]["hyper"].update(values))
+
+
+def scheduler3(**values: Any) -> Callable:
+    """Format 3's ``extra.json``: the scheduler's saved state with ``values`` (encoded) set."""
+    return json_edit(EXTRA3, lambda saved: saved["objects"]["scheduler"].update(values))
+
+
+def zero_dim_moments3(path: Path, healthy: Healthy) -> None:
+    """Format 3's ``exp_avg`` saved as 0-dim state (as ``zero_dim_moments`` does to format 2): its
+    pieces gone, a 0-dim entry per parameter, the metadata listing it among the scalars."""
+    edit_json(path, INDEX3, lambda index: [index["entries"].pop(k) for k in list(index["entries"]) if "/exp_avg/" in k])
+    steps = [k for k in json.loads((path.resolve() / INDEX3).read_text())["entries"] if k.endswith("/step")]
+    for key in steps:
+        set_entry(path, key.removesuffix("step") + "exp_avg", torch.tensor(0.0))
+    edit_json(path, META3, lambda meta: meta["optimizer"].update(tensor_keys=["exp_avg_sq"],
+                                                                 scalar_keys=["exp_avg", "step"]))
+
+
 # -- NxD's tag folders
 def nxd_optim(edit: Callable) -> Callable:
     return lambda tag, healthy: edit_nxd(tag, "optim", edit)
@@ -487,6 +564,7 @@ ZERO_DIM = {  # 0-dim AdamW moments, then a step: memory corruption if accepted 
                   (RANK_FILE,), "exp_avg"),
     "torch": Attack("torch", native_state(lambda e: e.__setitem__("exp_avg", torch.tensor(0.0))),
                     NATIVE_FILES, "exp_avg"),
+    "nxd_smp3": Attack("nxd_smp3", zero_dim_moments3, (META3, INDEX3), "exp_avg"),
 }
 
 FIFOS = {  # a FIFO where a data file belongs: opening it blocks forever (a child process)
@@ -495,6 +573,9 @@ FIFOS = {  # a FIFO where a data file belongs: opening it blocks forever (a chil
     "nxd xser tensor_3.pt": Attack("xser", lambda tag, h: fifo(xser_tensors(tag) / "tensor_3.pt"),
                                    ("tensor_3.pt",), None),
     "torch __0_0.distcp": Attack("torch", lambda d, h: fifo(d / "__0_0.distcp"), ("__0_0.distcp",), None),
+    "nxd_smp3 __0_0.bin": Attack("nxd_smp3", sealed_fifo("__0_0.bin"), ("__0_0.bin",), None),
+    "nxd_smp3 nxd_smp_meta.json": Attack("nxd_smp3", sealed_fifo(META3), (META3,), None),
+    "nxd_smp3 nxd_smp_index.json": Attack("nxd_smp3", sealed_fifo(INDEX3), (INDEX3,), None),
 }
 
 OUTSIDE = {  # every path resolved inside the folder: nothing absolute, no "..", no link leading out
@@ -511,6 +592,11 @@ OUTSIDE = {  # every path resolved inside the folder: nothing absolute, no "..",
         xser_tensors(tag), tag.parent.parent / "elsewhere.tensors"), (RANK_FILE,), None),
     "torch linked __0_0.distcp": Attack("torch", lambda d, h: moved_outside(
         d / "__0_0.distcp", d.parent / "elsewhere.distcp"), ("__0_0.distcp",), None),
+    "nxd_smp3 /dev/zero": Attack("nxd_smp3", entry3("model/0.bias", file="/dev/zero"), (INDEX3,), "0.bias"),
+    "nxd_smp3 ../outside.bin": Attack("nxd_smp3", entry3("model/0.bias", file="../outside.bin"), (INDEX3,), "0.bias"),
+    "nxd_smp3 linked __0_0.bin": Attack("nxd_smp3", linked_data_file, ("__0_0.bin",), None),
+    "nxd_smp3 linked extra.json": Attack("nxd_smp3", lambda p, h: moved_outside(
+        p.resolve() / EXTRA3, p.resolve().parent.parent / "elsewhere.json"), (EXTRA3,), None),
 }
 
 MEMORY = {  # a few KB that claim gigabytes (a child process measures the peak)
@@ -527,6 +613,15 @@ MEMORY = {  # a few KB that claim gigabytes (a child process measures the peak)
     "torch: an expanded tensor as lr": Attack("torch", expanded_group_entry, NATIVE_FILES, "lr"),
     "nxd_smp: bytearray(2**31) in extra.pt": Attack("nxd_smp", lambda p, h: edit_pt(
         p, EXTRA, lambda saved: saved["extra"].__setitem__("blob", Allocates(2**31))), (EXTRA,), "bytearray"),
+    "read: a format-3 entry of 2**28 elements on /dev/zero": Attack("nxd_smp3", entry3(
+        "model/0.bias", file="/dev/zero", length=2**30, dtype="float32", shape=[2**28]), (INDEX3,), "0.bias",
+        loader="read"),
+    "nxd_smp3: a piece range (0, 2**28)": Attack("nxd_smp3", json_edit(META3, lambda meta: meta["optimizer"][
+        "pieces"].__setitem__("0.bias", [[0, 2**28]])), (META3,), "0.bias"),
+    "nxd_smp3: a tensor of 2**28 elements in extra.json": Attack("nxd_smp3", lambda p, h: (
+        set_entry(p, "small/0", torch.zeros(4)), entry3("small/0", shape=[2**28])(p, h),
+        edit_json(p, EXTRA3, lambda saved: saved["extra"].__setitem__("blob", {"$tensor": "small/0"}))),
+        (INDEX3,), "small/0"),
 }
 
 REFUSED_LATE = {  # refused today only after the live objects changed
@@ -569,6 +664,33 @@ BAD_VALUES = {  # accepted today, or refused with a raw error instead of a Check
                                                      (INDEX,), "0.bias"),
     "read: a negative shape in the index": Attack("nxd_smp", index_edit(claim("model/0.bias", (-13,))),
                                                   (INDEX,), "0.bias", loader="read"),
+    # format 3: values the live classes would not accept, and encodings nxd_smp never writes
+    "nxd_smp3: betas (1.0, 0.999)": Attack("nxd_smp3", hyper3(0, betas={"$tuple": [1.0, 0.999]}), (META3,), "betas"),
+    "nxd_smp3: lr NaN": Attack("nxd_smp3", hyper3(0, lr={"$float": "nan"}), (META3,), "lr"),
+    "nxd_smp3: eps -1": Attack("nxd_smp3", hyper3(1, eps=-1.0), (META3,), "eps"),
+    "nxd_smp3: step NaN": Attack("nxd_smp3", steps3(float("nan")), (INDEX3, "__0_0.bin"), "step"),
+    "nxd_smp3: step -1": Attack("nxd_smp3", steps3(-1.0), (INDEX3, "__0_0.bin"), "step"),
+    "nxd_smp3: step 1.5": Attack("nxd_smp3", steps3(1.5), (INDEX3, "__0_0.bin"), "step"),
+    "nxd_smp3: scheduler gamma NaN": Attack("nxd_smp3", scheduler3(gamma={"$float": "nan"}), (EXTRA3,), "gamma"),
+    "nxd_smp3: scheduler step_size 0": Attack("nxd_smp3", scheduler3(step_size=0), (EXTRA3,), "step_size"),
+    "nxd_smp3: scheduler with an optimizer": Attack("nxd_smp3", scheduler3(optimizer={"lr": 1.0}), (EXTRA3,),
+                                                    "optimizer"),
+    "nxd_smp3: an unknown tag": Attack("nxd_smp3", json_edit(EXTRA3, lambda saved: saved["extra"].__setitem__(
+        "x", {"$pickle": "gASVAAAAAAAAAAA="})), (EXTRA3,), "x"),
+    "nxd_smp3: a dtype that is no dtype": Attack("nxd_smp3", entry3("model/0.bias", dtype="object"), (INDEX3,), "0.bias"),
+    "nxd_smp3: extra refers to a model entry": Attack("nxd_smp3", json_edit(EXTRA3, lambda saved: saved[
+        "extra"].__setitem__("w", {"$tensor": "model/0.bias"})), (EXTRA3,), "model/0.bias"),
+    "nxd_smp3: a tensor referred to twice": Attack("nxd_smp3", lambda p, h: (
+        set_entry(p, "small/0", torch.zeros(4)), edit_json(p, EXTRA3, lambda saved: saved["extra"].update(
+            a={"$tensor": "small/0"}, b={"$tensor": "small/0"}))), (EXTRA3,), "small/0"),
+    "nxd_smp3: overlapping entries": Attack("nxd_smp3", lambda p, h: entry3("model/0.bias", offset=json.loads(
+        (p.resolve() / INDEX3).read_text())["entries"]["model/0.weight"][1])(p, h), (INDEX3,), "0.bias"),
+    "nxd_smp3: a length that is not the tensor's": Attack("nxd_smp3", lambda p, h: entry3(
+        "model/0.bias", length=json.loads((p.resolve() / INDEX3).read_text())["entries"]["model/0.bias"][2] + 4)(p, h),
+        (INDEX3,), "0.bias"),
+    "nxd_smp3: JSON nested 100000 deep": Attack("nxd_smp3", lambda p, h: (
+        (p.resolve() / EXTRA3).write_text('{"extra": ' + "[" * 100000 + "]" * 100000 + ', "objects": {}}'),
+        reseal(p.resolve(), EXTRA3)), (EXTRA3,), None),
 }
 
 CLI = {  # python -m nxd_smp inspect: one error line, exit code 2
@@ -733,6 +855,8 @@ def test_the_crafting_keeps_a_healthy_folder_loadable(healthy, tmp_path):
     crafted = [
         ("nxd_smp", lambda p, h: (edit_index(p, same), edit_pt(p, META, same), edit_pt(p, EXTRA, same))),
         ("format1", lambda p, h: edit_index(p, same)),
+        ("nxd_smp3", lambda p, h: (edit_json(p, INDEX3, same), edit_json(p, META3, same), edit_json(p, EXTRA3, same))),
+        ("nxd_smp3", lambda p, h: set_entry(p, "model/0.bias", h.weights["nxd_smp3"]["0.bias"])),  # (moved)
         ("nxd", lambda tag, h: (edit_nxd(tag, "model", same), edit_nxd(tag, "optim", same))),
         ("nxd", lambda tag, h: without_masters(tag)),  # (the masters are then rebuilt, with a warning)
         ("xser", lambda tag, h: None),  # written by save_xser, forged references and all

@@ -29,6 +29,8 @@ from ..core.errors import CheckpointError
 from ..optim.state_fit import StateFit
 from ..zero1_optimizer import Zero1Optimizer
 from .format import (
+    EXTRA_FILE,
+    EXTRA_FILE_V2,
     FORMAT,
     FORMAT_V1,
     META_FILE,
@@ -94,13 +96,14 @@ def load(
         def prepare() -> tuple[tuple[Any, dict[str, Any], LoadPlan], Any]:
             index = read_index(target, record["format"])
             meta, saved = read_small_files(target, record, index)
-            source = target / (META_FILE if record["format"] == FORMAT else META_FILE_V2)
-            _check_objects(saved, objects, source)
+            source, extra_file = (target / name for name in ((META_FILE, EXTRA_FILE) if record["format"] == FORMAT
+                                                             else (META_FILE_V2, EXTRA_FILE_V2)))
+            _check_objects(saved, objects, extra_file)
             advance("verify")
             plan = plan_load(meta, model, optimizer, strict=strict, device_dtype=backend.device_dtype, source=source)
             read_entries(plan.staging, target, verify_checksums, index)
             plan.assemble()
-            return (meta, saved, plan), load_objects(objects, saved["objects"], str(source.parent))
+            return (meta, saved, plan), load_objects(objects, saved["objects"], str(extra_file))
 
         meta, saved, plan = agree(coordinator, prepare)
         advance("read")
@@ -120,7 +123,7 @@ def _check_objects(saved: Mapping[str, Any], objects: Mapping[str, Any], source:
         )
     for name, obj in objects.items():
         if name == SCHEDULER or is_scheduler(obj):
-            check_scheduler_state(saved["objects"][name], obj, f"{source.parent} ({name})")
+            check_scheduler_state(saved["objects"][name], obj, f"{source} ({name})")
 
 
 @dataclass
