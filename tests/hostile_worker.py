@@ -303,14 +303,14 @@ def main(mode: str, spec_file: str, results_file: str) -> None:
 
 # ---------------------------------------------------------------- DP 2 on gloo
 def one_rank_fails_unexpectedly(rank: int, world: int, folders: list[tuple[str, str]]) -> list[dict[str, Any]]:
-    """Each folder (healthy) loads at DP 2 while rank 1's ``torch.load`` raises a RuntimeError,
-    an error no check expects. Returns per folder what this rank raised, how long the load took,
+    """Each folder (healthy) loads at DP 2 while rank 1's ``os.fstat`` (which the one safe open of
+    every file a loader reads calls) raises a RuntimeError, an error no check expects. Returns per folder what this rank raised, how long the load took,
     what it changed, and how often the sabotage fired. Stops at the first error that is not a
     CheckpointError (the ranks no longer agree on what comes next)."""
     import faulthandler
 
     faulthandler.dump_traceback_later(120, exit=True)  # a hung collective ends the test, not the suite
-    real_load = torch.load
+    real_load = os.fstat
     out = []
     try:
         for loader, path in folders:
@@ -322,7 +322,7 @@ def one_rank_fails_unexpectedly(rank: int, world: int, folders: list[tuple[str, 
                 fired[0] += 1
                 raise RuntimeError("rank 1's disk failed in a way no check expects")
 
-            torch.load = sabotaged if rank == 1 else real_load
+            os.fstat = sabotaged if rank == 1 else real_load
             start = time.monotonic()
             try:
                 with warnings.catch_warnings():
@@ -332,7 +332,7 @@ def one_rank_fails_unexpectedly(rank: int, world: int, folders: list[tuple[str, 
             except Exception as e:  # noqa: BLE001 - reported to the test
                 error = e
             finally:
-                torch.load = real_load
+                os.fstat = real_load
             out.append({"loader": loader, "seconds": time.monotonic() - start, "fired": fired[0],
                         "type": None if error is None else type(error).__name__,
                         "checkpoint_error": isinstance(error, CheckpointError),
@@ -341,7 +341,7 @@ def one_rank_fails_unexpectedly(rank: int, world: int, folders: list[tuple[str, 
             if error is not None and not isinstance(error, CheckpointError):
                 break
     finally:
-        torch.load = real_load
+        os.fstat = real_load
         faulthandler.cancel_dump_traceback_later()
     return out
 

@@ -1042,14 +1042,21 @@ def test_a_pickled_file_cannot_claim_more_than_it_holds(case):
         load_bytes(data, "extra.pt")
 
 
-def test_a_file_referring_to_one_container_many_times_is_checked_once():
-    """``x = [x, x]`` forty deep is a few hundred bytes and 2**40 paths: walked by identity."""
-    from nxd_smp.checkpointing.reader import load_bytes
+@pytest.mark.parametrize("kind", ["state_dict", "dcp_metadata"])
+def test_a_file_referring_to_one_container_many_times_is_refused(kind):
+    """``x = [x, x]`` forty deep is a few hundred bytes and 2**40 paths: whatever walks it later
+    (``inspect --json``, an export, a deep copy) would expand it without bound. Metadata is a
+    tree: the reader refuses it by the file's size (round two, class 9)."""
+    from nxd_smp.checkpointing.reader import load_bytes, load_pickle
 
-    nested: Any = [torch.zeros(1)]
+    nested: Any = [torch.zeros(1)] if kind == "state_dict" else [1]
     for _ in range(40):
         nested = [nested, nested]
-    assert load_bytes(_torch_saved(nested), "extra.pt")[0][0] is not None
+    with pytest.raises(CheckpointError, match="extra.pt"):
+        if kind == "state_dict":
+            load_bytes(_torch_saved(nested), "extra.pt")
+        else:
+            load_pickle(pickle.dumps(nested), "extra.pt")
 
 
 def test_schedulers_with_infinite_or_nested_state_resume(tmp_path):

@@ -376,7 +376,7 @@ def test_import_refuses_malicious_files_and_runs_nothing(native, tmp_path):
     groups = [{**g, "lr": _Payload(str(marker))} if i == 0 else g for i, g in enumerate(osd["param_groups"])]
     quiet_dcp(dcp.save, {"model": msd, "optim": {**osd, "param_groups": groups}},
               checkpoint_id=tmp_path / "bad_entry", no_dist=True)
-    with pytest.raises(CheckpointError, match="refused by torch.load"):
+    with pytest.raises(CheckpointError, match="io.open.*refused|refused.*io.open"):
         import_torch(tmp_path / "bad_entry", **fresh())
     assert not marker.exists()
 
