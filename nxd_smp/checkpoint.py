@@ -367,7 +367,10 @@ def _foreign(path: Path):
 def has_checkpoint(path: str | os.PathLike) -> bool:
     """Whether ``load_checkpoint(path, ...)`` finds a complete checkpoint there (NxD's
     ``has_checkpoint``): ``path`` is one (an nxd_smp checkpoint, or an NxD tag folder with
-    its ``done`` file), or a directory holding one."""
+    its ``done`` file), or a directory holding one. A directory of complete nxd_smp checkpoints
+    among which ``load_checkpoint`` refuses to choose (none its record holds, or several and no
+    record: ``checkpointing.links.newest_checkpoint``) has one too: the load then says why,
+    rather than a resume starting over. A link elsewhere than its own version is none."""
     path = _tagged(path, None)
     for folder_format in registered_formats():
         if folder_format.is_folder(path):
@@ -375,8 +378,8 @@ def has_checkpoint(path: str | os.PathLike) -> bool:
     try:
         resolve(path)
     except (FileNotFoundError, CheckpointError):
-        return path.is_dir() and not path.is_symlink() and any(f.newest(path) is not None
-                                                                for f in registered_formats())
+        return path.is_dir() and not path.is_symlink() and (bool(checkpoint_links(path)) or any(
+            f.newest(path) is not None for f in registered_formats()))
     return True
 
 
@@ -388,7 +391,9 @@ def last_tag_directory() -> Path | None:
 def remove_checkpoint(path: str | os.PathLike) -> None:
     """Remove the checkpoint at ``path``: an nxd_smp checkpoint (its link first, then its version
     directory) or an NxD tag folder (its ``done`` first): an interrupted removal never leaves
-    something that looks complete. Nothing there: nothing to do. Process-local (no collective):
+    something that looks complete. A checkpoint link to anything but its own version beside it
+    (``checkpointing.links.version_of``: another run's, say) is removed alone, never what it
+    points to. Nothing there: nothing to do. Process-local (no collective):
     call it from one rank. This rank's background save of ``path``, if one is in flight, is
     waited for first.
 

@@ -1,11 +1,13 @@
 """The one safe open of a checkpoint's files: a name from an index, a record or a reference
 resolves inside the checkpoint folder (no absolute path, no ``..``, no link out of it), and only
-regular files are opened (never a FIFO, which would block, a device or a socket).
+regular files are opened (never a FIFO, which would block, a device or a socket); the
+small JSON files are read with a bound on their size (``read_small``, ``read_json``).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import stat
 from pathlib import Path
@@ -60,3 +62,43 @@ def open_regular(path: str | os.PathLike) -> io.FileIO:
         raise CheckpointError(f"{path} is {kind}; a checkpoint's files are regular files. Refused.")
     os.set_blocking(fd, True)
     return io.FileIO(fd, "rb", closefd=True)
+
+
+#: The most a small JSON file of a checkpoint (a record, a completion record, a DP size) may
+#: hold: such files are a few KB; a larger one is crafted, and is refused before it is read.
+SMALL_FILE_LIMIT = 64 << 20
+
+
+def read_small(folder: str | os.PathLike, name: str, *, limit: int = SMALL_FILE_LIMIT,
+               source: str | None = None) -> bytes:
+    """The bytes of the small file ``name`` of the checkpoint ``folder``: resolved inside it
+    (``inside``), opened without blocking as a regular file (``open_regular``), and refused if
+    it holds more than ``limit`` bytes, so that a crafted file can neither block the reader,
+    lead it outside the folder, nor make it read without bound.
+
+    Raises:
+        CheckpointError: any of those, or the file is missing; naming the file.
+    """
+    path = inside(folder, name, source=source or str(Path(folder) / name))
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise CheckpointError(f"{path} holds {size} bytes, more than the {limit} such a file may; refused.")
+        data = f.read(limit + 1)
+    if len(data) > limit:  # (it grew since)
+        raise CheckpointError(f"{path} holds more than the {limit} bytes such a file may; refused.")
+    return data
+
+
+def read_json(folder: str | os.PathLike, name: str, *, limit: int = SMALL_FILE_LIMIT) -> Any:
+    """The JSON value of the small file ``name`` of the checkpoint ``folder``, read by
+    ``read_small``.
+
+    Raises:
+        CheckpointError: as ``read_small``, or the file is not JSON (damaged); naming it.
+    """
+    data = read_small(folder, name, limit=limit)
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{Path(folder) / name} is damaged (not JSON: {e}).") from None

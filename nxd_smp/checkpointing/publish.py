@@ -8,7 +8,8 @@ moves it (and every output nxd_smp writes) ends with.
   ``rename(2)`` (nxd_smp's format, ``links``).
 * ``place_directory`` / ``place_file``: a complete staging directory or file beside the target
   renamed into place, without clobbering anything unasked, or replacing what is there as a whole
-  (NxD's tags, the exports, ``consolidate``).
+  (NxD's tags, the exports, ``consolidate``); ``replace_file``: a small file's bytes put in place
+  whole (the record of a directory's saves, ``links``).
 
 Each move fsyncs what it wrote and the directory that holds it.
 """
@@ -146,6 +147,23 @@ def place_file(staging: Path, target: Path, *, replace: bool) -> None:
                 _refuse_if_taken(OSError(errno.EEXIST, "exists"), target)
             os.rename(staging, target)
     fsync_dir(target.parent)
+
+
+def replace_file(target: Path, data: bytes) -> None:
+    """``data`` as the file ``target``, whole or not at all: written to a fresh file beside it
+    (created exclusively, never through something planted at its name), fsynced, and renamed over
+    whatever is at ``target`` (a link there is replaced itself, never followed)."""
+    staging = target.parent / f".{target.name}.{uuid.uuid4().hex[:12]}.partial"
+    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        place_file(staging, target, replace=True)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
 
 
 def place_directory(staging: Path, target: Path, *, replace: bool, retire: Callable[[Path], None] | None = None

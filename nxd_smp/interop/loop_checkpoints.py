@@ -234,13 +234,15 @@ def load_beside(folder: str | os.PathLike, model: nn.Module, optimizer: Any, ref
 
 def read_reference(file: str | os.PathLike) -> dict[str, Any] | None:
     """The checkpoint reference a loop's optimizer file holds; None if the file is missing or
-    holds something else (an optimizer state of its own).
+    holds something else (an optimizer state of its own). Read as a file of the loop's folder
+    (``load_file``'s safe open: inside the folder, a regular file, never waiting on a FIFO).
 
     Raises:
-        CheckpointError: the file is unsafe, or holds a damaged reference.
+        CheckpointError: the file is unsafe (a link out of its folder, say), or holds a damaged
+            reference.
     """
     file = Path(file)
     if not file.is_file() or file.stat().st_size > _REFERENCE_MAX_BYTES:
         return None
-    value = load_file(file)
+    value = load_file(file, folder=file.parent, name=file.name)
     return check_reference(value, str(file)) if is_reference(value) else None

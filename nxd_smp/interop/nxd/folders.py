@@ -313,7 +313,14 @@ def _check_masters_match_weights(masters: Mapping[str, torch.Tensor] | None, wei
 
 def remove_tag(tag: Path) -> None:
     """Remove an NxD tag folder: its ``done`` first (an interrupted removal leaves a tag that
-    looks incomplete, never one that looks complete), then the rest."""
+    looks incomplete, never one that looks complete), then the rest. Only a folder itself: a link
+    is never followed (what it points to may be another run's), nor is one inside the folder.
+
+    Raises:
+        CheckpointError: ``tag`` is a link or not a folder; nothing is removed.
+    """
+    if tag.is_symlink() or not tag.is_dir():
+        raise CheckpointError(f"{tag} is not an NxD tag folder (a link, or not a folder); nothing was removed.")
     (tag / DONE_FILE).unlink(missing_ok=True)
     fsync_dir(tag)
     shutil.rmtree(tag, ignore_errors=True)

@@ -27,6 +27,7 @@ from ...backend import Backend
 from ...backend.agreement import agree, error_text
 from ...backend.coordination import Coordinator
 from ...checkpointing.links import DONE_FILE, MARKER_FILE
+from ...checkpointing.paths import read_json
 from ...checkpointing.publish import fsync_dir, place_directory, write_and_publish
 from ...checkpointing.save import check_async_save
 from ...checkpointing.storage import write_bytes
@@ -212,14 +213,17 @@ def load_state_dicts(
 
 
 def _saved_data_parallel_size(tag: Path) -> int | None:
-    """The DP size a tag saved from state dicts by nxd_smp was saved at (None: not such a tag)."""
+    """The DP size a tag saved from state dicts by nxd_smp was saved at (None: not such a tag),
+    from its record, read by the one safe read of a small file (``checkpointing.paths``).
+
+    Raises:
+        CheckpointError: the record is unsafe (a link out of the tag, a FIFO, too large) or damaged.
+    """
     record = tag / STATE_DICTS_FILE
-    if not record.is_file():
+    if not os.path.lexists(record):
         return None
-    try:
-        size = json.loads(record.read_text()).get("data_parallel_size")
-    except (ValueError, AttributeError):
-        size = None
+    value = read_json(tag, STATE_DICTS_FILE)  # (inside the tag, a regular file, bounded: never a FIFO's wait)
+    size = value.get("data_parallel_size") if isinstance(value, dict) else None
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise CheckpointError(f"{record} is damaged (no data_parallel_size); the tag cannot be read.")
     return size
