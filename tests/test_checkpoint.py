@@ -555,6 +555,7 @@ def test_retention_keeps_the_newest_k_and_no_partial_version(tmp_path):
                         async_save=step % 2 == 0)
     finalize_checkpoint()
     assert sorted(p.name for p in run.iterdir()) == [
+        ".nxd_smp_saves.json",  # the writer's own record of its saves, oldest first
         f".step_4.v-{os.readlink(run / 'step_4').split('.v-')[1]}",
         f".step_5.v-{os.readlink(run / 'step_5').split('.v-')[1]}", "step_4", "step_5"]
     assert load_checkpoint(run, model=build()[0]) == 5

@@ -26,7 +26,6 @@ state) loads once allowed with ``torch.serialization.add_safe_globals``.
 
 from __future__ import annotations
 
-import json
 import os
 import zlib
 from collections.abc import Mapping
@@ -40,7 +39,7 @@ from ..core.errors import CheckpointError
 from ..optim.param_groups import KERNEL_OPTIONS, index_groups
 from ..optim.state_fit import describe
 from ..zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
-from .paths import inside, open_regular
+from .paths import inside, open_regular, read_json, read_small
 from .reader import load_file
 from .storage import IO_THREADS, StoredTensor, read_tensors
 from .storage import read_index as storage_index
@@ -198,11 +197,7 @@ def completion_record(target: Path) -> dict[str, Any]:
     path = target / COMPLETE_FILE
     if not os.path.lexists(path):
         raise FileNotFoundError(f"{path} is missing: the checkpoint is incomplete (its save was cut off).")
-    with open_regular(inside(target, COMPLETE_FILE)) as f:
-        try:
-            record = json.loads(f.read())
-        except (ValueError, RecursionError) as e:
-            raise CheckpointError(f"{path} is damaged: {e}") from None
+    record = read_json(target, COMPLETE_FILE)
     if not isinstance(record, dict) or record.get("format") not in READABLE:
         found = record.get("format") if isinstance(record, dict) else record
         raise CheckpointError(f"{target} has format {describe(found)}; this nxd_smp reads {', '.join(READABLE)}.")
@@ -381,12 +376,11 @@ def read_small_files(target: Path, record: Mapping[str, Any],
 def _read_json(target: Path, name: str, record: Mapping[str, Any], index: Mapping[str, StoredTensor]) -> Any:
     """A format-3 small file: its bytes (those the completion record lists: size and CRC-32), decoded,
     each tensor it refers to read from its index entry."""
-    path = inside(target, name)
+    path = target / name
     if name not in record["files"]:
         raise CheckpointError(f"{target / COMPLETE_FILE} does not list {name}; the checkpoint is damaged.")
     size, crc = record["files"][name]
-    with open_regular(path) as f:
-        data = f.read(size + 1)
+    data = read_small(target, name, limit=size)
     if len(data) != size or zlib.crc32(data) != crc:
         raise CheckpointError(f"{path} is truncated, altered or corrupted (not the {size} bytes with the CRC-32 its "
                               f"completion record lists).")

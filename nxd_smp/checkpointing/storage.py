@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..core.errors import CheckpointError
 from .dcp_index import METADATA_FILE, RawItem, read_dcp_index
-from .paths import inside, open_regular
+from .paths import inside, open_regular, read_small
 from .reader import load_bytes
 from .typed_json import dtype_named, loads
 from .values import check_cast, is_size
@@ -180,12 +180,8 @@ def read_index(directory: str | os.PathLike, *, dcp: bool = False) -> dict[str, 
     """
     if dcp:
         return _dcp_index(directory)
-    path = inside(directory, INDEX_FILE)
-    with open_regular(path) as f:
-        data = f.read(JSON_LIMIT + 1)
-    if len(data) > JSON_LIMIT:
-        raise CheckpointError(f"{path} is larger than {JSON_LIMIT} bytes; no index nxd_smp writes is. Refused.")
-    value = loads(data, str(path))
+    path = Path(directory) / INDEX_FILE
+    value = loads(read_small(directory, INDEX_FILE, limit=JSON_LIMIT), str(path))
     entries = value.get("entries") if isinstance(value, dict) and value.get("format") == INDEX_FORMAT else None
     if not isinstance(entries, dict):
         raise CheckpointError(f"{path} is not an nxd_smp index ({{'format': {INDEX_FORMAT!r}, 'entries': ...}}).")
