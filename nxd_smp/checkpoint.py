@@ -171,8 +171,8 @@ def save_checkpoint(
             Or this rank's optimizer state dict (NxD Training's call shape).
         scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``), saved
             with the optimizer and restored by ``load_checkpoint(..., scheduler=...)``.
-        user_content: anything ``torch.load(weights_only=True)`` reads back (step counter,
-            RNG state, ...), returned by ``load_checkpoint`` (NxD's name for ``extra``).
+        user_content: JSON values, tuples, dtypes and plain tensors (step counter, RNG state,
+            ...; ``extra``'s rule), returned by ``load_checkpoint`` (NxD's name for ``extra``).
         num_workers, use_xser: NxD's I/O settings, accepted and checked but without effect:
             every rank writes its own tensors as raw bytes with a few threads, NxD's xser
             layout is never written (NxD's xser checkpoints are read, see ``load_checkpoint``).
@@ -186,7 +186,7 @@ def save_checkpoint(
             effect (every rank writes its own optimizer state dict whatever it says).
         use_zero1_dcp, avoid_saving_lower_precision_weights: NxD 2.28's options, accepted
             without effect: the optimizer's shards are always written as raw tensors under a
-            DCP index, and the model's weights are always written too.
+            JSON index, and the model's weights are always written too.
         stateful: more objects with ``state_dict``/``load_state_dict`` by name (a sampler,
             a data loader, ...).
         extra: the same as ``user_content`` (pass one of them).
@@ -203,6 +203,9 @@ def save_checkpoint(
     Raises:
         CheckpointError: bad arguments, or the error of a previous asynchronous save that
             nothing raised yet (that save is then over, and this one is not started).
+        TypeError: ``extra``/``user_content`` or a stateful object's state holds a value that is
+            neither a JSON value, a tuple, a dtype nor a plain tensor (nothing is saved; nxd_smp's
+            format holds no pickle).
     """
     if (path is None) == (checkpoint_dir_str is None):
         raise TypeError("pass the checkpoint's path once: as path (the first argument) or as NxD's checkpoint_dir_str=.")

@@ -13,7 +13,6 @@ of one file overlap. What the index makes a reader allocate is then bounded by t
 from __future__ import annotations
 
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,9 +21,8 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..core.errors import CheckpointError
-from .paths import inside, open_regular
+from .paths import check_spans, inside, open_regular
 from .reader import UnsafeFileError, load_pickle
-from .values import is_size
 
 METADATA_FILE = ".metadata"
 
@@ -111,8 +109,8 @@ def read_dcp_index(directory: str | os.PathLike) -> dict[str, DcpEntry]:
         if not isinstance(key, str) or not isinstance(meta, (TensorStorageMetadata, BytesStorageMetadata)):
             raise CheckpointError(f"{index_path}: entry {key!r} is neither a tensor nor a bytes entry.")
         entries[key] = DcpEntry(meta)
-    sizes: dict[str, tuple[Path, int]] = {}
-    spans: dict[Path, list[tuple[int, int, str]]] = {}
+    records: list[tuple[str, Any, int, int]] = []
+    found: list[tuple[str, tuple[int, ...] | None, Any, Any]] = []
     for index, info in (metadata.storage_data or {}).items():
         if not isinstance(index, MetadataIndex) or index.fqn not in entries:
             raise CheckpointError(f"{index_path} names storage for an unknown entry {index!r}.")
@@ -128,31 +126,11 @@ def read_dcp_index(directory: str | os.PathLike) -> dict[str, DcpEntry]:
         else:
             raise CheckpointError(f"{index_path}: entry {key!r} is stored as {type(info).__name__}; no DCP "
                                   f"writer nxd_smp reads writes such an entry.")
-        if not is_size(offset) or not is_size(length):
-            raise CheckpointError(f"{index_path}: entry {key!r} has the offset {offset!r} and length {length!r}; "
-                                  f"refused.")
-        if name not in sizes:
-            file = inside(directory, name, source=f"{index_path}: entry {key!r}")
-            try:
-                st = os.stat(file)
-            except FileNotFoundError:
-                raise CheckpointError(f"{index_path}: entry {key!r} is in {name}, which is missing.") from None
-            if not stat.S_ISREG(st.st_mode):
-                raise CheckpointError(f"{index_path}: entry {key!r} is in {name}, which is not a regular file; refused.")
-            sizes[name] = (file, st.st_size)
-        file, size = sizes[name]
-        if offset + length > size:
-            raise CheckpointError(f"{index_path}: entry {key!r} claims bytes [{offset}, {offset + length}) of {name}, "
-                                  f"which holds {size} (truncated, or a crafted index).")
-        spans.setdefault(file, []).append((offset, offset + length, key))
-        chunk = None if index.offset is None else tuple(index.offset)
-        entries[key].records[chunk] = (info, file)
-    for file, found in spans.items():
-        found.sort()
-        for (_, end, first), (start, _, second) in zip(found, found[1:]):
-            if start < end:
-                raise CheckpointError(f"{index_path}: the entries {first!r} and {second!r} overlap in {file.name}; "
-                                      f"refused (each record's bytes are its own).")
+        records.append((key, name, offset, length))
+        found.append((key, None if index.offset is None else tuple(index.offset), info, name))
+    files = check_spans(directory, records, source=str(index_path))
+    for key, chunk, info, name in found:
+        entries[key].records[chunk] = (info, files[name])
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     for key, entry in entries.items():
         where = paths.get(key)

@@ -11,17 +11,20 @@ A checkpoint is a directory (a version, named by a link; ``links``) holding
 * ``master/<param>/<start>``: the same for fp32 master weights, when they are saved;
 * ``loss_scaler/<key>``: the fp16 loss scaler's state;
 
-as raw bytes (``storage``: a few files per rank and DCP's ``Metadata`` as the
-index), plus ``nxd_smp_meta.pt`` (shapes, dtypes, param groups, which pieces exist, the DP
-size written at), ``extra.pt`` (the caller's ``extra`` and the state dicts of the scheduler
-and other stateful objects) and, written last, ``COMPLETE.json`` (size and CRC-32 of every
-file, when it was saved). Because every piece is addressed by parameter name and element
-range, a checkpoint written at DP size N loads at any DP size M. Checkpoints of format 1
-(DCP's own file writer) still load; the links that name a version are ``links``'.
+as raw bytes (``storage``: a few files per rank, and the JSON index ``nxd_smp_index.json``),
+plus ``nxd_smp_meta.json`` (shapes, dtypes, param groups, which pieces exist, the DP size
+written at), ``extra.json`` (the caller's ``extra`` and the state dicts of the scheduler and
+other stateful objects; their tensors are raw entries ``small/<n>``) and, written last,
+``COMPLETE.json`` (size and CRC-32 of every file). Because every piece is addressed by parameter
+name and element range, a checkpoint written at DP size N loads at any DP size M. The links that
+name a version are ``links``'.
 
-The small files load through the strict reader (``reader.load_file``): plain containers,
-numbers, strings and tensors; a class of the caller's own (in ``extra`` or a stateful object's
-state) loads once allowed with ``torch.serialization.add_safe_globals``.
+This is format 3: nothing in it is a pickle. The small files are typed JSON (``typed_json``:
+JSON values, tuples, non-string keys, dtypes, tensors); anything else is refused when it is
+saved. Checkpoints of formats 2 (the same tensor files, DCP's pickled ``Metadata`` as the index,
+``nxd_smp_meta.pt`` and ``extra.pt``) and 1 (DCP's own file writer) still load, their pickled
+files through the strict reader (``reader.load_file``), which admits what a state dict is and
+nothing else.
 """
 
 from __future__ import annotations
@@ -236,7 +239,7 @@ def _dtype_name(value: Any) -> bool:
 
 
 def check_meta(meta: Any, source: Path) -> None:
-    """The checkpoint's ``nxd_smp_meta.pt`` (read from ``source``) is what nxd_smp writes: every
+    """The checkpoint's metadata (read from ``source``) is what nxd_smp writes: every
     field of the type it has, every shape a tuple of sizes, every dtype a torch dtype's name,
     every parameter's pieces ``[start, end)`` tiling its elements exactly (so a reader
     allocates no more than the parameters hold). Checked before anything is allocated.

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -102,3 +103,42 @@ def read_json(folder: str | os.PathLike, name: str, *, limit: int = SMALL_FILE_L
         return json.loads(data)
     except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{Path(folder) / name} is damaged (not JSON: {e}).") from None
+
+
+def check_spans(folder: str | os.PathLike, records: Iterable[tuple[str, Any, int, int]], *,
+                source: str) -> dict[Any, Path]:
+    """Every record ``(key, file name, offset, length)`` of an index (format 3's JSON, a DCP
+    ``.metadata``) in a regular file inside ``folder``, within the file's size, and no two records
+    of one file overlapping: what a reader of the records allocates and reads is then bounded by the
+    folder. Returns each file name resolved (``inside``).
+
+    Raises:
+        CheckpointError: naming ``source``, the entry and the file.
+    """
+    sizes: dict[Any, tuple[Path, int]] = {}
+    spans: dict[Any, list[tuple[int, int, str]]] = {}
+    for key, name, offset, length in records:
+        if not (isinstance(offset, int) and isinstance(length, int)) or isinstance(offset, bool) \
+                or isinstance(length, bool) or offset < 0 or length < 0:
+            raise CheckpointError(f"{source}: entry {key!r} has the offset {offset!r} and length {length!r}; refused.")
+        if name not in sizes:
+            file = inside(folder, name, source=f"{source}: entry {key!r}")
+            try:
+                st = os.stat(file)
+            except FileNotFoundError:
+                raise CheckpointError(f"{source}: entry {key!r} is in {name}, which is missing.") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{source}: entry {key!r} is in {name}, which is not a regular file; refused.")
+            sizes[name] = (file, st.st_size)
+        file, size = sizes[name]
+        if offset + length > size:
+            raise CheckpointError(f"{source}: entry {key!r} claims bytes [{offset}, {offset + length}) of {name}, "
+                                  f"which holds {size} (truncated, or a crafted index).")
+        spans.setdefault(name, []).append((offset, offset + length, key))
+    for name, found in spans.items():
+        found.sort()
+        for (_, end, first), (start, _, second) in zip(found, found[1:]):
+            if start < end:
+                raise CheckpointError(f"{source}: the entries {first!r} and {second!r} overlap in {name}; refused "
+                                      f"(each record's bytes are its own).")
+    return {name: file for name, (file, _) in sizes.items()}

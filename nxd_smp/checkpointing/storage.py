@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import stat
 import threading
 import zlib
 from collections.abc import Mapping, Sequence
@@ -35,7 +34,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..core.errors import CheckpointError
 from .dcp_index import METADATA_FILE, RawItem, read_dcp_index
-from .paths import inside, open_regular, read_small
+from .paths import check_spans, inside, open_regular, read_small
 from .reader import load_bytes
 from .typed_json import dtype_named, loads
 from .values import check_cast, is_size
@@ -148,7 +147,7 @@ def write_index(directory: str | os.PathLike, entries: Mapping[str, Sequence], *
 @dataclass(frozen=True)
 class StoredTensor:
     """One tensor of a checkpoint: its dtype and shape, and where its bytes are. ``raw``:
-    raw bytes with a CRC-32 (format 2), else a ``torch.save`` record (format 1)."""
+    raw bytes with a CRC-32 (formats 2 and 3), else a ``torch.save`` record (format 1)."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -225,42 +224,18 @@ def _dcp_index(directory: str | os.PathLike) -> dict[str, StoredTensor]:
 
 def check_records(directory: str | os.PathLike, index: dict[str, StoredTensor], source: str) -> dict[str, StoredTensor]:
     """``index`` checked against the folder: each record's length that of its tensor (a raw
-    entry's exactly, a ``torch.save`` record's at least), in a regular file inside ``directory``
-    (resolved, its ``path`` filled in), within the file's size, no two records of a file overlapping.
+    entry's exactly, a ``torch.save`` record's at least), and its bytes in its file
+    (``paths.check_spans``); each entry's ``path`` filled in.
 
     Raises:
         CheckpointError: naming ``source``, the entry and the file.
     """
-    sizes: dict[str, tuple[Path, int]] = {}
-    spans: dict[str, list[tuple[int, int, str]]] = {}
-    out = {}
     for key, stored in index.items():
         if stored.raw and stored.length != stored.nbytes or not stored.raw and stored.length < stored.nbytes:
             raise CheckpointError(f"{source}: entry {key!r} claims {stored.length} bytes for a {stored.shape} "
                                   f"{stored.dtype} tensor of {stored.nbytes}.")
-        if stored.file not in sizes:
-            file = inside(directory, stored.file, source=f"{source}: entry {key!r}")
-            try:
-                st = os.stat(file)
-            except FileNotFoundError:
-                raise CheckpointError(f"{source}: entry {key!r} is in {stored.file}, which is missing.") from None
-            if not stat.S_ISREG(st.st_mode):
-                raise CheckpointError(f"{source}: entry {key!r} is in {stored.file}, which is not a regular file; "
-                                      f"refused.")
-            sizes[stored.file] = (file, st.st_size)
-        file, size = sizes[stored.file]
-        if stored.offset + stored.length > size:
-            raise CheckpointError(f"{source}: entry {key!r} claims bytes [{stored.offset}, {stored.offset + stored.length})"
-                                  f" of {stored.file}, which holds {size} (truncated, or a crafted index).")
-        spans.setdefault(stored.file, []).append((stored.offset, stored.offset + stored.length, key))
-        out[key] = dataclasses.replace(stored, path=file)
-    for name, found in spans.items():
-        found.sort()
-        for (_, end, first), (start, _, second) in zip(found, found[1:]):
-            if start < end:
-                raise CheckpointError(f"{source}: the entries {first!r} and {second!r} overlap in {name}; refused "
-                                      f"(each record's bytes are its own).")
-    return out
+    files = check_spans(directory, ((key, s.file, s.offset, s.length) for key, s in index.items()), source=source)
+    return {key: dataclasses.replace(stored, path=files[stored.file]) for key, stored in index.items()}
 
 
 def read_tensors(
@@ -274,7 +249,7 @@ def read_tensors(
     """Read each ``targets[key]`` (a tensor of the stored shape) from the checkpoint in
     ``directory``: raw bytes straight into it where it is a contiguous CPU tensor of the
     stored dtype (else through a staging tensor, cast on the copy), checked against their
-    CRC-32 when ``verify``; format-1 records through ``torch.load(weights_only=True)``.
+    CRC-32 when ``verify``; format-1 records through the strict reader.
 
     Raises:
         ChecksumError: bytes that are not those written, naming the tensor and the file.
@@ -333,10 +308,10 @@ def _read_raw(f, key: str, stored: StoredTensor, tensor: torch.Tensor, verify: b
 def read_record(directory: str | os.PathLike, file: str, offset: int, length: int, key: str) -> Any:
     """The ``torch.save`` record of ``key`` (a tensor, or a non-tensor entry of a DCP
     ``FileSystemWriter`` checkpoint: numbers, strings, containers) at ``offset`` of
-    ``directory/file``, loaded with ``torch.load(weights_only=True)`` on the CPU.
+    ``directory/file``, loaded by the strict reader (``reader.load_bytes``) on the CPU.
 
     Raises:
-        UnsafeFileError: the record asks for something ``weights_only`` refuses.
+        UnsafeFileError: the record asks for something the strict reader refuses.
         ChecksumError: the file ends before the record.
     """
     with open_regular(inside(directory, file, source=f"the index of {directory}")) as f:

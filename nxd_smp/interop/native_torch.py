@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageM
 
 from ..backend.agreement import agree
 from ..checkpointing.dcp_index import DcpEntry, read_dcp_index
+from ..checkpointing.storage import INDEX_FILE
 from ..checkpointing.format import check_args, group_hyperparameters, managed_param_names, param_group_names
 from ..checkpointing.load import check_full_optimizer_state, install_full_optimizer_state, name_differences
 from ..checkpointing.outputs import check_target, write_directory, write_file
@@ -230,7 +231,10 @@ def _native_index(directory: Path) -> dict[tuple, tuple[str, DcpEntry]]:
         CheckpointError: a missing, refused or damaged index, or one this reader cannot follow.
     """
     if not (directory / ".metadata").is_file():
-        raise CheckpointError(f"{directory} has no .metadata: it is not a torch.distributed.checkpoint directory.")
+        ours = (directory / INDEX_FILE).is_file()
+        raise CheckpointError(f"{directory} has no .metadata: it is not a torch.distributed.checkpoint directory"
+                              + ("; it is an nxd_smp checkpoint, which loads with nxd_smp.load_checkpoint." if ours
+                                 else "."))
     try:
         entries = read_dcp_index(directory)
     except UnsafeFileError as e:
@@ -254,7 +258,7 @@ def _native_index(directory: Path) -> dict[tuple, tuple[str, DcpEntry]]:
 
 def _read_entry(directory: Path, key: str, entry: DcpEntry) -> Any:
     """An entry's value: a tensor assembled from its chunks, or a non-tensor object; each
-    record through ``torch.load(weights_only=True)``."""
+    record through the strict reader (``checkpointing.reader``)."""
     try:
         if isinstance(entry.meta, BytesStorageMetadata):
             info = entry.records.get(None)
@@ -312,8 +316,8 @@ def import_torch(path: str | os.PathLike, *, model: nn.Module, optimizer: Zero1O
     hyperparameters from the native group holding each of ``optimizer``'s groups (other
     top-level entries, such as a scheduler's, are not read; a loss scaler keeps its state).
     Everything is read and checked before anything changes. Nothing read can run code: the
-    index is unpickled by ``SafeUnpickler``, every record loaded with
-    ``torch.load(weights_only=True)``.
+    index is unpickled by the strict reader's DCP-metadata allow-list, every record loaded by its
+    state-dict allow-list (``checkpointing.reader``).
 
     Raises:
         CheckpointError: no or a refused/damaged index or record; missing or surplus names,
