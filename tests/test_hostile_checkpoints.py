@@ -956,11 +956,11 @@ def test_values_of_the_wrong_kind_are_refused(healthy, tmp_path, case):
 
 
 def test_an_unexpected_error_on_one_rank_is_a_checkpoint_error_on_every_rank(healthy):
-    """At DP 2 on gloo, rank 1's ``torch.load`` raises a RuntimeError (no check expects it) while
-    rank 0 reads a healthy folder: both ranks raise a CheckpointError within seconds (none waits
-    for the other to exit), for each loader, and nothing changes."""
-    folders = [("nxd_smp", str(healthy.root / "nxd_smp" / "ckpt")), ("nxd", str(healthy.root / "nxd" / TAG)),
-               ("torch", str(healthy.root / "torch"))]
+    """At DP 2 on gloo, rank 1's safe open raises a RuntimeError (no check expects it) while rank 0
+    reads a healthy folder: both ranks raise a CheckpointError within seconds (none waits for the
+    other to exit), for each loader, and nothing changes."""
+    folders = [("nxd_smp", str(healthy.root / "nxd_smp" / "ckpt")), ("nxd_smp3", str(healthy.root / "nxd_smp3" / "ckpt")),
+               ("nxd", str(healthy.root / "nxd" / TAG)), ("torch", str(healthy.root / "torch"))]
     ranks = run_ranks(2, one_rank_fails_unexpectedly, folders)
     problems = []
     for rank, outcomes in enumerate(ranks):
