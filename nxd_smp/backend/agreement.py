@@ -31,20 +31,24 @@ def agree(coordinator: Coordinator, prepare: Callable[[], tuple[T, Callable[[], 
     and checking, which returns its result and the undo of what it changed (None: nothing). If
     ``prepare`` raised on any rank, expected or not, every rank raises a ``CheckpointError`` after
     its undo: its own refusal as it is, any other exception of its own wrapped, or the other ranks'
-    failures. Else every rank gets its result. ``what``: what was being loaded, named in the errors."""
+    failures. Else every rank gets its result. ``what``: what was being loaded, named in the errors.
+
+    Any failure is told, ``BaseException`` included: a rank that stops (``KeyboardInterrupt``,
+    ``SystemExit``, a test's ``pytest.fail``) tells the others before it goes, so none waits for it
+    in the collective that would follow, and it then raises its own exception as it is."""
     result: Any = None
     error: BaseException | None = None
     undo = None
     try:
         result, undo = prepare()
-    except Exception as e:  # noqa: BLE001 - every rank learns of any failure
+    except BaseException as e:  # noqa: BLE001 - every rank learns of any failure
         error = e
     failures = [f for f in coordinator.all_gather(None if error is None else error_text(error)) if f]
     if error is None and not failures:
         return result
     if undo is not None:
         undo()
-    if isinstance(error, CheckpointError):
+    if isinstance(error, CheckpointError) or (error is not None and not isinstance(error, Exception)):
         raise error
     if error is not None:
         raise CheckpointError(f"{what} could not be loaded: {error_text(error)}") from error

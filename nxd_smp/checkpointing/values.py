@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..core.errors import CheckpointError
-from ..optim.state_fit import misfit
+from ..optim.state_fit import describe, misfit
 
 
 def is_size(value: Any) -> bool:
@@ -49,11 +49,52 @@ def check_cast(value: Any, dtype: torch.dtype, where: str) -> None:
                               f"(values out of range, or another kind of number); refused.")
 
 
+def _scheduler_value(saved: Any, live: Any, at: str) -> str | None:
+    """Where ``saved`` (of ``live``'s kind, ``misfit`` said) is not a value the scheduler keeps
+    there: see ``check_scheduler_state``. ``at``: the path so far."""
+    if isinstance(live, Mapping):
+        return next((m for k in live if (m := _scheduler_value(saved[k], live[k], f"{at}[{k!r}]"))), None)
+    if isinstance(live, (tuple, list)):
+        return next((m for i, (s, v) in enumerate(zip(saved, live)) if (m := _scheduler_value(s, v, f"{at}[{i}]"))),
+                    None)
+    here = f"{at} = {describe(saved)} where the live value is {describe(live)}"
+    if isinstance(live, str):
+        return None if saved == live else f"{here} (a scheduler's mode or the name of a group's key)"
+    if isinstance(live, bool) or not isinstance(live, (int, float, torch.Tensor)):
+        return None
+    values = saved.detach().double().reshape(-1) if isinstance(saved, torch.Tensor) else torch.tensor([float(saved)],
+                                                                                                     dtype=torch.float64)
+    lives = live.detach().double().reshape(-1) if isinstance(live, torch.Tensor) else torch.tensor([float(live)],
+                                                                                                   dtype=torch.float64)
+    if bool(values.isnan().any()):
+        return f"{here}: NaN"
+    if bool(torch.isfinite(lives).all()):
+        if not bool(torch.isfinite(values).all()):
+            return f"{here}: not finite"
+        if "lr" not in at and bool(((lives > 0) & ~(values > 0)).any()):  # (a decayed lr reaches 0)
+            return f"{here}: not > 0 (a period, a factor or a rate, which step() divides by or multiplies with)"
+        if bool(((lives >= 0) & ~(values >= 0)).any()):
+            return f"{here}: negative"
+    if isinstance(live, int) and not isinstance(saved, int) and "lr" not in at and "T_cur" not in at:
+        return f"{here}: not a whole number (a count or a period)"
+    return None
+
+
 def check_scheduler_state(saved: Any, scheduler: Any, where: str) -> None:
     """``saved`` has exactly the keys the scheduler's own ``state_dict()`` has, each of the kind
     it holds there (nested states too: ``SequentialLR``'s), and no ``optimizer`` (which would
-    replace the scheduler's optimizer). Non-finite numbers are kept (``ReduceLROnPlateau``'s
-    ``best`` starts at infinity).
+    replace the scheduler's optimizer); and each of a value the scheduler could keep there, so that
+    ``step()`` neither divides by zero nor makes a NaN learning rate:
+
+    * numbers never NaN; finite where the live value is (``ReduceLROnPlateau``'s ``best`` starts at
+      infinity, and is any number after); of the live value's sign class where it is finite (live
+      > 0: saved > 0, as a ``step_size``, ``T_max``, ``gamma`` or ``total_iters``; live >= 0: saved
+      >= 0, as ``last_epoch`` or ``eta_min``; a learning rate >= 0, since a schedule decays it to 0);
+    * ints stay ints (counts and periods; a learning rate given as an int, and
+      ``CosineAnnealingWarmRestarts``' ``T_cur``, which a fractional epoch makes a float, may be
+      floats);
+    * strings equal the live ones (a mode, or the name of a param group's key that ``OneCycleLR``'s
+      phases read: another would read ``params``).
 
     Raises:
         CheckpointError: naming ``where`` and the keys.
@@ -70,7 +111,8 @@ def check_scheduler_state(saved: Any, scheduler: Any, where: str) -> None:
     if surplus:
         problems.append(f"keys the scheduler does not have {surplus[:8]}")
     problems += [m for key in sorted(set(saved) & set(live), key=str)
-                 if (m := misfit(saved[key], live[key], finite=False, at=repr(key)))]
+                 if (m := misfit(saved[key], live[key], finite=False, at=repr(key))
+                     or _scheduler_value(saved[key], live[key], repr(key)))]
     if problems:
         raise CheckpointError(f"{where}: the scheduler state does not fit {type(scheduler).__name__}: "
                               + "; ".join(problems) + ".")

@@ -15,12 +15,57 @@ inside one XLA graph):
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ..core.errors import ConfigError
+from ..core.errors import CheckpointError, ConfigError
 
+#: The keys of a ``DynamicLossScaler`` state.
+SCALER_KEYS = ("scale", "growth_tracker", "hysteresis_tracker")
+_INT32 = (-(2**31), 2**31 - 1)
+
+
+def _number(value: Any) -> float | None:
+    """A 0-dim real tensor's or a Python number's value (never a bool), else None."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype.is_complex or value.dtype == torch.bool:
+            return None
+        return float(value.detach().to("cpu", torch.float64))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def check_scaler_state(saved: Any, scaler: "DynamicLossScaler | None" = None) -> list[str]:
+    """The problems of ``saved`` as a ``DynamicLossScaler`` state, each starting with the field
+    (``['scale'] = nan, ...``); empty if ``load_state_dict`` takes it as a state the scaler could
+    have reached: exactly ``SCALER_KEYS``, each a 0-dim real tensor or a Python number; ``scale``
+    positive and finite in float32 (what the constructor asks of ``init_scale``: a NaN or inf
+    scale skips every later step, and training stalls silently); the trackers whole numbers in
+    int32, ``growth_tracker`` non-negative (``hysteresis_tracker`` goes below zero by itself while
+    overflows continue). ``scaler``: the live one (its bounds are not imposed: the next update
+    clamps, and a run may change them). Changes nothing."""
+    if not isinstance(saved, Mapping):
+        return [f" is a {type(saved).__name__}, not a dict of {list(SCALER_KEYS)}"]
+    if set(saved) != set(SCALER_KEYS):
+        return [f" has the keys {sorted(map(str, saved))}, a loss scaler's are {sorted(SCALER_KEYS)}"]
+    problems = []
+    for key in SCALER_KEYS:
+        value = _number(saved[key])
+        if value is None:
+            problems.append(f"[{key!r}] is a {type(saved[key]).__name__}, not a 0-dim real number")
+        elif key == "scale":
+            as_fp32 = float(torch.tensor(value, dtype=torch.float64).to(torch.float32))
+            if not (math.isfinite(as_fp32) and as_fp32 > 0):
+                problems.append(f"['scale'] = {value!r}, not a positive number finite in float32")
+        elif not math.isfinite(value) or value != math.floor(value):
+            problems.append(f"[{key!r}] = {value!r}, not a whole number")
+        elif not _INT32[0] <= value <= _INT32[1] or (key == "growth_tracker" and value < 0):
+            low = 0 if key == "growth_tracker" else _INT32[0]
+            problems.append(f"[{key!r}] = {value!r}, not in [{low}, {_INT32[1]}]")
+    return problems
 
 
 class DynamicLossScaler:
@@ -105,11 +150,21 @@ class DynamicLossScaler:
             "hysteresis_tracker": self.hysteresis_tracker.detach().clone(),
         }
 
+    def check_state(self, state: Any) -> list[str]:
+        """``check_scaler_state(state, self)``: the problems of ``state`` as this scaler's state."""
+        return check_scaler_state(state, self)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = {"scale", "growth_tracker", "hysteresis_tracker"} - set(state)
-        if missing:
-            raise ValueError(f"loss scaler state is missing {sorted(missing)}.")
+        """Install ``state`` (``state_dict()``'s), checked first (``check_scaler_state``): all of it
+        or, refused, nothing.
+
+        Raises:
+            CheckpointError (a ``ValueError``): naming each field that is not a scaler's.
+        """
+        problems = check_scaler_state(state, self)
+        if problems:
+            raise CheckpointError("loss scaler state: " + "; ".join(f"loss_scaler{p}" for p in problems) + ".")
         device = self.scale.device
-        self.scale = torch.as_tensor(state["scale"], dtype=torch.float32).to(device).clone()
-        self.growth_tracker = torch.as_tensor(state["growth_tracker"], dtype=torch.int32).to(device).clone()
-        self.hysteresis_tracker = torch.as_tensor(state["hysteresis_tracker"], dtype=torch.int32).to(device).clone()
+        new = [torch.as_tensor(state[key], dtype=dtype).to(device).clone() for key, dtype in
+               (("scale", torch.float32), ("growth_tracker", torch.int32), ("hysteresis_tracker", torch.int32))]
+        self.scale, self.growth_tracker, self.hysteresis_tracker = new

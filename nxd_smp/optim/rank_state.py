@@ -25,8 +25,9 @@ import torch
 from ..backend.agreement import agree
 from ..core.errors import CheckpointError
 from ..core.layout import BucketLayout
+from .loss_scaler import check_scaler_state
 from .param_groups import index_groups
-from .state_fit import StateFit, installed_hyperparameters
+from .state_fit import StateFit, describe, torch_group_problems, torch_state_dict
 
 #: The ``format`` of a rank-local state dict.
 STATE_DICT_FORMAT = "nxd_smp.zero1.rank_local/1"
@@ -114,6 +115,8 @@ def check_rank_state(optimizer: Any, state_dict: Any) -> None:
             for a, layout in zip(masters, layouts))):
         problems.append("master weight shard shapes")
     problems += _inner_state_problems(optimizer, state_dict.get("inner"), state_dict.get("param_groups"))
+    if optimizer.loss_scaler is not None and "loss_scaler" in state_dict:
+        problems += [f"loss_scaler{p}" for p in check_scaler_state(state_dict["loss_scaler"], optimizer.loss_scaler)]
     if problems:
         raise CheckpointError(
             "this state dict does not fit the optimizer: " + "; ".join(problems) + ". Rank-local state dicts load "
@@ -124,20 +127,31 @@ def check_rank_state(optimizer: Any, state_dict: Any) -> None:
 
 def _inner_state_problems(optimizer: Any, inner: Any, groups: Any) -> list[str]:
     """What in a state dict's ``inner`` (the inner optimizer's own state dict) and ``param_groups``
-    does not fit: the groups' hyperparameters, and per shard the state its installed group keeps."""
+    does not fit: both lists of groups as torch's ``load_state_dict`` checks them and as the
+    optimizer numbers its parameters and shards (``torch_group_problems``), their hyperparameters,
+    and per shard, by the id the checked groups give it, the state its installed group keeps."""
     if not isinstance(inner, dict) or not isinstance(inner.get("state"), dict) \
             or not isinstance(inner.get("param_groups"), list) or not isinstance(groups, list):
         return ["the inner optimizer's state (not a torch.optim state dict)"]
-    # the inner optimizer's shards, in its order: each group's buckets
-    shards = [(g, (layout.shard_numel,)) for g in range(len(optimizer.param_groups))
-              for layout in optimizer.bucket_layouts if layout.key.group == g]
-    fit = StateFit(type(optimizer.inner_optimizer), optimizer.param_groups, [_without_params(g) for g in groups])
-    entries, problems = [], []
+    live_inner = optimizer.inner_optimizer
+    problems = (torch_group_problems(groups, optimizer.param_groups, "param_groups")
+                + torch_group_problems(inner["param_groups"], live_inner.param_groups, "inner param_groups"))
+    if problems:
+        return problems
+    # each id the inner groups list is one shard of the inner optimizer, in its order: each
+    # group's buckets (the ids were checked to be the inner optimizer's own numbering)
+    shard_of = {i: (g, tuple(p.shape)) for g, (saved, live) in enumerate(zip(inner["param_groups"],
+                                                                             live_inner.param_groups))
+                for i, p in zip(saved["params"], live["params"])}
+    inner_fit = StateFit(type(live_inner), live_inner.param_groups, [_without_params(g) for g in inner["param_groups"]])
+    problems += [f"inner {p}" for p in inner_fit.group_problems()]
+    fit = StateFit(type(live_inner), live_inner.param_groups, [_without_params(g) for g in groups])
+    entries = []
     for index, entry in inner["state"].items():
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(shards):
-            problems.append(f"inner state for shard {index!r}, which this optimizer does not have")
+        if isinstance(index, bool) or index not in shard_of:
+            problems.append(f"inner state for shard {describe(index)}, which this optimizer does not have")
         else:
-            entries.append((shards[index][0], f"inner state of shard {index}", entry, shards[index][1]))
+            entries.append((shard_of[index][0], f"inner state of shard {index}", entry, shard_of[index][1]))
     return problems + fit.problems(entries)
 
 
@@ -206,21 +220,23 @@ class RankLocalState:
             result = hook(self, state_dict)
             state_dict = state_dict if result is None else result
         if state_dict is not STATE_LOADED:
-            # every rank loads (the masters are published to all): one refusing means all refuse
+            # every rank loads (the masters are published to all): one refusing means all refuse.
+            # Everything that could refuse is checked here, the scaler's state and torch's own
+            # group checks included, so that what follows cannot fail on one rank alone.
             agree(self.backend.coordinator, lambda: (self.check_state_dict(state_dict), None), what="its state dict")
-            if self.loss_scaler is not None and "loss_scaler" in state_dict:
-                self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+            scaler_state = state_dict.get("loss_scaler") if self.loss_scaler is not None else None
             # (copied: torch.optim keeps given tensors where dtype and device match, and training
             # would write into the caller's state dict)
             self.install_state(copy.deepcopy(state_dict["inner"]["state"]),
                                [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]],
-                               state_dict.get("master_weights"), rebuild=False, discard_gradients=False)
+                               state_dict.get("master_weights"), rebuild=False, discard_gradients=False,
+                               scaler_state=scaler_state)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
     def install_state(self, state: Mapping[int, Mapping[str, torch.Tensor]],
                       hyperparameters: Sequence[Mapping[str, Any]], masters: Sequence[torch.Tensor] | None, *,
-                      rebuild: bool = True, discard_gradients: bool = True) -> None:
+                      rebuild: bool = True, discard_gradients: bool = True, scaler_state: Any = None) -> None:
         """Install a checked state: the inner optimizer's state by shard index (its tensors become
         the optimizer's own), each param group's ``hyperparameters`` (over the live group; kernel
         options stay the live ones), and the master shards, published into the parameters. Without
@@ -228,15 +244,42 @@ class RankLocalState:
         (``rebuild``), or else at the next step from those loaded by then, with a warning that
         precision below the parameter dtype was lost. ``discard_gradients``: drop the gradients
         accumulated since the last step (a checkpoint's load does; ``load_state_dict`` keeps them, as
-        torch's optimizers do). Every rank calls it, once the ranks agreed (the masters' publication
-        is a collective)."""
+        torch's optimizers do). ``scaler_state``: the loss scaler's, checked (``check_scaler_state``).
+        Every rank calls it, once the ranks agreed (the masters' publication is a collective).
+
+        What is local (torch's ``load_state_dict`` of the inner optimizer, the groups, the scaler)
+        runs first, under a second agreement: the checks made it unable to fail, and should it fail
+        all the same on one rank (an optimizer class that could not be probed), every rank puts its
+        own back and raises a ``CheckpointError``, rather than the others waiting in the masters'
+        collective."""
         inner = self.inner_optimizer
-        groups = [installed_hyperparameters(group, hyper) for group, hyper in zip(inner.param_groups, hyperparameters)]
-        ids = index_groups([len(group["params"]) for group in inner.param_groups])
-        inner.load_state_dict({"state": dict(state),
-                               "param_groups": [{**group, "params": i} for group, i in zip(groups, ids)]})
-        for group, installed in zip(self.param_groups, groups):
-            group.update(installed)
+        before = (inner.state, inner.param_groups, [dict(g) for g in self.param_groups],
+                  None if self.loss_scaler is None else self.loss_scaler.state_dict())
+
+        def install_locally() -> tuple[None, Any]:
+            try:
+                # (torch's load_state_dict replaces ``state`` and ``param_groups`` with new objects:
+                # the old ones, kept above, are what the undo puts back)
+                loaded = torch_state_dict(inner.param_groups, hyperparameters, state)
+                inner.load_state_dict(loaded)
+                for group, installed in zip(self.param_groups, loaded["param_groups"]):
+                    group.update({k: v for k, v in installed.items() if k != "params"})
+                if scaler_state is not None:
+                    self.loss_scaler.load_state_dict(scaler_state)
+            except BaseException:
+                undo()
+                raise
+            return None, undo
+
+        def undo() -> None:
+            inner.__dict__.update(state=before[0], param_groups=before[1])
+            for group, old in zip(self.param_groups, before[2]):
+                group.clear()
+                group.update(old)
+            if before[3] is not None:
+                self.loss_scaler.load_state_dict(before[3])
+
+        agree(self.backend.coordinator, install_locally, what="the checked state")
         if discard_gradients:
             self.zero_grad()
         self._state_changed()

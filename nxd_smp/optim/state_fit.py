@@ -7,10 +7,16 @@ momentum 0.9 loads into an SGD built with momentum 0 (torch's own ``ZeroRedundan
 does that), and its momentum buffers are what the installed group keeps.
 
 * the param groups: as many as the optimizer has, each saved hyperparameter of the kind the live
-  group holds (``check_hyperparameters``; kernel options such as ``fused`` stay the live ones);
+  group holds (``check_hyperparameters``) and of a value the class itself accepts (a throwaway
+  instance is built with them: ``constructor_refusal``); the options in ``LIVE_OPTIONS`` (the
+  kernel's, and ``amsgrad``) are never taken from a file, the live ones stay;
+* torch's own numbering: a torch.optim state dict's groups list exactly the ids the optimizer
+  numbers its parameters with (``torch_group_problems``), so torch's ``load_state_dict`` cannot
+  refuse what was checked, and the dict handed to it is built in one place (``torch_state_dict``);
 * the state: per parameter (or per flat shard) the keys the optimizer class keeps under the
   installed hyperparameters, tensors shaped like their parameter or 0-dim as the class keeps them
-  (``state_kinds`` asks a throwaway instance of the class).
+  (``state_kinds`` asks a throwaway instance of the class), ``step`` a finite, non-negative
+  whole number (``check_step``).
 
 Every loader asks this module: ``Zero1Optimizer.load_state_dict`` (``rank_state``), nxd_smp's
 checkpoints, NxD's folders and state dicts, torch_xla's per-rank dicts and torch's native
@@ -28,7 +34,13 @@ from typing import Any
 import torch
 
 from ..core.errors import CheckpointError
-from .param_groups import KERNEL_OPTIONS
+from .param_groups import KERNEL_OPTIONS, index_groups
+
+#: What a file never sets in a param group: the kernel options (they belong to the device that
+#: loads), and ``amsgrad``, which decides whether the state holds ``max_exp_avg_sq`` and which the
+#: live kernel was chosen for (nxd_smp's compiled update has none). A state that the live
+#: ``amsgrad`` cannot hold is refused by the state check, never installed with the file's.
+LIVE_OPTIONS = (*KERNEL_OPTIONS, "amsgrad")
 
 #: What a saved value may be where the live value is None or the key unknown to the live group.
 PLAIN = (type(None), bool, int, float, str)
@@ -116,11 +128,44 @@ def check_hyperparameters(saved: Any, group: Mapping[str, Any], where: str) -> N
 
 def installed_hyperparameters(live: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[str, Any]:
     """What a param group holds once ``saved`` is installed over the ``live`` group: the saved
-    hyperparameters over the live ones; never ``params``, ``param_names`` or a kernel option (those
-    stay the live group's: they belong to the device that loads)."""
+    hyperparameters over the live ones; never ``params``, ``param_names`` or one of
+    ``LIVE_OPTIONS`` (those stay the live group's). Every install path takes its groups from here
+    (``torch_state_dict``), so no file sets a kernel option."""
     keep = {k: v for k, v in live.items() if k not in ("params", "param_names")}
-    keep.update({k: v for k, v in saved.items() if k not in ("params", "param_names", *KERNEL_OPTIONS)})
+    keep.update({k: v for k, v in saved.items() if k not in ("params", "param_names", *LIVE_OPTIONS)})
     return keep
+
+
+def torch_state_dict(live_groups: Sequence[Mapping[str, Any]], saved_groups: Sequence[Mapping[str, Any]],
+                     state: Mapping[Any, Any]) -> dict[str, Any]:
+    """The dict handed to torch's ``Optimizer.load_state_dict`` of an optimizer with param groups
+    ``live_groups``: ``state`` (keyed by the ids torch numbers parameters with), and each group's
+    ``installed_hyperparameters`` with those ids. The one place an install builds it: the kernel
+    options stay the live ones whatever the file said, and the groups cannot fail torch's count and
+    length checks."""
+    ids = index_groups([len(group["params"]) for group in live_groups])
+    return {"state": dict(state),
+            "param_groups": [{**installed_hyperparameters(live, saved), "params": i}
+                             for live, saved, i in zip(live_groups, saved_groups, ids)]}
+
+
+def torch_group_problems(saved_groups: Any, live_groups: Sequence[Mapping[str, Any]], where: str) -> list[str]:
+    """What in ``saved_groups`` (a torch.optim state dict's ``param_groups``) torch's
+    ``load_state_dict`` would refuse or map elsewhere: as many groups as ``live_groups``, each a dict
+    whose ``params`` lists exactly the ids the optimizer numbers its parameters with (0..n-1 in
+    group order, as its own ``state_dict()`` writes them), so each state entry maps to the parameter
+    it was saved for. (Their hyperparameters are ``StateFit``'s to check.)"""
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(live_groups):
+        count = len(saved_groups) if isinstance(saved_groups, list) else describe(saved_groups)
+        return [f"{where}: {count} param groups, the optimizer has {len(live_groups)}"]
+    ids = index_groups([len(group["params"]) for group in live_groups])
+    problems = []
+    for i, (saved, expected) in enumerate(zip(saved_groups, ids)):
+        params = saved.get("params") if isinstance(saved, Mapping) else None
+        if not isinstance(params, list) or params != expected or any(isinstance(p, bool) for p in params):
+            problems.append(f"{where}[{i}]['params'] = {describe(params) if not isinstance(params, list) else params[:8]}"
+                            f", the optimizer numbers that group's {len(expected)} parameters {expected[:8]}")
+    return problems
 
 
 def _kind(value: Any) -> bool | None:
@@ -141,6 +186,65 @@ def state_kinds(optimizer_class: type, hyperparameters: Mapping[str, Any]) -> Ki
     if key not in _probed:
         _probed[key] = _probe(optimizer_class, group)
     return _probed[key]
+
+
+_constructed: dict[tuple[type, str], str | None] = {}
+
+
+def _construct(optimizer_class: type, group: Mapping[str, Any]) -> str | None:
+    """What ``optimizer_class`` says when built with the hyperparameters ``group`` (as keyword
+    arguments where its constructor takes them, in the group otherwise; kernel options left at its
+    defaults): None if it accepts them, else its error. Remembered per class and group."""
+    group = {k: v for k, v in group.items() if k not in (*KERNEL_OPTIONS, "params", "param_names")}
+    key = (optimizer_class, repr(sorted(group.items(), key=lambda item: str(item[0]))))
+    if key not in _constructed:
+        try:
+            accepted = inspect.signature(optimizer_class.__init__).parameters
+            param = torch.zeros(2, requires_grad=True)
+            optimizer_class([{**group, "params": [param]}], **{k: v for k, v in group.items() if k in accepted})
+            _constructed[key] = None
+        except Exception as e:  # noqa: BLE001 - the class's own refusal, whatever its type
+            _constructed[key] = f"{type(e).__name__}: {e}"
+    return _constructed[key]
+
+
+def constructor_refusal(optimizer_class: type, live: Mapping[str, Any], installed: Mapping[str, Any]) -> str | None:
+    """The class's own refusal of the hyperparameters ``installed`` (``betas=(1.0, 0.999)``, a
+    negative ``lr``), asked of a throwaway instance: the keys it refuses (each alone over the live
+    group, else all that differ) and its message, where it refuses them while it accepts the
+    ``live`` group's own; None where it accepts them, or where it refuses the live group too (a
+    class that cannot be built so: nothing is learnt)."""
+    refusal = _construct(optimizer_class, installed)
+    if refusal is None or _construct(optimizer_class, live) is not None:
+        return None
+    changed = [k for k, v in installed.items() if k not in live or repr(live[k]) != repr(v)]
+    named = [k for k in changed if _construct(optimizer_class, {**live, k: installed[k]}) is not None] or changed
+    values = ", ".join(f"{k!r} = {_short(installed[k])}" for k in named)
+    return f"{values}: {optimizer_class.__name__} refuses {'it' if len(named) == 1 else 'them'} ({refusal.rstrip('.')})"
+
+
+def _short(value: Any) -> str:
+    """``describe``, and short tuples and lists of plain values written out (``betas``)."""
+    if isinstance(value, (tuple, list)) and len(value) <= 4 and all(isinstance(v, PLAIN) for v in value):
+        return repr(value)
+    return describe(value)
+
+
+def check_step(value: Any, where: str) -> str | None:
+    """The problem of a saved ``step`` (a 0-dim tensor or a number), None if it is a finite,
+    non-negative whole number: a NaN, negative or fractional step turns the bias corrections, and
+    every weight, NaN."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype.is_complex or value.dtype == torch.bool:
+            return f"{where} is not a number"
+        number = float(value.detach().reshape(()).to("cpu", torch.float64))
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        return f"{where} is a {type(value).__name__}, not a number"
+    if not math.isfinite(number) or number < 0 or number != int(number):
+        return f"{where} = {number!r}, not a finite, non-negative whole number of steps"
+    return None
 
 
 def _probe(optimizer_class: type, group: dict[str, Any]) -> Kinds | None:
@@ -170,6 +274,9 @@ def check_state_entry(entry: Any, kinds: Kinds | None, shape: tuple[int, ...], w
         problems.append(f"{where}: state keys {sorted(map(str, entry))}, the optimizer's are {sorted(kinds)}"
                         + (f" (missing {lacking})" if lacking else "") + (f" (unknown {surplus})" if surplus else ""))
     for key, value in entry.items():
+        if key == "step" and (found := check_step(value, f"{where}/step")):
+            problems.append(found)
+            continue
         if kinds is not None and kinds.get(key, False) is None:  # the optimizer's own is a number
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 problems.append(f"{where}/{key} is a {type(value).__name__}, not a number")
@@ -195,8 +302,9 @@ class StateFit:
     ``params``, which the caller takes out where its format numbers them there; kernel options are
     checked for their kind and never installed).
 
-    ``problems`` says everything that does not fit: the group count, each group's hyperparameters,
-    and each state entry handed to it. ``expected_keys`` says which state keys the installed groups
+    ``problems`` says everything that does not fit: the group count, each group's hyperparameters
+    (their kinds, and their values as the class's constructor accepts them), and each state entry
+    handed to it. ``expected_keys`` says which state keys the installed groups
     make, for a format that records keys rather than entries.
     """
 
@@ -206,7 +314,8 @@ class StateFit:
         self.saved_groups = list(saved_groups)
 
     def group_problems(self) -> list[str]:
-        """The group count and each group's hyperparameters."""
+        """The group count and each group's hyperparameters: of the kinds the live group holds,
+        then of values the class accepts (``constructor_refusal``)."""
         if len(self.saved_groups) != len(self.live_groups):
             return [f"{len(self.saved_groups)} param groups, the optimizer has {len(self.live_groups)}"]
         problems = []
@@ -215,6 +324,10 @@ class StateFit:
                 check_hyperparameters(saved, group, f"param group {i}")
             except CheckpointError as e:
                 problems.append(str(e).rstrip("."))
+                continue
+            refusal = constructor_refusal(self.optimizer_class, group, installed_hyperparameters(group, saved))
+            if refusal:
+                problems.append(f"param group {i}: {refusal}")
         return problems
 
     def kinds(self, group: int) -> Kinds | None:

@@ -33,7 +33,7 @@ from ...checkpointing.save import check_async_save
 from ...checkpointing.storage import write_bytes
 from ...checkpointing.writer import start_save
 from ...core.errors import CheckpointError
-from ...optim.state_fit import StateFit
+from ...optim.state_fit import StateFit, torch_group_problems, torch_state_dict
 from ...zero1_optimizer import zero1_optimizer_of
 from .folders import (
     SCHEDULER_FILE,
@@ -207,6 +207,10 @@ def load_state_dicts(
         elif isinstance(target, nn.Module):
             with torch.no_grad():
                 target.load_state_dict(value, strict=strict)
+        elif zero1_optimizer_of(target) is None and isinstance(_torch_optimizer(target), torch.optim.Optimizer):
+            # a plain torch optimizer (ZeRO-1 off): the checked state, with the live kernel options
+            live = _torch_optimizer(target)
+            target.load_state_dict(torch_state_dict(live.param_groups, value["param_groups"], value["state"]))
         else:
             target.load_state_dict(value)
     return user_content
@@ -267,18 +271,25 @@ def _read_state_dicts(tag: Path, model: Any, optimizer: Any, scheduler: Any, str
                 zero1.check_state_dict(optimizer_state)
             except ValueError as e:
                 raise CheckpointError(f"{source}: {e}") from None
-        elif isinstance(getattr(optimizer, "optimizer", optimizer), torch.optim.Optimizer):  # ZeRO-1 off
-            _check_torch_optimizer_state(optimizer_state, getattr(optimizer, "optimizer", optimizer), str(source))
+        elif isinstance(_torch_optimizer(optimizer), torch.optim.Optimizer):  # ZeRO-1 off
+            _check_torch_optimizer_state(optimizer_state, _torch_optimizer(optimizer), str(source))
     scheduler_state = _scheduler_state(tag, scheduler)
     user_content = _read(tag, USER_CONTENT_FILE) if os.path.lexists(tag / USER_CONTENT_FILE) else None
     return weights, optimizer_state, scheduler_state, user_content
 
 
+def _torch_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside NxD's wrapper (or ``optimizer`` itself)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
 def _check_torch_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, source: str) -> None:
     """``saved`` is a ``state_dict()`` of ``optimizer`` (a plain torch optimizer: NxD's with ZeRO-1
-    off): as many groups of as many parameters, and the one state-fit check (hyperparameters of the
-    groups' kinds; per parameter id the state the installed group keeps, moments shaped like the
-    parameter).
+    off): its groups as torch's ``load_state_dict`` checks them, numbering the parameters as the
+    optimizer does (``torch_group_problems``), and the one state-fit check (hyperparameters of the
+    groups' kinds and of values the class accepts; per parameter id the state the installed group
+    keeps, moments shaped like the parameter). What is installed after it is ``torch_state_dict``'s:
+    torch's ``load_state_dict`` cannot refuse it, and the kernel options stay the live ones.
 
     Raises:
         CheckpointError: naming ``source`` and every field that does not fit.
@@ -287,12 +298,13 @@ def _check_torch_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, s
     if not isinstance(groups, list) or not isinstance(state, Mapping) or not all(
             isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups):
         raise CheckpointError(f"{source} is not a torch optimizer state dict ('state' and 'param_groups').")
-    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
-        raise CheckpointError(f"{source} holds param groups of {[len(g['params']) for g in groups]} parameters, the "
-                              f"optimizer {[len(g['params']) for g in optimizer.param_groups]}.")
+    problems = torch_group_problems(groups, optimizer.param_groups, "param_groups")
+    if problems:
+        raise CheckpointError(f"{source}: the optimizer state does not fit: " + "; ".join(problems) + ".")
     where = {i: (g, tuple(p.shape)) for g, (saved_group, group) in enumerate(zip(groups, optimizer.param_groups))
              for i, p in zip(saved_group["params"], group["params"])}
-    problems = [f"state for parameter {i!r}, which the param groups do not list" for i in state if i not in where]
+    problems = [f"state for parameter {i!r}, which the param groups do not list" for i in state
+                if isinstance(i, bool) or i not in where]
     hypers = [{k: v for k, v in group.items() if k != "params"} for group in groups]
     problems += StateFit(type(optimizer), optimizer.param_groups, hypers).problems(
         (where[i][0], f"parameter {i}", entry, where[i][1]) for i, entry in state.items() if i in where)
