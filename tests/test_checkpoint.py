@@ -776,3 +776,42 @@ def test_user_content_that_is_not_json_or_tensors_is_refused_at_save_with_the_fi
     with pytest.raises(TypeError, match=__import__("re").escape(where) + ".*never a pickle"):
         save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt, extra=value)
     assert not os.path.lexists(tmp_path / "ckpt") and not list(tmp_path.glob(".ckpt.v-*"))
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1.0, 0.0])
+def test_a_loss_scale_the_scaler_would_not_accept_is_refused(tmp_path, scale):
+    """A NaN or infinite scale skips every later step: training would stall without a word."""
+    import json
+    import zlib
+
+    from nxd_smp import DynamicLossScaler
+
+    def fp16_run():
+        model = make_model(0).half()
+        opt = Zero1Optimizer(model.parameters(), torch.optim.SGD, lr=0.1, loss_scaler=DynamicLossScaler(init_scale=4.0),
+                             bucket_cap_mb=0.0004)
+        return model, opt
+
+    model, opt = fp16_run()
+    opt.scale_loss(sum(p.float().pow(2).sum() for p in model.parameters())).backward()
+    opt.step()
+    save_checkpoint(tmp_path / "c", model=model, optimizer=opt)
+    version = (tmp_path / "c").resolve()
+    index = json.loads((version / "nxd_smp_index.json").read_text())
+    file, offset, length, _, _, _ = index["entries"]["loss_scaler/scale"]
+    data = bytearray((version / file).read_bytes())
+    data[offset:offset + length] = torch.tensor(scale, dtype=torch.float32).numpy().tobytes()
+    (version / file).write_bytes(bytes(data))
+    index["entries"]["loss_scaler/scale"][3] = zlib.crc32(data[offset:offset + length])
+    (version / "nxd_smp_index.json").write_text(json.dumps(index))
+    record = json.loads((version / "COMPLETE.json").read_text())
+    for name in (file, "nxd_smp_index.json"):
+        record["files"][name] = [len((version / name).read_bytes()), zlib.crc32((version / name).read_bytes())]
+    (version / "COMPLETE.json").write_text(json.dumps(record))
+    fresh, fresh_opt = fp16_run()
+    before, weights = fresh_opt.loss_scaler.state_dict(), params_of(fresh)
+    assert any(not torch.equal(v, weights[n]) for n, v in params_of(model).items())  # (a load would show)
+    with pytest.raises(CheckpointError, match=r"loss_scaler\['scale'\].*positive"):
+        load_checkpoint(tmp_path / "c", model=fresh, optimizer=fresh_opt)
+    assert all(torch.equal(v, fresh_opt.loss_scaler.state_dict()[k]) for k, v in before.items())
+    assert all(torch.equal(v, weights[n]) for n, v in params_of(fresh).items()), "refused after the model changed"

@@ -227,7 +227,7 @@ def code_lines(pattern: str) -> dict[str, list[int]]:
     ("the NxD parallel state's groups read", r"nxd_parallel_groups\(\)", ["interop/nxd/parallel_state.py"]),
     ("the cross-rank agreement", r"def agree\b", ["backend/agreement.py"]),
     ("the ranks' write-and-publish", r"def write_and_publish\b", ["checkpointing/publish.py"]),
-    ("a DCP index unpickled", r"load_pickle\(", ["checkpointing/dcp_index.py"]),
+    ("a DCP index unpickled (nxd_smp's RawItem admitted)", r"own=\(RawItem,\)", ["checkpointing/dcp_index.py"]),
     ("a typed-JSON value decoded", r"\bdecode\(loads\(", ["checkpointing/format.py"]),
     ("a state's keys probed from its optimizer class", r"def state_kinds\b", ["optim/state_fit.py"]),
     ("a gradient reduced at step time, outside the backend's collectives", r"\.reduce_scatter\(", ["grad_accum.py"]),

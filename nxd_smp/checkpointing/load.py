@@ -26,7 +26,8 @@ import torch.nn as nn
 from ..backend import Backend
 from ..backend.agreement import agree, error_text
 from ..core.errors import CheckpointError
-from ..optim.state_fit import StateFit
+from ..optim.loss_scaler import check_scaler_state
+from ..optim.state_fit import StateFit, check_step
 from ..zero1_optimizer import Zero1Optimizer
 from .format import (
     EXTRA_FILE,
@@ -102,6 +103,7 @@ def load(
             advance("verify")
             plan = plan_load(meta, model, optimizer, strict=strict, device_dtype=backend.device_dtype, source=source)
             read_entries(plan.staging, target, verify_checksums, index)
+            _check_values(plan, optimizer, {key: f"{key} in {stored.file}" for key, stored in index.items()})
             plan.assemble()
             return (meta, saved, plan), load_objects(objects, saved["objects"], str(extra_file))
 
@@ -124,6 +126,22 @@ def _check_objects(saved: Mapping[str, Any], objects: Mapping[str, Any], source:
     for name, obj in objects.items():
         if name == SCHEDULER or is_scheduler(obj):
             check_scheduler_state(saved["objects"][name], obj, f"{source} ({name})")
+
+
+def _check_values(plan: LoadPlan, optimizer: Zero1Optimizer | None, where: Mapping[str, str]) -> None:
+    """The values read that the checks of the metadata could not see: each bucket's ``step`` a
+    finite, non-negative whole number, the loss scaler's state one the scaler accepts (a finite,
+    positive scale; whole trackers). ``where``: each entry's name in errors."""
+    problems = [found for scalars in plan.scalars for key, entry in scalars.items()
+                if key == "step" and (found := check_step(plan.staging[entry], where.get(entry, entry)))]
+    scaler = optimizer.loss_scaler if optimizer is not None else None
+    if scaler is not None:
+        saved = {key: plan.staging[scaler_key(key)] for key in scaler.state_dict() if scaler_key(key) in plan.staging}
+        if saved:
+            held = where.get(scaler_key("scale"), "").partition(" in ")[2]
+            problems += [f"loss_scaler{p}" + (f" (in {held})" if held else "") for p in check_scaler_state(saved, scaler)]
+    if problems:
+        raise CheckpointError("values the optimizer would not accept: " + "; ".join(problems) + ".")
 
 
 @dataclass
