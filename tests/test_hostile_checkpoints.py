@@ -524,6 +524,38 @@ def xser_tensors(tag: Path) -> Path:
     return tag / "model" / f"{RANK_FILE}.tensors"
 
 
+# -- round two: what torch.load(weights_only=True) admits and the strict reader does not
+def duplicate_record(file: Path) -> None:
+    """A second zip record under the name of ``file``'s largest data record, 4 KiB of other bytes:
+    one parser sizes one record and another reads the other."""
+    import zipfile
+
+    with zipfile.ZipFile(file) as z:
+        records = [r for r in z.infolist() if "/data/" in r.filename] or [r for r in z.infolist()
+                                                                           if r.filename.endswith("/data.pkl")]
+        name = max(records, key=lambda r: r.file_size).filename
+    with warnings.catch_warnings(), zipfile.ZipFile(file, "a", zipfile.ZIP_STORED) as z:
+        warnings.simplefilter("ignore", UserWarning)  # (zipfile warns of the duplicate name: the point)
+        z.writestr(name, bytes(4096))
+
+
+def device_rebuild() -> Any:
+    """torch's ``_rebuild_device_tensor_from_cpu_tensor`` of a stride-0 view of 2**28 elements: a
+    few bytes, then a gigabyte when torch copies it."""
+    from tests.test_strict_reader import Reduces
+
+    return Reduces(torch._utils._rebuild_device_tensor_from_cpu_tensor, torch.zeros(1).expand(2**28),
+                   torch.float32, "cpu", False)
+
+
+def tensor_of_a_number(file: Path) -> None:
+    """``file`` replaced by a torch.save archive of ``{"2.bias": torch.Tensor(2**29)}`` by NEWOBJ:
+    2 GiB of uninitialised heap memory as a weight (torch's pickler never writes it; a hand does)."""
+    from tests.test_strict_reader import archive
+
+    file.write_bytes(archive(b"\x80\x02}(X\x06\x00\x00\x002.biasctorch\nTensor\nJ\x00\x00\x00\x20\x85\x81u."))
+
+
 # -- import_torch
 def native_edit(edit: Callable) -> Callable:
     return lambda directory, healthy: resave_native(directory, healthy, edit)
@@ -565,6 +597,14 @@ ZERO_DIM = {  # 0-dim AdamW moments, then a step: memory corruption if accepted 
     "torch": Attack("torch", native_state(lambda e: e.__setitem__("exp_avg", torch.tensor(0.0))),
                     NATIVE_FILES, "exp_avg"),
     "nxd_smp3": Attack("nxd_smp3", zero_dim_moments3, (META3, INDEX3), "exp_avg"),
+}
+
+TWO_PARSES = {  # a record name twice in the zip: heap bytes as weights, a step past a buffer (a child process)
+    "nxd optimizer file": Attack("nxd", lambda tag, h: duplicate_record(tag / "optim" / RANK_FILE), (RANK_FILE,), None),
+    "nxd model file": Attack("nxd", lambda tag, h: duplicate_record(tag / "model" / RANK_FILE), (RANK_FILE,), None),
+    "nxd_smp extra.pt": Attack("nxd_smp", lambda p, h: (duplicate_record(p.resolve() / EXTRA),
+                                                        reseal(p.resolve(), EXTRA)), (EXTRA,), None),
+    "xla rank file": Attack("xla", lambda d, h: duplicate_record(d / RANK_FILE), (RANK_FILE,), None),
 }
 
 FIFOS = {  # a FIFO where a data file belongs: opening it blocks forever (a child process)
@@ -618,6 +658,17 @@ MEMORY = {  # a few KB that claim gigabytes (a child process measures the peak)
         loader="read"),
     "nxd_smp3: a piece range (0, 2**28)": Attack("nxd_smp3", json_edit(META3, lambda meta: meta["optimizer"][
         "pieces"].__setitem__("0.bias", [[0, 2**28]])), (META3,), "0.bias"),
+    "nxd: a device-tensor rebuild in user_content.pt": Attack("nxd", lambda tag, h: torch.save(
+        {"step": device_rebuild()}, tag / "user_content.pt"), ("user_content.pt",), "step"),
+    "nxd_smp: a device-tensor rebuild in extra.pt": Attack("nxd_smp", lambda p, h: edit_pt(
+        p, EXTRA, lambda saved: saved["extra"].__setitem__("step", device_rebuild())), (EXTRA,), "step"),
+    "xla: a device-tensor rebuild as exp_avg": Attack("xla", lambda d, h: edit_file(d / RANK_FILE, base_state(
+        lambda e: e.__setitem__("exp_avg", device_rebuild()))), (RANK_FILE,), "exp_avg"),
+    "nxd: torch.Tensor(2**29) by NEWOBJ as a weight": Attack("nxd", lambda tag, h: tensor_of_a_number(
+        tag / "model" / RANK_FILE), (RANK_FILE,), "2.bias"),
+    "nxd_smp: a shared-reference bomb in nxd_smp_meta.pt": Attack("nxd_smp", meta_edit(
+        lambda meta: meta.__setitem__("bomb", __import__("tests.test_strict_reader").test_strict_reader.bomb(40))),
+        (META,), None),
     "nxd_smp3: a tensor of 2**28 elements in extra.json": Attack("nxd_smp3", lambda p, h: (
         set_entry(p, "small/0", torch.zeros(4)), entry3("small/0", shape=[2**28])(p, h),
         edit_json(p, EXTRA3, lambda saved: saved["extra"].__setitem__("blob", {"$tensor": "small/0"}))),
@@ -820,7 +871,8 @@ def child_problems(result: dict[str, Any], attack: Attack, root: Path) -> list[s
 
 
 # -- one child for the loads that crash or hang (today), one for the memory cases
-CRASHES = {**{f"0-dim moments, {k}": v for k, v in ZERO_DIM.items()}, **{f"fifo, {k}": v for k, v in FIFOS.items()}}
+CRASHES = {**{f"0-dim moments, {k}": v for k, v in ZERO_DIM.items()}, **{f"fifo, {k}": v for k, v in FIFOS.items()},
+           **{f"two parses, {k}": v for k, v in TWO_PARSES.items()}}
 CONTROL = "control: a healthy nxd_smp folder"
 BALLAST = "control: 256 MiB taken"
 
@@ -894,6 +946,13 @@ def test_the_child_processes_tell_a_healthy_load_from_a_refusal(crashes, memory)
 def test_zero_dim_moments_are_refused_before_a_step_can_corrupt_memory(crashes, loader):
     results, root = crashes
     problems = child_problems(results[f"0-dim moments, {loader}"], ZERO_DIM[loader], root)
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("case", sorted(TWO_PARSES))
+def test_a_zip_record_named_twice_is_refused_before_anything_reads_it(crashes, case):
+    results, root = crashes
+    problems = child_problems(results[f"two parses, {case}"], TWO_PARSES[case], root)
     assert not problems, problems
 
 
