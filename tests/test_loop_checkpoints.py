@@ -138,3 +138,63 @@ def test_an_optimizer_file_that_is_not_a_reference_reads_as_none(tmp_path):
     torch.save(opt.state_dict(), tmp_path / "optimizer.pt")  # a state of its own (DP 1, no hooks)
     assert read_reference(tmp_path / "optimizer.pt") is None
     assert read_reference(tmp_path / "missing.pt") is None
+
+
+def _planted_elsewhere(folder, tmp_path):
+    """The loop's ``nxd_smp`` link pointed at another run's version folder (the same save's bytes,
+    moved out of the checkpoint folder)."""
+    import os
+    import shutil
+
+    link = folder / "nxd_smp"
+    version = link.resolve()
+    other = tmp_path / "other_run"
+    other.mkdir()
+    shutil.move(str(version), other / version.name)
+    link.unlink()
+    os.symlink(os.path.relpath(other / version.name, folder), link)
+    return other / version.name
+
+
+def _values_the_class_refuses(folder, tmp_path):
+    """betas = (1.0, 0.999) in the checkpoint's metadata, the completion record resealed."""
+    import json
+    import zlib
+
+    version = (folder / "nxd_smp").resolve()
+    meta = json.loads((version / "nxd_smp_meta.json").read_text())
+    meta["optimizer"]["groups"][0]["hyper"]["betas"] = {"$tuple": [1.0, 0.999]}
+    data = json.dumps(meta).encode()
+    (version / "nxd_smp_meta.json").write_bytes(data)
+    record = json.loads((version / "COMPLETE.json").read_text())
+    record["files"]["nxd_smp_meta.json"] = [len(data), zlib.crc32(data)]
+    (version / "COMPLETE.json").write_text(json.dumps(record))
+
+
+def _fifo_for_the_completion_record(folder, tmp_path):
+    import os
+
+    record = (folder / "nxd_smp").resolve() / "COMPLETE.json"
+    record.unlink()
+    os.mkfifo(record)
+
+
+@pytest.mark.parametrize("craft, says", [
+    (_planted_elsewhere, "nxd_smp"), (_values_the_class_refuses, "betas"),
+    (_fifo_for_the_completion_record, "FIFO"),
+], ids=["a link to another run", "betas the class refuses", "a FIFO as the completion record"])
+def test_a_loops_resume_refuses_a_hostile_folder_and_changes_nothing(tmp_path, craft, says):
+    """The Trainer's and accelerate's resume (``load_beside``, which both call) meets round two's
+    folders: a link out of the folder (it must neither load nor, later, delete another run's
+    checkpoint), values the live class refuses, a FIFO that would block the read."""
+    model, opt = trained()
+    reference = save_beside(tmp_path / "ckpt", model, opt)
+    outside = craft(tmp_path / "ckpt", tmp_path)
+    fresh_model, fresh = trained(seed=1)
+    before = snapshot(fresh_model, fresh)
+    with pytest.raises(CheckpointError, match=says):
+        load_beside(tmp_path / "ckpt", fresh_model, fresh, reference)
+    assert_same(snapshot(fresh_model, fresh), before)
+    if outside is not None:
+        save_beside(tmp_path / "ckpt", model, opt)  # a re-save replaces the link, never the run it points to
+        assert (outside / "COMPLETE.json").is_file()
