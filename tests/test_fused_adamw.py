@@ -136,3 +136,25 @@ def _opt_and_model(compile_update):
     model = make_model()
     opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, compile_update=compile_update)
     return opt, model
+
+
+def test_an_option_the_kernel_lacks_installed_by_a_load_is_computed_by_torchs_step():
+    """A state dict saved with ``maximize=True`` installs it (it is a hyperparameter, not a kernel
+    choice); the compiled update, chosen at construction without it, must then step as torch does,
+    not silently minimise."""
+    def build(**kwargs):
+        torch.manual_seed(0)
+        model = make_model(0)
+        return model, Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, **kwargs)
+
+    reference_model, reference = build(maximize=True, compile_update=False)
+    model, opt = build(compile_update=True)
+    opt.load_state_dict(reference.state_dict())
+    assert all(group["maximize"] for group in opt.param_groups)
+    for step in range(2):
+        for m, o in ((reference_model, reference), (model, opt)):
+            loss_fn(m, *batch(0, 0, step, 0)).backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), reference_model.parameters()):
+        assert torch.equal(p, q)

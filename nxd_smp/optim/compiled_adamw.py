@@ -130,12 +130,18 @@ def applies_to(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
     """True for a stock Adam/AdamW on CPU whose groups use no option the kernel lacks."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or device.type != "cpu":
         return False
+    return _options_fit(optimizer) and all(p.dtype == torch.float32 for g in optimizer.param_groups
+                                           for p in g["params"])
+
+
+def _options_fit(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every group uses only what the kernel computes: no amsgrad, maximize or
+    differentiable, a Python-number lr and a tuple of betas. A load can install other values (a
+    checkpoint saved with ``maximize=True``), so ``step`` asks again each time."""
     for group in optimizer.param_groups:
         if group.get("amsgrad") or group.get("maximize") or group.get("differentiable"):
             return False
         if isinstance(group.get("lr"), torch.Tensor) or not isinstance(group.get("betas"), tuple):
-            return False
-        if any(p.dtype != torch.float32 for p in group["params"]):
             return False
     return True
 
@@ -188,7 +194,7 @@ class CompiledAdamW:
         ``outs[i]`` plus int16 ``remainders[i]`` (the optimizer's shards hold no data), updated
         in place. Returns False (nothing changed) if the kernel cannot be compiled here; the
         caller then uses the stock step."""
-        if not self.enabled:
+        if not self.enabled or not _options_fit(self.optimizer):  # (then torch's own step computes them)
             return False
         kernel = _kernel(_adamw_and_cast if remainders is None else _adamw_remainders)
         index = 0
