@@ -815,3 +815,51 @@ def test_a_loss_scale_the_scaler_would_not_accept_is_refused(tmp_path, scale):
         load_checkpoint(tmp_path / "c", model=fresh, optimizer=fresh_opt)
     assert all(torch.equal(v, fresh_opt.loss_scaler.state_dict()[k]) for k, v in before.items())
     assert all(torch.equal(v, weights[n]) for n, v in params_of(fresh).items()), "refused after the model changed"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the eager path on an accelerator)")
+def test_a_cuda_run_round_trips_and_its_torch_save_files_read_on_the_cpu(tmp_path):
+    """On an accelerator: the state comes to the host to be written and goes back to the device on
+    load; user content's tensors come back as CPU tensors of the same dtype and values; and a
+    torch.save file of CUDA tensors (a training loop's optimizer file written on a GPU) reads through
+    the strict reader as torch.load(map_location="cpu") reads it. In a spawned child: CUDA set up in
+    this process would break the forked ranks of the tests after it."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        pool.apply(cuda_round_trip, (str(tmp_path),))
+
+
+def cuda_round_trip(where: str) -> None:
+    import io
+
+    from nxd_smp.checkpointing.reader import load_bytes
+
+    tmp_path = Path(where)
+
+    def cuda_run(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2)).to("cuda", torch.bfloat16)
+        opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2,
+                             mixed_precision=MixedPrecisionConfig(use_master_weights_in_ckpt=True))
+        return model, opt
+
+    model, opt = cuda_run(0)
+    for _ in range(2):
+        model(torch.randn(4, 8, device="cuda", dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    extra = {"rng": torch.cuda.get_rng_state(), "t": torch.arange(3.0, device="cuda")}
+    save_checkpoint(tmp_path / "c", model=model, optimizer=opt, extra=extra)
+    fresh, fresh_opt = cuda_run(1)
+    got = load_checkpoint(tmp_path / "c", model=fresh, optimizer=fresh_opt)
+    assert all(torch.equal(p, q) and p.is_cuda for p, q in zip(fresh.parameters(), model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(fresh_opt.master_shards, opt.master_shards))
+    assert torch.equal(got["rng"], extra["rng"]) and torch.equal(got["t"], extra["t"].cpu())
+    buffer = io.BytesIO()
+    torch.save(opt.inner_optimizer.state_dict(), buffer)
+    ours = load_bytes(buffer.getvalue(), "optimizer.pt")
+    theirs = torch.load(io.BytesIO(buffer.getvalue()), map_location="cpu", weights_only=True)
+    assert ours["param_groups"] == theirs["param_groups"]
+    for i, entry in theirs["state"].items():
+        assert all(torch.equal(ours["state"][i][k], v) and ours["state"][i][k].dtype == v.dtype for k, v in entry.items())
