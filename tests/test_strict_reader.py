@@ -315,3 +315,30 @@ def test_a_dcp_index_reads_as_pickle_reads_it(tmp_path):
     data = (tmp_path / ".metadata").read_bytes()
     assert load_pickle(data, SOURCE, own=(RawItem,)) == pickle.loads(data)
     assert load_file(tmp_path / ".metadata", kind="dcp_metadata") == pickle.loads(data)
+
+
+@pytest.mark.parametrize("op", [b"e", b"a", b"s", b"u", b"\x90"], ids=["APPENDS", "APPEND", "SETITEM", "SETITEMS",
+                                                                      "ADDITEMS"])
+def test_a_container_opcode_on_a_tensor_is_refused(op):
+    """APPEND, SETITEM and ADDITEMS call ``append``, ``__setitem__`` and ``add`` on what lies below
+    their items: on a tensor, ``add`` broadcasts (a (1, N) plus an (N, 1) tensor is N*N elements from
+    a file of 8N floats) and ``__setitem__`` writes; only a list, dict or set may take them."""
+    records = {"0": bytes(32), "1": bytes(32)}
+    first, second = float_storage("0", 8), float_storage("1", 8)
+    body = {b"e": first + b"(" + second + b"e", b"a": first + second + b"a",
+            b"s": first + b"K\x00" + second + b"s", b"u": first + b"(K\x00" + second + b"u",
+            b"\x90": first + b"(" + second + b"\x90"}[op]
+    refused(archive(b"\x80\x04" + body + b".", records), match="on a Tensor")
+
+
+@pytest.mark.parametrize("metadata", [b"}(X\x00\x00\x00\x00}(X\x07\x00\x00\x00versionX\x01\x00\x00\x00xuu",
+                                      b"]K\x01a"], ids=["a string version", "a list"])
+def test_a_state_dicts_metadata_is_what_load_state_dict_reads(metadata):
+    """``_metadata`` goes to ``model.load_state_dict``, which compares ``version`` with integers:
+    a string or a list there would fail inside it, after the ranks agreed."""
+    pickled = (b"\x80\x02ccollections\nOrderedDict\n)R}X\t\x00\x00\x00_metadata" + metadata + b"sb.")
+    refused(archive(pickled), match="_metadata")
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    same(load_bytes(saved(model.state_dict()), SOURCE), torch.load(io.BytesIO(saved(model.state_dict())),
+                                                                  weights_only=True))
+    assert load_bytes(saved(model.state_dict()), SOURCE)._metadata == model.state_dict()._metadata

@@ -36,13 +36,13 @@ import pickle
 import struct
 import zipfile
 from collections import OrderedDict
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ..core.errors import CheckpointError
 from .paths import inside, open_regular
+from .values import check_tree
 
 KINDS = ("state_dict", "xser", "dcp_metadata")
 MAX_DEPTH = 64
@@ -163,6 +163,18 @@ def _rebuild_device_tensor_from_cpu_tensor(data, dtype, device, requires_grad):
     return data.requires_grad_(requires_grad)
 
 
+def _module_versions(metadata: Any) -> Any:
+    """A module state dict's ``_metadata``, checked as ``torch.save`` writes it and ``load_state_dict``
+    reads it: a dict of module prefixes, each a dict of string keys to plain values, ``version`` an
+    integer (anything else fails inside ``load_state_dict``, after the ranks agreed)."""
+    plain = (type(None), bool, int, float, str)
+    if type(metadata) not in (dict, OrderedDict) or not all(
+            type(prefix) is str and type(entry) is dict and all(type(k) is str and type(v) in plain for k, v in entry.items())
+            and type(entry.get("version", 0)) is int for prefix, entry in metadata.items()):
+        raise _Refused("holds a state dict's _metadata that is not {module: {'version': int, ...}}")
+    return metadata
+
+
 def _latin1(text, encoding):
     """``_codecs.encode``, which protocol 2 pickles bytes as: ``encode(str, "latin1")`` only."""
     if type(text) is not str or encoding != "latin1":
@@ -276,10 +288,38 @@ class _Unpickler(pickle._Unpickler):
         self._call(self.stack[-2], "construct")
         super().load_newobj()
 
+    def _into(self, target: Any, kinds: tuple[type, ...], op: str) -> None:
+        """The container opcodes call ``append``, ``add`` or ``__setitem__`` on whatever is below
+        their items: only on a container of exactly these kinds (on a tensor, ``add`` broadcasts and
+        ``__setitem__`` can too, allocating what the file never held)."""
+        if type(target) not in kinds:
+            raise _Refused(f"uses {op} on a {type(target).__name__}, which only a container takes")
+
+    def load_append(self) -> None:
+        self._into(self.stack[-2], (list,), "APPEND")
+        super().load_append()
+
+    def load_appends(self) -> None:
+        self._into(self.metastack[-1][-1] if self.metastack and self.metastack[-1] else None, (list,), "APPENDS")
+        super().load_appends()
+
+    def load_setitem(self) -> None:
+        self._into(self.stack[-3], (dict, OrderedDict), "SETITEM")
+        super().load_setitem()
+
+    def load_setitems(self) -> None:
+        self._into(self.metastack[-1][-1] if self.metastack and self.metastack[-1] else None, (dict, OrderedDict),
+                   "SETITEMS")
+        super().load_setitems()
+
+    def load_additems(self) -> None:
+        self._into(self.metastack[-1][-1] if self.metastack and self.metastack[-1] else None, (set,), "ADDITEMS")
+        super().load_additems()
+
     def load_build(self) -> None:
         state, inst = self.stack[-1], self.stack[-2]
         if type(inst) is OrderedDict and type(state) is dict and set(state) == {"_metadata"}:
-            inst._metadata = state["_metadata"]  # a module state dict's versions, by module
+            inst._metadata = _module_versions(state["_metadata"])  # a module state dict's versions, by module
         elif type(inst) is XserReference and type(state) is dict and set(state) == {"tid"}:
             tid = state["tid"]
             if type(tid) is not int or not 0 <= tid < 1 << 62:
@@ -292,13 +332,18 @@ class _Unpickler(pickle._Unpickler):
             raise _Refused(f"asks to set the state of a {type(inst).__name__}, which it may not")
         self.stack.pop()
 
+    dispatch[pickle.APPEND[0]] = load_append
+    dispatch[pickle.APPENDS[0]] = load_appends
+    dispatch[pickle.SETITEM[0]] = load_setitem
+    dispatch[pickle.SETITEMS[0]] = load_setitems
+    dispatch[pickle.ADDITEMS[0]] = load_additems
     dispatch[pickle.REDUCE[0]] = load_reduce
     dispatch[pickle.NEWOBJ[0]] = load_newobj
     dispatch[pickle.BUILD[0]] = load_build
 
 
 def _unpickle(data: bytes, source: str, kind: str, allowed: dict, storage: Any = None) -> Any:
-    """``data`` unpickled by ``_Unpickler`` and measured (``_measure``); every failure a
+    """``data`` unpickled by ``_Unpickler`` and measured (``values.check_tree``); every failure a
     ``CheckpointError`` naming ``source`` and where in the value the pickle was."""
     unpickler = _Unpickler(data, kind, allowed, storage)
     try:
@@ -310,54 +355,8 @@ def _unpickle(data: bytes, source: str, kind: str, allowed: dict, storage: Any =
         raise
     except Exception as e:  # noqa: BLE001 - any way a damaged pickle fails
         raise CheckpointError(f"{source}{unpickler.where()} cannot be read (damaged): {type(e).__name__}: {e}") from None
-    _measure(value, source, max(_NODES_PER_BYTE * len(data), _MIN_NODES))
+    check_tree(value, source, max(_NODES_PER_BYTE * len(data), _MIN_NODES), MAX_DEPTH)
     return value
-
-
-def _measure(value: Any, source: str, bound: int) -> None:
-    """``value``'s size as a tree (a container reached twice counts each time; strings and bytes
-    by their length too) is at most ``bound`` nodes, it nests no deeper than ``MAX_DEPTH`` and holds
-    no cycle. Each object is measured once (its size and height kept), so this is linear in the
-    objects, not in the tree."""
-    measured: dict[int, tuple[int, int]] = {}
-    open_: set[int] = set()
-
-    def measure(x: Any, depth: int) -> tuple[int, int]:
-        if isinstance(x, (str, bytes)):
-            return 1 + len(x) // 16, 0
-        if isinstance(x, Mapping):
-            children = [item for pair in x.items() for item in pair] + list(getattr(x, "__dict__", {}).values())
-        elif isinstance(x, (list, tuple, set, frozenset)):
-            children = list(x)
-        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-            children = [getattr(x, f.name, None) for f in dataclasses.fields(x)]
-        else:
-            return 1, 0
-        if id(x) in measured:
-            size, height = measured[id(x)]
-        else:
-            if id(x) in open_:
-                raise UnsafeFileError(f"{source} holds a container that contains itself; refused.")
-            open_.add(id(x))
-            size, height = 1, 0
-            for child in children:
-                if depth >= MAX_DEPTH:
-                    raise UnsafeFileError(f"{source} nests containers more than {MAX_DEPTH} deep; refused.")
-                child_size, child_height = measure(child, depth + 1)
-                size, height = size + child_size, max(height, child_height + 1)
-                if size > bound:
-                    break
-            open_.discard(id(x))
-            measured[id(x)] = size, height
-        if depth + height > MAX_DEPTH:
-            raise UnsafeFileError(f"{source} nests containers more than {MAX_DEPTH} deep; refused.")
-        if size > bound:
-            raise UnsafeFileError(f"{source} refers to its containers so often that, written out, it holds more "
-                                  f"than {bound} values ({_NODES_PER_BYTE} per byte of pickle); refused (a few "
-                                  f"bytes of shared references can stand for 2**30 values).")
-        return size, height
-
-    measure(value, 0)
 
 
 # ---------------------------------------------------------------------------- the archive

@@ -8,6 +8,7 @@ keys and kinds; and the caller's stateful objects loaded so that a refusal puts 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -144,3 +145,50 @@ def load_objects(objects: Mapping[str, Any], states: Mapping[str, Any], source: 
             raise CheckpointError(f"{source}: {name} refused its saved state: {type(e).__name__}: {e}") from e
         done.append((obj, before))
     return undo
+
+
+def check_tree(value: Any, source: str, bound: int, max_depth: int) -> None:
+    """``value``'s size as a tree (a container reached twice counts each time; strings and bytes
+    by their length too) is at most ``bound`` nodes, it nests no deeper than ``max_depth`` and holds
+    no cycle (a pickle can make a few bytes stand for 2**30 values, which a deep copy or a JSON dump
+    of the value would then write out). Each object is measured once (its size and height kept), so this is linear in the
+    objects, not in the tree."""
+    measured: dict[int, tuple[int, int]] = {}
+    open_: set[int] = set()
+
+    def measure(x: Any, depth: int) -> tuple[int, int]:
+        if isinstance(x, (str, bytes)):
+            return 1 + len(x) // 16, 0
+        if isinstance(x, Mapping):
+            children = [item for pair in x.items() for item in pair] + list(getattr(x, "__dict__", {}).values())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            children = list(x)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            children = [getattr(x, f.name, None) for f in dataclasses.fields(x)]
+        else:
+            return 1, 0
+        if id(x) in measured:
+            size, height = measured[id(x)]
+        else:
+            if id(x) in open_:
+                raise CheckpointError(f"{source} holds a container that contains itself; refused.")
+            open_.add(id(x))
+            size, height = 1, 0
+            for child in children:
+                if depth >= max_depth:
+                    raise CheckpointError(f"{source} nests containers more than {max_depth} deep; refused.")
+                child_size, child_height = measure(child, depth + 1)
+                size, height = size + child_size, max(height, child_height + 1)
+                if size > bound:
+                    break
+            open_.discard(id(x))
+            measured[id(x)] = size, height
+        if depth + height > max_depth:
+            raise CheckpointError(f"{source} nests containers more than {max_depth} deep; refused.")
+        if size > bound:
+            raise CheckpointError(f"{source} refers to its containers so often that, written out, it holds more "
+                                  f"than {bound} values (the bound its file's size gives); refused (a few "
+                                  f"bytes of shared references can stand for 2**30 values).")
+        return size, height
+
+    measure(value, 0)
