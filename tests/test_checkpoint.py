@@ -863,3 +863,12 @@ def cuda_round_trip(where: str) -> None:
     assert ours["param_groups"] == theirs["param_groups"]
     for i, entry in theirs["state"].items():
         assert all(torch.equal(ours["state"][i][k], v) and ours["state"][i][k].dtype == v.dtype for k, v in entry.items())
+
+
+def test_a_hidden_checkpoint_name_is_refused_before_anything_is_written(tmp_path):
+    """Hidden names in a checkpoint directory are its versions' and its record of saves': a link
+    named so could not be recorded, and every later save there would fail at its publish."""
+    model, opt = build()
+    with pytest.raises(CheckpointError, match="not hidden"):
+        save_checkpoint(tmp_path / ".c", model=model, optimizer=opt)
+    assert not list(tmp_path.iterdir())

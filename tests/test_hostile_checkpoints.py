@@ -736,6 +736,13 @@ BAD_VALUES = {  # accepted today, or refused with a raw error instead of a Check
             a={"$tensor": "small/0"}, b={"$tensor": "small/0"}))), (EXTRA3,), "small/0"),
     "nxd_smp3: overlapping entries": Attack("nxd_smp3", lambda p, h: entry3("model/0.bias", offset=json.loads(
         (p.resolve() / INDEX3).read_text())["entries"]["model/0.weight"][1])(p, h), (INDEX3,), "0.bias"),
+    "nxd_smp3: one file under two names, overlapping": Attack("nxd_smp3", lambda p, h: entry3(
+        "model/0.bias", file="./__0_0.bin", offset=json.loads((p.resolve() / INDEX3).read_text())["entries"][
+            "model/0.weight"][1])(p, h), (INDEX3,), "0.bias"),
+    "nxd_smp3: a float that is a list": Attack("nxd_smp3", json_edit(EXTRA3, lambda saved: saved["extra"].__setitem__(
+        "f", {"$float": [1]})), (EXTRA3,), "'f'"),
+    "nxd_smp3: bytes that are a number": Attack("nxd_smp3", json_edit(EXTRA3, lambda saved: saved["extra"].__setitem__(
+        "b", {"$bytes": 5})), (EXTRA3,), "'b'"),
     "nxd_smp3: a length that is not the tensor's": Attack("nxd_smp3", lambda p, h: entry3(
         "model/0.bias", length=json.loads((p.resolve() / INDEX3).read_text())["entries"]["model/0.bias"][2] + 4)(p, h),
         (INDEX3,), "0.bias"),

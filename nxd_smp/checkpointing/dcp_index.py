@@ -104,6 +104,9 @@ def read_dcp_index(directory: str | os.PathLike) -> dict[str, DcpEntry]:
     """
     index_path = inside(directory, METADATA_FILE)
     metadata = read_metadata(directory)
+    if not isinstance(metadata.storage_data, (dict, type(None))):
+        raise CheckpointError(f"{index_path}: its storage data is a {type(metadata.storage_data).__name__}, not a "
+                              f"dict; refused.")
     entries: dict[str, DcpEntry] = {}
     for key, meta in metadata.state_dict_metadata.items():
         if not isinstance(key, str) or not isinstance(meta, (TensorStorageMetadata, BytesStorageMetadata)):

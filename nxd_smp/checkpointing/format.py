@@ -44,9 +44,9 @@ from ..optim.state_fit import describe
 from ..zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
 from .paths import inside, open_regular, read_json, read_small
 from .reader import load_file
-from .storage import IO_THREADS, StoredTensor, read_tensors
+from .storage import IO_THREADS, JSON_LIMIT, StoredTensor, read_tensors
 from .storage import read_index as storage_index
-from .typed_json import decode, dumps, encode, loads
+from .typed_json import decode, dtype_named, dumps, encode, loads
 from .values import is_shape, is_size
 
 FORMAT = "nxd_smp.checkpoint/3"  # no pickle: raw tensors, a JSON index, typed JSON small files
@@ -235,7 +235,7 @@ def verify_files(target: Path, record: Mapping[str, Any], checksums: bool) -> No
 
 
 def _dtype_name(value: Any) -> bool:
-    return isinstance(value, str) and isinstance(getattr(torch, value.removeprefix("torch."), None), torch.dtype)
+    return dtype_named(value) is not None
 
 
 def check_meta(meta: Any, source: Path) -> None:
@@ -383,7 +383,7 @@ def _read_json(target: Path, name: str, record: Mapping[str, Any], index: Mappin
     if name not in record["files"]:
         raise CheckpointError(f"{target / COMPLETE_FILE} does not list {name}; the checkpoint is damaged.")
     size, crc = record["files"][name]
-    data = read_small(target, name, limit=size)
+    data = read_small(target, name, limit=min(size, JSON_LIMIT))
     if len(data) != size or zlib.crc32(data) != crc:
         raise CheckpointError(f"{path} is truncated, altered or corrupted (not the {size} bytes with the CRC-32 its "
                               f"completion record lists).")

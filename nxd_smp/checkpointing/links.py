@@ -25,6 +25,7 @@ removes nothing it has not recorded.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -147,8 +148,14 @@ def _is_record(value: Any) -> bool:
     if isinstance(sequence, bool) or not isinstance(sequence, int) or not isinstance(saves, list) \
             or len(saves) > sequence:
         return False
-    return all(isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and s[0] and "/" not in s[0]
-               and "\0" not in s[0] and not s[0].startswith(".") and _is_version_name(s[0], s[1]) for s in saves)
+    return all(isinstance(s, list) and len(s) == 2 and is_link_name(s[0]) and _is_version_name(s[0], s[1])
+               for s in saves)
+
+
+def is_link_name(name: Any) -> bool:
+    """Whether ``name`` may name a checkpoint in a directory: a plain name (no ``/`` or NUL), not
+    hidden (hidden names are its versions' and its record's)."""
+    return isinstance(name, str) and bool(name) and "/" not in name and "\0" not in name and not name.startswith(".")
 
 
 def _in_place(directory: Path, saves: list[tuple[str, str]]) -> list[Path]:
@@ -197,7 +204,7 @@ def publish_version(path: Path, version: str) -> None:
     swap_link(path, version, adopt=_adopt_folder)
     if old is not None and old.name != version:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in path.parent.glob(f"{version_prefix(path)}*"):
+    for stale in path.parent.glob(f"{glob.escape(version_prefix(path))}*"):
         if stale.name != version and _real_directory(stale) and not _complete(stale):
             shutil.rmtree(stale, ignore_errors=True)
 
@@ -273,7 +280,7 @@ def resolve(path: Path) -> Path:
     or a directory of checkpoints: its newest complete one, ``newest_checkpoint``), or an error
     that says why not. A link is followed only to its own version beside it (``version_of``)."""
     if not os.path.lexists(path):
-        partial = [p for p in path.parent.glob(f"{version_prefix(path)}*") if _real_directory(p) and not _complete(p)]
+        partial = [p for p in path.parent.glob(f"{glob.escape(version_prefix(path))}*") if _real_directory(p) and not _complete(p)]
         if partial:
             raise CheckpointError(
                 f"no complete checkpoint at {path}: the save into {partial[0]} was cut off before "

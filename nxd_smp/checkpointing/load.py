@@ -55,6 +55,7 @@ from .format import (
 from .links import resolve
 from .progress import phases
 from .resharding import named_pieces, overlaps
+from .typed_json import dtype_named
 from .values import check_scheduler_state, is_scheduler, load_objects
 
 log = logging.getLogger("nxd_smp.checkpoint")
@@ -249,7 +250,7 @@ def plan_load(
     _check_model(meta, model, strict, device_dtype)
     live = model.state_dict()
     plan = LoadPlan({
-        model_key(key): torch.empty(info["shape"], dtype=getattr(torch, info["dtype"].split(".")[-1]))
+        model_key(key): torch.empty(info["shape"], dtype=dtype_named(info["dtype"]))
         for key, info in meta["model"].items() if key in live
     })
     if optimizer is None:
@@ -300,15 +301,16 @@ def _commit(
         model.load_state_dict(model_state, strict=strict)  # copies in place: views stay views
     if optimizer is None:
         return
+    scaler_state = None
     if optimizer.loss_scaler is not None and meta["optimizer"].get("loss_scaler"):
-        keys = optimizer.loss_scaler.state_dict()
-        optimizer.loss_scaler.load_state_dict({key: plan.staging[scaler_key(key)] for key in keys})
+        scaler_state = {key: plan.staging[scaler_key(key)] for key in optimizer.loss_scaler.state_dict()}
     commit_optimizer(
         optimizer,
         {key: bufs for (kind, key), bufs in plan.shards.items() if kind == "optim"},
         [{key: plan.staging[entry] for key, entry in scalars.items()} for scalars in plan.scalars],
         [record["hyper"] for record in meta["optimizer"]["groups"]],
         plan.shards.get(("master", None)),
+        scaler_state=scaler_state,
     )
 
 
@@ -318,17 +320,20 @@ def commit_optimizer(
     scalars: list[Mapping[str, torch.Tensor]],
     hypers: list[Mapping[str, Any]],
     masters: list[torch.Tensor] | None,
+    *,
+    scaler_state: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
     """Install checked shard states (``tensors[key][bucket]``), per-bucket scalar state,
-    per-group hyperparameters and, if given, master shards; else the masters are rebuilt from
-    the loaded parameters, with a warning (``Zero1Optimizer.install_state``)."""
+    per-group hyperparameters, the loss scaler's state if given, and, if given, master shards; else
+    the masters are rebuilt from the loaded parameters, with a warning
+    (``Zero1Optimizer.install_state``, whose undo covers the scaler too)."""
     state = {}
     for b in range(len(optimizer.bucket_layouts)):
         entry = {key: value.clone() for key, value in scalars[b].items()}
         entry.update({key: bufs[b] for key, bufs in tensors.items()})
         if entry:
             state[b] = entry
-    optimizer.install_state(state, hypers, masters, rebuild=True)
+    optimizer.install_state(state, hypers, masters, rebuild=True, scaler_state=scaler_state)
 
 
 def load_full_optimizer_state(

@@ -7,7 +7,6 @@ small JSON files are read with a bound on their size (``read_small``, ``read_jso
 from __future__ import annotations
 
 import io
-import json
 import os
 import stat
 from collections.abc import Iterable
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import CheckpointError
+from .typed_json import loads  # (the one JSON parse of a checkpoint's files: no NaN constants)
 
 
 def inside(folder: str | os.PathLike, name: Any, *, source: str = "the checkpoint") -> Path:
@@ -98,11 +98,7 @@ def read_json(folder: str | os.PathLike, name: str, *, limit: int = SMALL_FILE_L
     Raises:
         CheckpointError: as ``read_small``, or the file is not JSON (damaged); naming it.
     """
-    data = read_small(folder, name, limit=limit)
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as e:
-        raise CheckpointError(f"{Path(folder) / name} is damaged (not JSON: {e}).") from None
+    return loads(read_small(folder, name, limit=limit), str(Path(folder) / name))
 
 
 def check_spans(folder: str | os.PathLike, records: Iterable[tuple[str, Any, int, int]], *,
@@ -116,11 +112,13 @@ def check_spans(folder: str | os.PathLike, records: Iterable[tuple[str, Any, int
         CheckpointError: naming ``source``, the entry and the file.
     """
     sizes: dict[Any, tuple[Path, int]] = {}
-    spans: dict[Any, list[tuple[int, int, str]]] = {}
+    spans: dict[Path, list[tuple[int, int, str]]] = {}  # by the file itself: "a.bin" and "./a.bin" are one
     for key, name, offset, length in records:
         if not (isinstance(offset, int) and isinstance(length, int)) or isinstance(offset, bool) \
                 or isinstance(length, bool) or offset < 0 or length < 0:
             raise CheckpointError(f"{source}: entry {key!r} has the offset {offset!r} and length {length!r}; refused.")
+        if not isinstance(name, str):
+            raise CheckpointError(f"{source}: entry {key!r} names the file {name!r}, which is not a name; refused.")
         if name not in sizes:
             file = inside(folder, name, source=f"{source}: entry {key!r}")
             try:
@@ -134,11 +132,11 @@ def check_spans(folder: str | os.PathLike, records: Iterable[tuple[str, Any, int
         if offset + length > size:
             raise CheckpointError(f"{source}: entry {key!r} claims bytes [{offset}, {offset + length}) of {name}, "
                                   f"which holds {size} (truncated, or a crafted index).")
-        spans.setdefault(name, []).append((offset, offset + length, key))
-    for name, found in spans.items():
+        spans.setdefault(file, []).append((offset, offset + length, key))
+    for file, found in spans.items():
         found.sort()
         for (_, end, first), (start, _, second) in zip(found, found[1:]):
             if start < end:
-                raise CheckpointError(f"{source}: the entries {first!r} and {second!r} overlap in {name}; refused "
+                raise CheckpointError(f"{source}: the entries {first!r} and {second!r} overlap in {file.name}; refused "
                                       f"(each record's bytes are its own).")
     return {name: file for name, (file, _) in sizes.items()}

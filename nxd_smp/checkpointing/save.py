@@ -39,7 +39,7 @@ from .format import (
     small_files,
     state_key,
 )
-from .links import clear_folder, publish_version, replaceable_folder, retain, version_prefix
+from .links import clear_folder, is_link_name, publish_version, replaceable_folder, retain, version_prefix
 from .progress import phases
 from .publish import fsync_dir, write_and_publish
 from .resharding import named_pieces, saved_pieces
@@ -68,7 +68,25 @@ def save(
     coordinator = backend.coordinator
     if async_save:
         check_async_save(coordinator)
+    if not is_link_name(path.name):
+        raise CheckpointError(f"{path}: a checkpoint's name must be a plain name, not hidden (names starting "
+                              f"with '.' are its versions' and the record of saves'); pick another.")
     rank = coordinator.rank
+
+    # The state first, and the small files encoded on rank 0, before anything is written: a value
+    # nxd_smp's format cannot hold is refused on every rank with nothing on disk touched.
+    state, meta, copied = state_to_save(model, optimizer, bool(save_master_weights), backend)
+    small, refused = {}, None
+    if rank == 0:
+        try:
+            small, tensors = small_files(meta, extra, objects)
+            state.update(tensors)
+        except Exception as e:  # noqa: BLE001 - every rank learns why the save cannot be made
+            refused = f"{type(e).__name__}: {e}"
+    refused = coordinator.broadcast(refused)
+    if refused is not None:
+        raise (TypeError if refused.startswith("TypeError: ") else CheckpointError)(
+            f"nothing was saved to {path}: {refused.removeprefix('TypeError: ')}")
 
     version = coordinator.broadcast(f"{version_prefix(path)}{uuid.uuid4().hex[:12]}")
     target = path.parent / version
@@ -78,20 +96,6 @@ def save(
             clear_folder(path)  # an empty folder made for us (or with NxD's markers only): the link takes its place
         target.mkdir()
     coordinator.barrier()
-
-    state, meta, copied = state_to_save(model, optimizer, bool(save_master_weights), backend)
-    small, refused = {}, None
-    if rank == 0:
-        try:
-            small, tensors = small_files(meta, extra, objects)
-            state.update(tensors)
-        except Exception as e:  # noqa: BLE001 - every rank learns why the save cannot be made
-            refused = f"{type(e).__name__}: {e}"
-            target.rmdir()
-    refused = coordinator.broadcast(refused)
-    if refused is not None:
-        raise (TypeError if refused.startswith("TypeError: ") else CheckpointError)(
-            f"nothing was saved to {path}: {refused.removeprefix('TypeError: ')}")
     job = dict(path=path, target=target, version=version, num_kept=num_kept_ckpts)
     if not async_save:
         with phases(progress, rank, ["write", "publish"], f"save {path.name}", log) as advance:

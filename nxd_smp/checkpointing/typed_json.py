@@ -46,12 +46,14 @@ _FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _TAGS = frozenset({"$float", "$tuple", "$dict", "$odict", "$bytes", "$dtype", "$size", "$tensor"})
 
 
+#: Every torch dtype by its name, read from the module's own names (``getattr(torch, name)`` with a
+#: name from a file could import one of torch's lazily loaded submodules).
+DTYPES: dict[str, torch.dtype] = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+
+
 def dtype_named(name: Any) -> torch.dtype | None:
     """The torch dtype called ``name`` (``"bfloat16"``, ``"torch.bfloat16"``), None for anything else."""
-    if not isinstance(name, str):
-        return None
-    found = getattr(torch, name.removeprefix("torch."), None)
-    return found if isinstance(found, torch.dtype) else None
+    return DTYPES.get(name.removeprefix("torch.")) if isinstance(name, str) else None
 
 
 def _where(at: tuple) -> str:
@@ -148,7 +150,7 @@ def decode(value: Any, tensor: Callable[[str], torch.Tensor], source: str) -> An
             raise refuse(at, f"the object with keys {sorted(item)[:4]}")
         (tag, payload), = item.items()
         if tag == "$float":
-            if payload not in _FLOATS:
+            if not isinstance(payload, str) or payload not in _FLOATS:
                 raise refuse(at, f"the float {payload!r}")
             return _FLOATS[payload]
         if tag == "$tuple":
@@ -160,9 +162,11 @@ def decode(value: Any, tensor: Callable[[str], torch.Tensor], source: str) -> An
             return dict(found) if tag == "$dict" else collections.OrderedDict(found)
         if tag == "$bytes":
             try:
-                return base64.b64decode(payload, validate=True) if isinstance(payload, str) else None
+                if isinstance(payload, str):
+                    return base64.b64decode(payload, validate=True)
             except (binascii.Error, ValueError):
-                raise refuse(at, "bytes that are not base64") from None
+                pass
+            raise refuse(at, "bytes that are not base64")
         if tag == "$dtype":
             dtype = dtype_named(payload)
             if dtype is None:

@@ -120,8 +120,8 @@ def check_hyperparameters(saved: Any, group: Mapping[str, Any], where: str) -> N
         elif key in group:
             if found := misfit(value, group[key], at=repr(key)):
                 problems.append(found)
-        elif not isinstance(value, PLAIN):
-            problems.append(f"{key!r} = {describe(value)}, unknown to the group and not a plain value")
+        elif not isinstance(value, PLAIN) or isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{key!r} = {describe(value)}, unknown to the group and not a plain, finite value")
     if problems:
         raise CheckpointError(f"{where}: hyperparameters that do not fit the param group: " + "; ".join(problems) + ".")
 
