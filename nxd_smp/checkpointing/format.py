@@ -358,11 +358,10 @@ def read_small_files(target: Path, record: Mapping[str, Any],
     tensors read from ``index``), formats 1 and 2's ``torch.save`` files through the strict reader
     (format 1 held the extra alone)."""
     form = record["format"]
+    meta_file, extra_file = small_file_paths(target, form)
     if form == FORMAT:
-        meta_file, extra_file = target / META_FILE, target / EXTRA_FILE
         meta = _read_json(target, META_FILE, record, index)
     else:
-        meta_file, extra_file = target / META_FILE_V2, target / EXTRA_FILE_V2
         meta = load_file(meta_file, folder=target, name=META_FILE_V2)
     check_meta(meta, meta_file)
     if form == FORMAT:
@@ -374,6 +373,12 @@ def read_small_files(target: Path, record: Mapping[str, Any],
             or not all(isinstance(name, str) for name in saved["objects"]):
         raise CheckpointError(f"{extra_file} is damaged or crafted: not {{'extra': ..., 'objects': {{name: state}}}}.")
     return meta, saved
+
+
+def small_file_paths(target: Path, form: str) -> tuple[Path, Path]:
+    """Where a checkpoint of format ``form`` keeps its metadata and its caller's state."""
+    return (target / META_FILE, target / EXTRA_FILE) if form == FORMAT else (target / META_FILE_V2,
+                                                                           target / EXTRA_FILE_V2)
 
 
 def _read_json(target: Path, name: str, record: Mapping[str, Any], index: Mapping[str, StoredTensor]) -> Any:

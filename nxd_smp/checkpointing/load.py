@@ -30,12 +30,8 @@ from ..optim.loss_scaler import check_scaler_state
 from ..optim.state_fit import StateFit, check_step
 from ..zero1_optimizer import Zero1Optimizer
 from .format import (
-    EXTRA_FILE,
-    EXTRA_FILE_V2,
-    FORMAT,
     FORMAT_V1,
     META_FILE,
-    META_FILE_V2,
     SCHEDULER,
     check_args,
     completion_record,
@@ -49,6 +45,7 @@ from .format import (
     read_index,
     read_small_files,
     scaler_key,
+    small_file_paths,
     state_key,
     verify_files,
 )
@@ -98,8 +95,7 @@ def load(
         def prepare() -> tuple[tuple[Any, dict[str, Any], LoadPlan], Any]:
             index = read_index(target, record["format"])
             meta, saved = read_small_files(target, record, index)
-            source, extra_file = (target / name for name in ((META_FILE, EXTRA_FILE) if record["format"] == FORMAT
-                                                             else (META_FILE_V2, EXTRA_FILE_V2)))
+            source, extra_file = small_file_paths(target, record["format"])
             _check_objects(saved, objects, extra_file)
             advance("verify")
             plan = plan_load(meta, model, optimizer, strict=strict, device_dtype=backend.device_dtype, source=source)
