@@ -827,10 +827,10 @@ def test_a_cuda_run_round_trips_and_its_torch_save_files_read_on_the_cpu(tmp_pat
     import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        pool.apply(cuda_round_trip, (str(tmp_path),))
+        pool.apply(assert_cuda_round_trip, (str(tmp_path),))
 
 
-def cuda_round_trip(where: str) -> None:
+def assert_cuda_round_trip(where: str) -> None:
     import io
 
     from nxd_smp.checkpointing.reader import load_bytes

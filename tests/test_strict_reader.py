@@ -58,7 +58,7 @@ def float_storage(key: str, numel: int) -> bytes:
             + b"ccollections\nOrderedDict\n)Rt" + b"R")
 
 
-def refused(data: bytes, *, kind: str = "state_dict", match: str = "") -> str:
+def assert_refused(data: bytes, *, kind: str = "state_dict", match: str = "") -> str:
     with pytest.raises(CheckpointError, match=SOURCE.replace(".", r"\.")) as error:
         load_bytes(data, SOURCE, kind=kind)
     assert match in str(error.value), str(error.value)
@@ -84,9 +84,9 @@ def test_a_device_tensor_rebuilt_from_an_expanded_one_is_refused():
     rebuild = torch._utils._rebuild_device_tensor_from_cpu_tensor
     data = saved(Reduces(rebuild, torch.zeros(1).expand(2**28), torch.float32, "cpu", False))
     assert len(data) < 4096
-    refused(data, match="expanded")
-    refused(saved({"x": torch.zeros(1).expand(2**28)}), match="x asks for an expanded tensor")
-    refused(saved({"x": Reduces(rebuild, torch.zeros(4), torch.float64, "xla:0", False)}), match="at x")
+    assert_refused(data, match="expanded")
+    assert_refused(saved({"x": torch.zeros(1).expand(2**28)}), match="x asks for an expanded tensor")
+    assert_refused(saved({"x": Reduces(rebuild, torch.zeros(4), torch.float64, "xla:0", False)}), match="at x")
     healthy = saved({"x": Reduces(rebuild, torch.arange(6.0)[::2], torch.float32, "cpu", True)})
     same(load_bytes(healthy, SOURCE), torch.load(io.BytesIO(healthy), weights_only=True))
 
@@ -95,34 +95,34 @@ def test_a_device_tensor_rebuilt_from_an_expanded_one_is_refused():
 def test_torch_tensor_of_a_number_is_refused(opcode):
     """``torch.Tensor(n)``: ``n`` elements of uninitialised heap memory in the model."""
     data = archive(b"\x80\x02ctorch\nTensor\nJ\x00\x00\x00\x20\x85" + opcode + b".")
-    refused(data, match="torch.Tensor")
+    assert_refused(data, match="torch.Tensor")
 
 
 def test_bytearray_of_a_number_is_refused():
-    refused(archive(b"\x80\x02c__builtin__\nbytearray\nJ\x00\x00\x00\x40\x85R."), match="bytearray")
-    refused(saved({"x": Reduces(bytearray, 2**31)}), match="bytearray")
-    refused(saved({"x": Reduces(bytes, 2**31)}), match="bytes")
-    refused(saved({"x": Reduces(torch.FloatStorage, 2**28)}), match="FloatStorage")
+    assert_refused(archive(b"\x80\x02c__builtin__\nbytearray\nJ\x00\x00\x00\x40\x85R."), match="bytearray")
+    assert_refused(saved({"x": Reduces(bytearray, 2**31)}), match="bytearray")
+    assert_refused(saved({"x": Reduces(bytes, 2**31)}), match="bytes")
+    assert_refused(saved({"x": Reduces(torch.FloatStorage, 2**28)}), match="FloatStorage")
 
 
 def test_an_unknown_storage_type_or_reference_is_refused():
     good = b"\x80\x02" + float_storage("0", 2) + b"."
     assert load_bytes(archive(good, {"0": bytes(8)}), SOURCE).tolist() == [0.0, 0.0]
-    refused(archive(good.replace(b"torch\nFloatStorage", b"torch\nQInt8Storage"), {"0": bytes(8)}),
+    assert_refused(archive(good.replace(b"torch\nFloatStorage", b"torch\nQInt8Storage"), {"0": bytes(8)}),
             match="QInt8Storage")
-    refused(archive(good.replace(b"ctorch\nFloatStorage\n", b"ctorch\nfloat32\n"), {"0": bytes(8)}),
+    assert_refused(archive(good.replace(b"ctorch\nFloatStorage\n", b"ctorch\nfloat32\n"), {"0": bytes(8)}),
             match="no torch.save storage")
-    refused(archive(good.replace(b"X\x07\x00\x00\x00storage", b"X\x07\x00\x00\x00sTorage"), {"0": bytes(8)}),
+    assert_refused(archive(good.replace(b"X\x07\x00\x00\x00storage", b"X\x07\x00\x00\x00sTorage"), {"0": bytes(8)}),
             match="no torch.save storage")
 
 
 def test_an_xser_reference_is_read_only_in_the_xser_kind():
     xser = b"\x80\x02ctorch_xla.utils.serialization\nTensorReference\n)\x81}X\x03\x00\x00\x00tidK\x07sb."
-    refused(archive(xser), match="TensorReference")
+    assert_refused(archive(xser), match="TensorReference")
     reference = load_bytes(archive(xser), SOURCE, kind="xser")
     assert type(reference) is XserReference and reference.tid == 7
-    refused(archive(xser.replace(b"K\x07", b"X\x01\x00\x00\x007")), kind="xser", match="id")
-    refused(archive(xser.replace(b"tid", b"TID")), kind="xser", match="state")
+    assert_refused(archive(xser.replace(b"K\x07", b"X\x01\x00\x00\x007")), kind="xser", match="id")
+    assert_refused(archive(xser.replace(b"tid", b"TID")), kind="xser", match="state")
     with pytest.raises(CheckpointError, match="TensorReference"):
         load_pickle(xser, SOURCE)
 
@@ -130,10 +130,10 @@ def test_an_xser_reference_is_read_only_in_the_xser_kind():
 def test_state_is_set_only_where_torch_save_sets_it():
     """``BUILD``: an OrderedDict's ``_metadata`` only; never a tensor's state (``set_`` to any size)."""
     tensor_state = b"\x80\x02" + float_storage("0", 2) + b"(K\x00K\x00tb."
-    refused(archive(tensor_state, {"0": bytes(8)}), match="state of a Tensor")
+    assert_refused(archive(tensor_state, {"0": bytes(8)}), match="state of a Tensor")
     other = b"\x80\x02ccollections\nOrderedDict\n)R}X\x04\x00\x00\x00evilK\x01sb."
-    refused(archive(other), match="state of a OrderedDict")
-    refused(archive(b"\x80\x02]}X\x01\x00\x00\x00aK\x01sb."), match="state of a list")
+    assert_refused(archive(other), match="state of a OrderedDict")
+    assert_refused(archive(b"\x80\x02]}X\x01\x00\x00\x00aK\x01sb."), match="state of a list")
 
 
 def test_a_memo_index_the_file_gives_allocates_nothing():
@@ -146,14 +146,14 @@ def test_a_memo_index_the_file_gives_allocates_nothing():
 # ---------------------------------------------------------------- the archive itself
 def test_records_of_one_name_twice_are_refused():
     pickled = b"\x80\x02" + float_storage("0", 2) + b"."
-    refused(archive(pickled, {"0": bytes(8)}, extra=[("archive/data/0", bytes(4096))]), match="two records")
-    refused(archive(pickled, {"0": bytes(8)}, extra=[("archive/data.pkl", b"\x80\x02N.")]), match="two records")
-    refused(archive(pickled, {"0": bytes(8)}, extra=[("other/data.pkl", b"\x80\x02N.")]), match="data.pkl")
+    assert_refused(archive(pickled, {"0": bytes(8)}, extra=[("archive/data/0", bytes(4096))]), match="two records")
+    assert_refused(archive(pickled, {"0": bytes(8)}, extra=[("archive/data.pkl", b"\x80\x02N.")]), match="two records")
+    assert_refused(archive(pickled, {"0": bytes(8)}, extra=[("other/data.pkl", b"\x80\x02N.")]), match="data.pkl")
 
 
 def test_a_compressed_record_is_refused():
     pickled = b"\x80\x02" + float_storage("0", 2) + b"."
-    refused(archive(pickled, {"0": bytes(8)}, compress="archive/data/0"), match="compressed")
+    assert_refused(archive(pickled, {"0": bytes(8)}, compress="archive/data/0"), match="compressed")
 
 
 def test_records_that_overlap_are_refused():
@@ -174,19 +174,19 @@ def test_records_that_overlap_are_refused():
     data[entry + 42:entry + 46] = struct.pack("<I", host)
     with zipfile.ZipFile(io.BytesIO(bytes(data))) as z:  # (zipfile itself reads it without complaint)
         assert z.read("archive/data/1") == bytes(8)
-    refused(bytes(data), match="overlap")
+    assert_refused(bytes(data), match="overlap")
 
 
 @pytest.mark.parametrize("held", [4, 12, 16], ids=["smaller", "larger by one float", "twice"])
 def test_a_record_must_hold_exactly_the_storages_bytes(held):
     pickled = b"\x80\x02" + float_storage("0", 2) + b"."
-    refused(archive(pickled, {"0": bytes(held)}), match="claims 8 bytes")
-    refused(archive(pickled), match="no record")
+    assert_refused(archive(pickled, {"0": bytes(held)}), match="claims 8 bytes")
+    assert_refused(archive(pickled), match="no record")
 
 
 def test_a_tensor_must_lie_inside_its_storage():
     pickled = b"\x80\x02" + float_storage("0", 2).replace(b"\x85K\x01\x85", b"\x85K\x02\x85") + b"."
-    refused(archive(pickled, {"0": bytes(8)}), match="past its end")
+    assert_refused(archive(pickled, {"0": bytes(8)}), match="past its end")
 
 
 def test_a_record_past_the_file_or_damaged_is_refused(tmp_path):
@@ -216,7 +216,7 @@ def test_a_shared_reference_bomb_is_refused_in_every_kind(kind):
         with pytest.raises(CheckpointError, match="hostile.pt.*2\\*\\*30"):
             load_pickle(pickle.dumps(bomb()), SOURCE)
     else:
-        refused(saved(bomb()), kind=kind, match="2**30")
+        assert_refused(saved(bomb()), kind=kind, match="2**30")
 
 
 def test_sharing_as_real_files_do_is_admitted():
@@ -232,10 +232,10 @@ def test_nesting_and_cycles_are_refused():
     deep: list = []
     for _ in range(80):
         deep = [deep]
-    refused(saved(deep), match="64 deep")
+    assert_refused(saved(deep), match="64 deep")
     cycle: list = []
     cycle.append(cycle)
-    refused(saved(cycle), match="contains itself")
+    assert_refused(saved(cycle), match="contains itself")
 
 
 # ---------------------------------------------------------------- the oracle: what torch writes
@@ -328,7 +328,7 @@ def test_a_container_opcode_on_a_tensor_is_refused(op):
     body = {b"e": first + b"(" + second + b"e", b"a": first + second + b"a",
             b"s": first + b"K\x00" + second + b"s", b"u": first + b"(K\x00" + second + b"u",
             b"\x90": first + b"(" + second + b"\x90"}[op]
-    refused(archive(b"\x80\x04" + body + b".", records), match="on a Tensor")
+    assert_refused(archive(b"\x80\x04" + body + b".", records), match="on a Tensor")
 
 
 @pytest.mark.parametrize("metadata", [b"}(X\x00\x00\x00\x00}(X\x07\x00\x00\x00versionX\x01\x00\x00\x00xuu",
@@ -337,7 +337,7 @@ def test_a_state_dicts_metadata_is_what_load_state_dict_reads(metadata):
     """``_metadata`` goes to ``model.load_state_dict``, which compares ``version`` with integers:
     a string or a list there would fail inside it, after the ranks agreed."""
     pickled = (b"\x80\x02ccollections\nOrderedDict\n)R}X\t\x00\x00\x00_metadata" + metadata + b"sb.")
-    refused(archive(pickled), match="_metadata")
+    assert_refused(archive(pickled), match="_metadata")
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     same(load_bytes(saved(model.state_dict()), SOURCE), torch.load(io.BytesIO(saved(model.state_dict())),
                                                                   weights_only=True))

@@ -259,11 +259,11 @@ def newest_checkpoint(directory: Path) -> Path:
         CheckpointError: none; or, without a record (or with one that holds none of them),
             several, which it names: load one by name.
     """
-    found = checkpoint_links(directory)
     recorded = recorded_checkpoints(directory)
     for link in reversed(recorded or []):
         if _complete(version_of(link)):
             return link
+    found = checkpoint_links(directory)
     if not found:
         raise CheckpointError(f"{directory} is a directory without a complete checkpoint in it.")
     if recorded is None and len(found) == 1:

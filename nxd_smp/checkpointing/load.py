@@ -52,6 +52,7 @@ from .format import (
 from .links import resolve
 from .progress import phases
 from .resharding import named_pieces, overlaps
+from .storage import StoredTensor
 from .typed_json import dtype_named
 from .values import check_scheduler_state, is_scheduler, load_objects
 
@@ -100,7 +101,7 @@ def load(
             advance("verify")
             plan = plan_load(meta, model, optimizer, strict=strict, device_dtype=backend.device_dtype, source=source)
             read_entries(plan.staging, target, verify_checksums, index)
-            _check_values(plan, optimizer, {key: f"{key} in {stored.file}" for key, stored in index.items()})
+            _check_values(plan, optimizer, index)
             plan.assemble()
             return (meta, saved, plan), load_objects(objects, saved["objects"], str(extra_file))
 
@@ -125,17 +126,17 @@ def _check_objects(saved: Mapping[str, Any], objects: Mapping[str, Any], source:
             check_scheduler_state(saved["objects"][name], obj, f"{source} ({name})")
 
 
-def _check_values(plan: LoadPlan, optimizer: Zero1Optimizer | None, where: Mapping[str, str]) -> None:
+def _check_values(plan: LoadPlan, optimizer: Zero1Optimizer | None, index: Mapping[str, StoredTensor]) -> None:
     """The values read that the checks of the metadata could not see: each bucket's ``step`` a
     finite, non-negative whole number, the loss scaler's state one the scaler accepts (a finite,
-    positive scale; whole trackers). ``where``: each entry's name in errors."""
+    positive scale; whole trackers). Errors name each entry and the file ``index`` says holds it."""
     problems = [found for scalars in plan.scalars for key, entry in scalars.items()
-                if key == "step" and (found := check_step(plan.staging[entry], where.get(entry, entry)))]
+                if key == "step" and (found := check_step(plan.staging[entry], f"{entry} in {index[entry].file}"))]
     scaler = optimizer.loss_scaler if optimizer is not None else None
     if scaler is not None:
         saved = {key: plan.staging[scaler_key(key)] for key in scaler.state_dict() if scaler_key(key) in plan.staging}
         if saved:
-            held = where.get(scaler_key("scale"), "").partition(" in ")[2]
+            held = index[scaler_key("scale")].file if scaler_key("scale") in index else None
             problems += [f"loss_scaler{p}" + (f" (in {held})" if held else "") for p in check_scaler_state(saved, scaler)]
     if problems:
         raise CheckpointError("values the optimizer would not accept: " + "; ".join(problems) + ".")

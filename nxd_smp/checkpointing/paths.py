@@ -15,6 +15,7 @@ from typing import Any
 
 from ..core.errors import CheckpointError
 from .typed_json import loads  # (the one JSON parse of a checkpoint's files: no NaN constants)
+from .values import is_size
 
 
 def inside(folder: str | os.PathLike, name: Any, *, source: str = "the checkpoint") -> Path:
@@ -114,8 +115,7 @@ def check_spans(folder: str | os.PathLike, records: Iterable[tuple[str, Any, int
     sizes: dict[Any, tuple[Path, int]] = {}
     spans: dict[Path, list[tuple[int, int, str]]] = {}  # by the file itself: "a.bin" and "./a.bin" are one
     for key, name, offset, length in records:
-        if not (isinstance(offset, int) and isinstance(length, int)) or isinstance(offset, bool) \
-                or isinstance(length, bool) or offset < 0 or length < 0:
+        if not (is_size(offset) and is_size(length)):
             raise CheckpointError(f"{source}: entry {key!r} has the offset {offset!r} and length {length!r}; refused.")
         if not isinstance(name, str):
             raise CheckpointError(f"{source}: entry {key!r} names the file {name!r}, which is not a name; refused.")

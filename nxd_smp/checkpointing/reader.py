@@ -42,6 +42,7 @@ import torch
 
 from ..core.errors import CheckpointError
 from .paths import inside, open_regular
+from .typed_json import DTYPES
 from .values import check_tree
 
 KINDS = ("state_dict", "xser", "dcp_metadata")
@@ -201,7 +202,7 @@ def _state_dict_globals() -> dict[tuple[str, str], Any]:
     for dtype, name in torch.storage._dtype_to_storage_type_map().items():
         if not name.startswith("Q"):  # (no quantized tensor is rebuilt)
             allowed[("torch", name)] = _StorageType(name, dtype)
-    allowed.update({("torch", name): value for name in dir(torch) if isinstance(value := getattr(torch, name), torch.dtype)})
+    allowed.update({("torch", name): dtype for name, dtype in DTYPES.items()})
     return allowed
 
 

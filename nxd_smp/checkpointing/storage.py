@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..core.errors import CheckpointError
 from .dcp_index import METADATA_FILE, RawItem, read_dcp_index
-from .paths import check_spans, inside, open_regular, read_small
+from .paths import check_spans, inside, open_regular, read_json
 from .reader import load_bytes
-from .typed_json import dtype_named, loads
+from .typed_json import dtype_named
 from .values import check_cast, is_size
 
 #: Format 3's index: a JSON file (formats 1 and 2 kept DCP's pickled ``Metadata`` in ``.metadata``).
@@ -180,7 +180,7 @@ def read_index(directory: str | os.PathLike, *, dcp: bool = False) -> dict[str, 
     if dcp:
         return _dcp_index(directory)
     path = Path(directory) / INDEX_FILE
-    value = loads(read_small(directory, INDEX_FILE, limit=JSON_LIMIT), str(path))
+    value = read_json(directory, INDEX_FILE, limit=JSON_LIMIT)
     entries = value.get("entries") if isinstance(value, dict) and value.get("format") == INDEX_FORMAT else None
     if not isinstance(entries, dict):
         raise CheckpointError(f"{path} is not an nxd_smp index ({{'format': {INDEX_FORMAT!r}, 'entries': ...}}).")

@@ -137,7 +137,7 @@ def applies_to(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
 def _options_fit(optimizer: torch.optim.Optimizer) -> bool:
     """Whether every group uses only what the kernel computes: no amsgrad, maximize or
     differentiable, a Python-number lr and a tuple of betas. A load can install other values (a
-    checkpoint saved with ``maximize=True``), so ``step`` asks again each time."""
+    checkpoint saved with ``maximize=True``), so every load asks again (``CompiledAdamW.fits``)."""
     for group in optimizer.param_groups:
         if group.get("amsgrad") or group.get("maximize") or group.get("differentiable"):
             return False
@@ -177,8 +177,14 @@ class CompiledAdamW:
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
         self.enabled = True
-        # A loaded state brings its own allocations: move them where the step wants them.
-        optimizer.register_load_state_dict_post_hook(lambda opt: self.place_state())
+        self.fits = True  # the groups hold only what the kernel computes (asked again at each load)
+        optimizer.register_load_state_dict_post_hook(lambda opt: self._loaded())
+
+    def _loaded(self) -> None:
+        """After a load: its state's allocations moved where the step wants them, and its groups
+        asked whether the kernel still computes them (else torch's own step does)."""
+        self.place_state()
+        self.fits = _options_fit(self.optimizer)
 
     def step(
         self,
@@ -194,7 +200,7 @@ class CompiledAdamW:
         ``outs[i]`` plus int16 ``remainders[i]`` (the optimizer's shards hold no data), updated
         in place. Returns False (nothing changed) if the kernel cannot be compiled here; the
         caller then uses the stock step."""
-        if not self.enabled or not _options_fit(self.optimizer):  # (then torch's own step computes them)
+        if not (self.enabled and self.fits):
             return False
         kernel = _kernel(_adamw_and_cast if remainders is None else _adamw_remainders)
         index = 0

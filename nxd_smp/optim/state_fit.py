@@ -175,16 +175,41 @@ def _kind(value: Any) -> bool | None:
 _probed: dict[tuple[type, str], Kinds | None] = {}
 
 
+def _throwaway(optimizer_class: type, hyperparameters: Mapping[str, Any]) -> tuple[Any, torch.Tensor]:
+    """An instance of ``optimizer_class`` over one two-element CPU parameter, built with
+    ``hyperparameters`` (as keyword arguments where its constructor takes them, in the group
+    otherwise; kernel options left at its defaults), and that parameter. Raises what the class
+    raises."""
+    group = _plain_group(hyperparameters)
+    accepted = inspect.signature(optimizer_class.__init__).parameters
+    param = torch.zeros(2, requires_grad=True)
+    return optimizer_class([{**group, "params": [param]}], **{k: v for k, v in group.items() if k in accepted}), param
+
+
+def _plain_group(hyperparameters: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in hyperparameters.items() if k not in (*KERNEL_OPTIONS, "params", "param_names")}
+
+
+def _key(optimizer_class: type, hyperparameters: Mapping[str, Any]) -> tuple[type, str]:
+    """What the throwaway instances are remembered by: the class and its hyperparameters."""
+    return optimizer_class, repr(sorted(_plain_group(hyperparameters).items(), key=lambda item: str(item[0])))
+
+
 def state_kinds(optimizer_class: type, hyperparameters: Mapping[str, Any]) -> Kinds | None:
     """The state ``optimizer_class`` keeps for a parameter of a group holding ``hyperparameters``:
-    from a throwaway instance built with them (kernel options left at the class's defaults) and
-    stepped once on a two-element CPU parameter, which an element-wise optimizer's ``step`` does
-    not reach beyond. None when the class cannot be built or stepped so (then only ``step`` may be
-    0-dim, and the keys are not checked). Remembered per class and hyperparameters."""
-    group = {k: v for k, v in hyperparameters.items() if k not in KERNEL_OPTIONS}
-    key = (optimizer_class, repr(sorted(group.items(), key=lambda item: str(item[0]))))
+    from a throwaway instance built with them (``_throwaway``) and stepped once on its two-element
+    CPU parameter, which an element-wise optimizer's ``step`` does not reach beyond. None when the
+    class cannot be built or stepped so (then only ``step`` may be 0-dim, and the keys are not
+    checked). Remembered per class and hyperparameters."""
+    key = _key(optimizer_class, hyperparameters)
     if key not in _probed:
-        _probed[key] = _probe(optimizer_class, group)
+        try:
+            probe, param = _throwaway(optimizer_class, hyperparameters)
+            param.grad = torch.zeros(2)
+            probe.step()
+            _probed[key] = {name: _kind(v) for name, v in probe.state[param].items()}
+        except Exception:  # noqa: BLE001 - a class that cannot be probed: the fallback rule applies
+            _probed[key] = None
     return _probed[key]
 
 
@@ -192,16 +217,12 @@ _constructed: dict[tuple[type, str], str | None] = {}
 
 
 def _construct(optimizer_class: type, group: Mapping[str, Any]) -> str | None:
-    """What ``optimizer_class`` says when built with the hyperparameters ``group`` (as keyword
-    arguments where its constructor takes them, in the group otherwise; kernel options left at its
-    defaults): None if it accepts them, else its error. Remembered per class and group."""
-    group = {k: v for k, v in group.items() if k not in (*KERNEL_OPTIONS, "params", "param_names")}
-    key = (optimizer_class, repr(sorted(group.items(), key=lambda item: str(item[0]))))
+    """What ``optimizer_class`` says when built with the hyperparameters ``group`` (``_throwaway``):
+    None if it accepts them, else its error. Remembered per class and group."""
+    key = _key(optimizer_class, group)
     if key not in _constructed:
         try:
-            accepted = inspect.signature(optimizer_class.__init__).parameters
-            param = torch.zeros(2, requires_grad=True)
-            optimizer_class([{**group, "params": [param]}], **{k: v for k, v in group.items() if k in accepted})
+            _throwaway(optimizer_class, group)
             _constructed[key] = None
         except Exception as e:  # noqa: BLE001 - the class's own refusal, whatever its type
             _constructed[key] = f"{type(e).__name__}: {e}"
@@ -245,18 +266,6 @@ def check_step(value: Any, where: str) -> str | None:
     if not math.isfinite(number) or number < 0 or number != int(number):
         return f"{where} = {number!r}, not a finite, non-negative whole number of steps"
     return None
-
-
-def _probe(optimizer_class: type, group: dict[str, Any]) -> Kinds | None:
-    try:
-        accepted = inspect.signature(optimizer_class.__init__).parameters
-        param = torch.zeros(2, requires_grad=True)
-        probe = optimizer_class([{**group, "params": [param]}], **{k: v for k, v in group.items() if k in accepted})
-        param.grad = torch.zeros(2)
-        probe.step()
-        return {key: _kind(v) for key, v in probe.state[param].items()}
-    except Exception:  # noqa: BLE001 - a class that cannot be probed: the fallback rule applies
-        return None
 
 
 def check_state_entry(entry: Any, kinds: Kinds | None, shape: tuple[int, ...], where: str) -> list[str]:
