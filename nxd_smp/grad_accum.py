@@ -36,6 +36,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .backend.base import PendingShard
+from .core.dtensors import local_grad, local_shape
 from .core.layout import BucketLayout
 from .core.memory import staggered_empty
 from .optim.precision import PrecisionPlan
@@ -100,7 +101,7 @@ class GradientSource(ABC):
         existed) joins the accumulation."""
         for i, p in enumerate(self._params):
             if p.grad is not None:
-                self.add(i, p.grad)
+                self.add(i, local_grad(p, p.grad))
                 p.grad = None
 
     def add(self, index: int, grad: torch.Tensor, in_backward: bool = False) -> None:
@@ -156,7 +157,7 @@ class MainGradBuffers(GradientSource):
         self.contiguous = contiguous
         self._device = device
         self._numel = len(params)
-        self._shapes = [p.shape for p in params]
+        self._shapes = [local_shape(p) for p in params]
         self.buffers: list[torch.Tensor] = (
             [staggered_empty(layout.padded_numel, dtype, device, "grad").zero_() for layout in layouts]
             if contiguous
@@ -171,7 +172,7 @@ class MainGradBuffers(GradientSource):
             for i, index in enumerate(layout.param_indices):
                 if contiguous:
                     start, end = layout.param_range(i)
-                    self._acc[index] = self.buffers[b][start:end].view(params[index].shape)
+                    self._acc[index] = self.buffers[b][start:end].view(self._shapes[index])
                 _attach_hook(params[index], index, owner)
 
     @torch.no_grad()
@@ -257,7 +258,7 @@ def _attach_hook(param: torch.Tensor, index: int, owner: weakref.ref) -> None:
         buffers = owner()
         if buffers is None or p.grad is None:
             return  # our optimizer is gone: leave .grad as autograd made it
-        buffers.add(index, p.grad, in_backward=True)
+        buffers.add(index, local_grad(p, p.grad), in_backward=True)
         p.grad = None
 
     previous = _ACTIVE_HOOKS.get(param)
@@ -464,6 +465,7 @@ def flatten_grads(
     flat = torch.zeros(layout.padded_numel, dtype=dtype, device=first.device)
     for i, index in enumerate(layout.param_indices):
         grad = params[index].grad
+        grad = None if grad is None else local_grad(params[index], grad)
         if grad is not None:
             start, end = layout.param_range(i)
             flat[start:end].copy_(grad.reshape(-1))

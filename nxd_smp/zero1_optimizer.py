@@ -32,6 +32,7 @@ import torch
 from .backend import GroupSpec, NormGroupSpec
 from .backend.eager import DEFAULT_BUCKET_CAP_MB  # noqa: F401 - (the previous release's names here)
 from .backend.xla import DEFAULT_BUCKET_CAP_MB as DEFAULT_XLA_BUCKET_CAP_MB  # noqa: F401
+from .core.dtensors import local_tensor
 from .core.environment import check_master_weights_storage
 from .core.layout import BucketKey, BucketLayout, plan_buckets
 from .grad_accum import AutogradGrads, GradientSource, MainGradBuffers, ShardedMainGrads
@@ -85,6 +86,10 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
             over ``grad_norm_groups`` first, as NxD's trainer wrapper does (refused without them).
         context_parallel_groups: average every gradient over them first (NxD's wrapper under context
             parallelism); where the data-parallel group spans them, its mean already does.
+        device_mesh: a torch ``DeviceMesh`` with dimensions ``("dp", "tp")`` (or ``("dp",)``), instead of
+            ``process_group`` and ``grad_norm_groups``: ZeRO-1 over ``dp``, the norm over ``tp``. DTensor
+            parameters (``parallelize_module`` over ``mesh["tp"]``) are managed through their local
+            parts; those sharded on the mesh count as split in the norm.
         topology: all those groups as one ``nxd_smp.optim.topology.Topology`` (then pass none of them).
         pin_layout: passed to torch_xla's collectives.
         lazy_init: build the shards at ``init_zero()`` instead of now.
@@ -117,6 +122,7 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         sequence_parallel: bool = False,
         context_parallel_groups: NormGroupSpec = None,
         topology: Topology | None = None,
+        device_mesh: Any = None,
         pin_layout: bool = True,
         lazy_init: bool = False,
         compile_update: bool | None = None,
@@ -142,11 +148,12 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         if topology is None:
             topology = Topology.build(device, data=process_group, tensor=grad_norm_groups, pipeline=pipeline_groups,
                                       context=context_parallel_groups, sequence_parallel=sequence_parallel,
-                                      params=self._managed, owner=type(self).__name__, pin_layout=config.pin_layout)
-        elif not isinstance(topology, Topology) or any(
-                g is not None for g in (process_group, grad_norm_groups, pipeline_groups, context_parallel_groups)):
+                                      device_mesh=device_mesh, params=self._managed, owner=type(self).__name__,
+                                      pin_layout=config.pin_layout)
+        elif not isinstance(topology, Topology) or any(g is not None for g in (
+                process_group, grad_norm_groups, pipeline_groups, context_parallel_groups, device_mesh)):
             raise TypeError("topology must be a Topology, given instead of process_group, grad_norm_groups, "
-                            "pipeline_groups and context_parallel_groups (not beside them).")
+                            "pipeline_groups, context_parallel_groups and device_mesh (not beside them).")
         self._topology = topology
         self._backend = topology.data
         self._plan = PrecisionPlan.resolve(config.mixed_precision, backend=self._backend,
@@ -310,10 +317,11 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         keys = [BucketKey(gi, p.dtype, norm_role(p, pipeline_parallel=pipeline),
                           topology.sequence_parallel and sequence_parallel_marked(p))
                 for gi, group in enumerate(self.param_groups) for p in group["params"]]
-        self._layouts = plan_buckets([p.numel() for p in params], keys, self._backend.world_size,
+        storage = [local_tensor(p) for p in params]  # (a DTensor's local part)
+        self._layouts = plan_buckets([t.numel() for t in storage], keys, self._backend.world_size,
                                      self._config.bucket_cap_numel)
-        self._backend.place_params(params, self._layouts)
-        self._masters = MasterWeights(params, self._layouts, self._backend, plan)
+        self._backend.place_params(storage, self._layouts)
+        self._masters = MasterWeights(storage, self._layouts, self._backend, plan)
         source = (ShardedMainGrads if self.mixed_precision.use_sharded_grad_acc else
                   MainGradBuffers if plan.fp32_accumulation else AutogradGrads)
         self._grads: GradientSource = source(params, self._layouts, topology, plan)
@@ -324,7 +332,7 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         self._inner_step = InnerStep(
             self._inner, self._masters.shards, stochastic_rounding=plan.stochastic,
             sr_generator=self._backend.random_generator(self._config.sr_seed) if plan.stochastic else None,
-            masters=self._masters, backend=self._backend,
+            masters=self._masters, backend=self._backend, fused_grad_scale=self._backend.fused_grad_scale,
             compiled=CompiledAdamW.where_it_applies(self._inner, self._backend.device, self._config.compile_update)
             if self._inner_settings.may_compile else None)
         self._norm_buckets = {role: [b for b, layout in enumerate(self._layouts) if layout.key.role == role]

@@ -111,6 +111,10 @@ class Backend(ABC):
         persistent_grad_buffers: gradients accumulate into one persistent flat buffer per
             bucket (eager) rather than per-parameter tensors joined at step time (XLA).
         has_fused_kernels: torch.optim's fused kernels exist for this device.
+        fused_grad_scale: those kernels take the clip coefficient as ``grad_scale`` (and a
+            skipped step as ``found_inf``); where not known to, the gradient is scaled before
+            the step and a skipped step undone after it.
+        holds_dtensors: DTensor parameters can be managed through their local parts.
         step_counter_on_device: a step skipped on an overflow must be undone inside the
             step's graph, so the inner optimizer keeps its ``step`` on the device.
         param_shard_is_storage: ``param_shard(b)`` is a writable view of the parameters'
@@ -126,6 +130,8 @@ class Backend(ABC):
     default_bucket_cap_mb: float
     persistent_grad_buffers: bool
     has_fused_kernels: bool
+    fused_grad_scale: bool = False
+    holds_dtensors: bool = False
     step_counter_on_device: bool
     param_shard_is_storage: bool
     fp32: torch.dtype = torch.float32

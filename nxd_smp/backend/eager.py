@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..core.dtensors import DeviceMesh
 from ..core.layout import BucketLayout
 from ..core.memory import staggered_empty
 from .base import Backend, GroupSpec, PendingShard, check_replica_groups, is_replica_groups
@@ -24,6 +25,28 @@ from .coordination import Coordinator, LocalCoordinator, ProcessGroupCoordinator
 DEFAULT_BUCKET_CAP_MB = 128.0
 
 _translated: dict[tuple[int, tuple[tuple[int, ...], ...]], dist.ProcessGroup] = {}
+
+# torch 2.13 deprecates the ``*_tensor`` names for the ``*_single`` ones (same arguments); torch 2.9 has
+# only the former.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+#: Device types whose fused AdamW/Adam/SGD kernels are known to take ``grad_scale`` and ``found_inf``
+#: (torch's CPU and CUDA kernels, tested here). Another device's fused kernel (a PrivateUse1 device such as
+#: Trainium's ``neuron``) gets gradients already scaled.
+FUSED_GRAD_SCALE_DEVICES = ("cpu", "cuda")
+
+
+def _fused_kernel_devices() -> tuple[str, ...]:
+    """The device types torch.optim offers ``fused=True`` on (torch's own list, which names the
+    PrivateUse1 backend when one is registered)."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        return tuple(_get_fused_kernels_supported_devices())
+    except ImportError:  # pragma: no cover - the list moved
+        return FUSED_GRAD_SCALE_DEVICES
 
 
 def _dist_active() -> bool:
@@ -58,6 +81,11 @@ def _from_replica_groups(groups: Sequence[Sequence[int]]) -> dist.ProcessGroup |
 def _check_group(group: object) -> dist.ProcessGroup | None:
     if group is None:
         return None
+    if DeviceMesh is not None and isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"a {group.ndim}-dimensional DeviceMesh was given as the process group; pass its "
+                             f"data-parallel dimension (mesh['dp']) or device_mesh=mesh.")
+        group = group.get_group()
     if is_replica_groups(group):
         return _from_replica_groups(group)
     if group is dist.GroupMember.NON_GROUP_MEMBER:
@@ -90,12 +118,14 @@ class EagerBackend(Backend):
 
     default_bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
     persistent_grad_buffers = True
-    has_fused_kernels = True
     step_counter_on_device = False
     param_shard_is_storage = True
+    holds_dtensors = True
 
     def __init__(self, device: torch.device, group: GroupSpec = None):
         self.device = device
+        self.has_fused_kernels = device.type in _fused_kernel_devices()
+        self.fused_grad_scale = device.type in FUSED_GRAD_SCALE_DEVICES
         self.group = _check_group(group)
         self._built_alone = not _dist_active()  # before torch.distributed was initialised
         if _dist_active():
@@ -128,7 +158,7 @@ class EagerBackend(Backend):
         shards = [self._shard(flat) for flat in flats]
         if self.world_size > 1:
             for flat, shard in zip(flats, shards):
-                dist.reduce_scatter_tensor(shard, flat, group=self.group)
+                _reduce_scatter(shard, flat, group=self.group)
         return shards if into is None else [
             self._shard(spare).copy_(shard) if spare is not None and spare.dtype != shard.dtype else shard
             for shard, spare in zip(shards, into)
@@ -139,7 +169,7 @@ class EagerBackend(Backend):
             out = torch.empty(flat.numel() // self.world_size, dtype=flat.dtype, device=flat.device)
         if self.world_size == 1:
             return PendingShard(out.copy_(flat))
-        work = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
+        work = _reduce_scatter(out, flat, group=self.group, async_op=True)
         return PendingShard(out, work, flat)
 
     def begin_step(self) -> None:
@@ -187,7 +217,7 @@ class EagerBackend(Backend):
                 mine.copy_(value)
         if self.world_size > 1:
             for flat in self._flat_params:
-                dist.all_gather_into_tensor(flat, self._shard(flat), group=self.group)
+                _all_gather(flat, self._shard(flat), group=self.group)
 
     @torch.no_grad()
     def adopt_param_storage(self) -> list[int]:

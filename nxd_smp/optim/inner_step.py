@@ -57,6 +57,8 @@ class InnerStep:
         masters, backend: where ``update`` publishes the result (the master weights, and the
             parameters' storage and all-gather).
         compiled: the compiled one-pass update standing in for ``inner.step()`` where it runs.
+        fused_grad_scale: a fused kernel here takes the coefficient as ``grad_scale`` (the
+            backend's ``fused_grad_scale``); else the gradients are scaled before it.
     """
 
     def __init__(
@@ -69,11 +71,13 @@ class InnerStep:
         masters: MasterWeights | None = None,
         backend: Backend | None = None,
         compiled: CompiledAdamW | None = None,
+        fused_grad_scale: bool = True,
     ):
         self.inner = inner
         self.shards = list(shards)
         self.masters, self.backend, self.compiled = masters, backend, compiled
-        self.fused = all(g.get("fused", False) for g in inner.param_groups)
+        # the fused kernel divides by ``grad_scale`` where its device takes one (else: scaled before)
+        self.fused = fused_grad_scale and all(g.get("fused", False) for g in inner.param_groups)
         self.stochastic_rounding = stochastic_rounding
         self._generator = sr_generator
 

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..core.dtensors import is_split
 from ..core.memory import plain_alias
 from .compiled_adamw import compile_cpu_kernel, compiler_unavailable
 
@@ -39,10 +40,10 @@ class _AllReduce(Protocol):
 def norm_role(param: torch.Tensor, pipeline_parallel: bool) -> str:
     """``"shared"`` for a parameter NxD marks ``shared=True`` when the norm spans pipeline
     stages (another stage holds and counts the same weight), ``"split"`` for one marked
-    ``tensor_model_parallel=True``, else ``"replicated"``."""
+    ``tensor_model_parallel=True`` or a DTensor sharded on its mesh, else ``"replicated"``."""
     if pipeline_parallel and getattr(param, "shared", False):
         return "shared"
-    return "split" if getattr(param, "tensor_model_parallel", False) else "replicated"
+    return "split" if getattr(param, "tensor_model_parallel", False) or is_split(param) else "replicated"
 
 # torch's CPU norm kernel accumulates each thread's share in one fp32 running sum: at
 # 20M elements its relative error is ~1e-3. Norms of 256K-element pieces are ~1e-6

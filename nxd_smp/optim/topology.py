@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backend import Backend, GroupSpec, NormGroupSpec, group_backends, select_backend
+from ..core.dtensors import DeviceMesh, param_mesh
 from .norm import global_norm, sum_of_squares
 from .param_groups import check_sequence_parallel
 
@@ -74,6 +75,7 @@ class Topology:
         pipeline: NormGroupSpec = None,
         context: NormGroupSpec = None,
         sequence_parallel: bool = False,
+        device_mesh: DeviceMesh | None = None,
         params: Sequence[torch.Tensor] = (),
         owner: str = "Zero1Optimizer",
         pin_layout: bool = True,
@@ -83,11 +85,31 @@ class Topology:
         sum the gradients of ``params`` marked ``sequence_parallel_enabled`` over the
         tensor-parallel groups (off when none is marked).
 
+        ``device_mesh``: a torch ``DeviceMesh`` whose dimension ``"dp"`` is the data-parallel group
+        and ``"tp"`` (optional) the tensor-parallel one, instead of ``data`` and ``tensor``. DTensor
+        ``params`` (``parallelize_module``) count as split in the norm where they are sharded, and
+        without a tensor-parallel group their mesh's is taken.
+
         Raises:
-            TypeError, ValueError: a group form that does not fit the device or this rank.
+            TypeError, ValueError: a group form that does not fit the device or this rank; DTensor
+                parameters spread over the data-parallel group (FSDP2's ``fully_shard``, or tensor
+                parallelism without its data-parallel group named).
             ConfigError: sequence parallelism with marked parameters and no tensor-parallel group.
         """
+        if device_mesh is not None:
+            if data is not None or tensor is not None:
+                raise TypeError("device_mesh names the data- and tensor-parallel groups; pass it instead of "
+                                "process_group and grad_norm_groups, not beside them.")
+            data, tensor = _mesh_groups(device_mesh)
+        mesh = param_mesh(params)
+        if mesh is not None and tensor is None:
+            tensor = _tensor_group_of(mesh)
         data_backend = select_backend(device, data, pin_layout=pin_layout)
+        if mesh is not None:
+            if not data_backend.holds_dtensors:
+                raise ValueError("DTensor parameters on an XLA device are not supported: on torch-xla use NxD's "
+                                 "tensor parallelism (its layers mark tensor_model_parallel) with grad_norm_groups.")
+            _check_not_sharded_over(mesh, data_backend.global_ranks)
         tensor_backends = tuple(group_backends(tensor, device, pin_layout=pin_layout))
         contexts = group_backends(context, device, pin_layout=pin_layout)
         outside = tuple(cp for cp in contexts if not set(cp.global_ranks) <= set(data_backend.global_ranks))
@@ -155,3 +177,53 @@ def _sum_over(group: Backend, tensors: Sequence[torch.Tensor], per_parameter: bo
             group.all_reduce_(tensor)
     elif group.world_size > 1 and tensors:
         group.all_reduce_many_(tensors)
+
+
+#: The names a ``device_mesh`` may give its dimensions.
+MESH_DIMS = ("dp", "tp")
+
+
+def _mesh_groups(mesh: object) -> tuple[object, object]:
+    """The data- and tensor-parallel process groups of ``mesh`` (dimensions ``"dp"`` and ``"tp"``)."""
+    if DeviceMesh is None or not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}.")
+    names = tuple(mesh.mesh_dim_names or ())
+    if "dp" not in names or not set(names) <= set(MESH_DIMS):
+        raise ValueError(
+            f"device_mesh has dimensions {names or '(unnamed)'}; nxd_smp takes a mesh with a 'dp' dimension (the "
+            f"data-parallel group it shards over) and optionally 'tp' (tensor parallelism), e.g. "
+            f"init_device_mesh(device_type, (dp, tp), mesh_dim_names=('dp', 'tp')). For other layouts pass "
+            f"process_group=mesh['dp'].get_group() and grad_norm_groups=mesh['tp'].get_group()."
+        )
+    return mesh["dp"].get_group(), (mesh["tp"].get_group() if "tp" in names else None)
+
+
+def _tensor_group_of(mesh: object) -> object:
+    """The process group of the DTensor parameters' mesh: their tensor-parallel group."""
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"the DTensor parameters live on a {mesh.ndim}-dimensional mesh {mesh}; nxd_smp shards a model "
+            f"parallelized over one tensor-parallel dimension (parallelize_module(model, mesh['tp'], plan)). "
+            f"Pass device_mesh=mesh with dimensions ('dp', 'tp')."
+        )
+    return mesh.get_group()
+
+
+def _check_not_sharded_over(mesh: object, data_ranks: Sequence[int]) -> None:
+    """Refuse DTensor parameters spread over ranks of the data-parallel group: FSDP2 has sharded them
+    already, or the data-parallel group was not named and spans the tensor-parallel ranks."""
+    import torch.distributed as dist
+
+    shared = set(mesh.mesh.flatten().tolist()) & set(data_ranks) - {dist.get_rank()}
+    if shared:
+        raise ValueError(
+            f"the model's DTensor parameters are spread over ranks {sorted(shared)}, which are also in the "
+            f"data-parallel group {sorted(data_ranks)}. Two causes:\n"
+            f"* tensor parallelism without its data-parallel group: pass device_mesh=mesh (dimensions "
+            f"('dp', 'tp')) or process_group=mesh['dp'].get_group();\n"
+            f"* a model sharded by FSDP2 (fully_shard): it already shards the parameters over data parallelism, "
+            f"which ZeRO-1 cannot shard again. Use torch.optim.AdamW with FSDP2's "
+            f"MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), the fully sharded "
+            f"form of standard mixed precision, and carry an nxd_smp checkpoint into it with "
+            f"`python -m nxd_smp export-torch CKPT OUT_DIR` (a DCP directory that dcp.load reshards)."
+        )

@@ -1,0 +1,87 @@
+"""DTensor parameters (torch's tensor parallelism, ``parallelize_module`` over a ``DeviceMesh``):
+what the optimizer manages of them, in one place.
+
+A DTensor parameter is managed through its local part (``local_tensor``): that plain tensor is
+what the flat buffers hold and the all-gather fills, so the DTensor itself keeps working for the
+model. Its gradient is taken in the parameter's own placements and then as the local part
+(``local_grad``): a ``Partial`` gradient is reduced first, as torch's optimizers would see it
+after ``redistribute``. A parameter sharded on some mesh dimension (``Shard``) is a part of a
+larger tensor (``is_split``): its squares add up over the tensor-parallel group in the global
+norm, where a replicated one counts once.
+
+Everything here is plain arithmetic on torch's public DTensor API; without torch.distributed
+every tensor is plain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+try:  # torch.distributed is optional in some builds
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # pragma: no cover - builds without torch.distributed
+    DeviceMesh = DTensor = Shard = None  # type: ignore[assignment,misc]
+
+__all__ = ["DeviceMesh", "is_dtensor", "local_tensor", "local_grad", "local_shape", "is_split", "param_mesh"]
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor (a DTensor parameter included)."""
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding this rank's part of ``tensor`` (``tensor`` itself when plain). For a
+    DTensor parameter it is the tensor its ``to_local()`` returns: writing it writes the parameter."""
+    return tensor._local_tensor if is_dtensor(tensor) else tensor
+
+
+def local_shape(tensor: torch.Tensor) -> torch.Size:
+    """The shape of this rank's part of ``tensor``."""
+    return local_tensor(tensor).shape
+
+
+def local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` of ``param`` as the plain tensor of this rank's part: a DTensor gradient is first put
+    in the parameter's placements (a ``Partial`` one is reduced over its mesh)."""
+    if not is_dtensor(grad):
+        return grad
+    if is_dtensor(param) and tuple(grad.placements) != tuple(param.placements):
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad.to_local()
+
+
+def is_split(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a DTensor sharded on some mesh dimension: a part of a larger tensor."""
+    return is_dtensor(param) and any(p.is_shard() for p in param.placements)
+
+
+def param_mesh(params: Sequence[torch.Tensor]) -> Any:
+    """The one ``DeviceMesh`` of the DTensor parameters among ``params`` (None when there are none).
+
+    Raises:
+        ValueError: DTensor parameters on several meshes, or placements that are neither ``Shard``
+            nor ``Replicate`` (a parameter cannot be ``Partial``).
+    """
+    meshes = []
+    for p in params:
+        if not is_dtensor(p):
+            continue
+        if any(not (placement.is_shard() or placement.is_replicate()) for placement in p.placements):
+            raise ValueError(
+                f"a DTensor parameter of shape {tuple(p.shape)} has placements {tuple(p.placements)}; a parameter "
+                f"must be Shard or Replicate on each mesh dimension (as parallelize_module leaves them)."
+            )
+        if not any(p.device_mesh == m for m in meshes):
+            meshes.append(p.device_mesh)
+    if len(meshes) > 1:
+        raise ValueError(
+            f"the DTensor parameters live on {len(meshes)} different device meshes ({meshes}); nxd_smp shards one "
+            f"tensor-parallel mesh over data parallelism. Parallelize the whole model over one mesh (e.g. "
+            f"mesh['tp']) and pass the data-parallel dimension as device_mesh=mesh."
+        )
+    return meshes[0] if meshes else None

@@ -1,0 +1,65 @@
+"""torch's tensor parallelism (DTensor) with ZeRO-1 over the mesh's ``dp`` dimension, against an unsharded
+fp32-master oracle and against NxD's hand-split tensor parallelism (tests/dtensor_worker.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import nxd_smp
+
+from tests import dtensor_worker as w
+from tests.distributed import run_ranks
+
+
+@pytest.mark.parametrize("how", ["device_mesh", "process_group"])
+def test_tp2_dp2_matches_the_unsharded_oracle(how):
+    results = run_ranks(4, w.dtensor_oracle_rank, how)
+    expected, norms = w.oracle()
+    for rank, got in enumerate(results):
+        assert (got["tp_size"], got["dp_size"]) == (2, 2)
+        # the global norm counts every element once: split parts summed over tp, replicated ones once
+        assert got["norms"] == pytest.approx(norms, rel=1e-6), rank
+        for name, value in expected.items():
+            diff = (got["params"][name].float() - value.float()).abs().max().item()
+            ulp = value.float().abs().max().item() * 2 ** -7
+            assert diff <= ulp, (rank, name, diff)
+    for a, b in ((0, 1), (2, 3)):  # the TP pairs agree: replicated parameters stay identical
+        for name in ("down.bias", "norm.weight", "norm.bias"):
+            assert torch.equal(results[a]["local"][name], results[b]["local"][name]), name
+        for name in ("up.weight", "up.bias", "down.weight"):  # and the split ones are different parts
+            assert not torch.equal(results[a]["local"][name], results[b]["local"][name]), name
+
+
+def test_nxd_hand_split_and_dtensor_train_to_the_same_numbers():
+    for rank, got in enumerate(run_ranks(4, w.nxd_versus_dtensor_rank)):
+        assert got["dtensor_norm"] == pytest.approx(got["nxd_norm"], rel=1e-5), rank
+        for a, b in zip(got["dtensor_masters"], got["nxd_masters"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        for name, value in got["nxd"].items():
+            torch.testing.assert_close(got["dtensor"][name].float(), value.float(), rtol=2 ** -7, atol=1e-6)
+
+
+def test_what_a_mesh_build_refuses():
+    got = run_ranks(2, w.refusals_rank)[0]
+    kind, message = got["fsdp"]
+    assert kind == "ValueError" and "fully_shard" in message and "export-torch" in message
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in message
+    kind, message = got["tp_no_dp"]
+    assert kind == "ValueError" and "device_mesh=mesh" in message
+    kind, message = got["names"]
+    assert kind == "ValueError" and "'dp'" in message and "replicas" in message
+    assert got["beside"][0] == "TypeError"
+    assert got["tp_only"] == (1, 2)
+
+
+def test_steps_raise_no_warning():
+    """Nothing nxd_smp calls warns (torch 2.13 deprecates the ``*_tensor`` collectives), and nothing a user
+    would see by default: DeprecationWarnings that torch's own modules raise while inductor compiles the update
+    are hidden outside ``__main__`` and not ours."""
+    package = os.path.dirname(nxd_smp.__file__)
+    for rank, caught in enumerate(run_ranks(2, w.quiet_step_rank)):
+        ours = [c for c in caught if c[1].startswith(package) or c[0] != "DeprecationWarning"]
+        assert ours == [], (rank, ours)
