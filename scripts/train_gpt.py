@@ -9,7 +9,9 @@ into ``OUT/ckpt/step_<N>`` (saved in the background, the newest ``--keep-ckpts``
 schedule with them; ``--resume`` continues from the newest), writes metrics as JSON lines
 and ends with a summary.
 
-    python scripts/train_gpt.py                          # XLA CPU device if torch_xla is there
+    python scripts/train_gpt.py                          # XLA CPU device if torch_xla is there, else
+                                                         # torch.accelerator's device, else the CPU
+    python scripts/train_gpt.py --device accelerator     # CUDA, or Trainium's neuron under TorchNeuron
     python scripts/train_gpt.py --device cpu --steps 50
     torchrun --standalone --nproc-per-node 1 scripts/train_gpt.py --device xla   # as on Trainium
     torchrun --nproc-per-node 2 scripts/train_gpt.py --device cpu   # data parallel, gloo on CPU
@@ -72,7 +74,7 @@ def wants_xla(choice: str, world_size: int) -> bool:
     """Whether this run trains on an XLA device: ``--device xla``, or ``auto`` with torch_xla
     installed. Several processes on the XLA CPU device each see a world of one (their
     collectives cannot meet), so there ``auto`` falls back to the CPU."""
-    if choice == "cpu":
+    if choice in ("cpu", "accelerator"):
         return False
     try:
         import torch_xla  # noqa: F401
@@ -89,9 +91,25 @@ def wants_xla(choice: str, world_size: int) -> bool:
     return True
 
 
+def eager_device(choice: str) -> torch.device:
+    """The device of a run that is not on XLA: ``--device cpu``, else the current accelerator
+    (``torch.accelerator``: CUDA, or Trainium's ``neuron`` under TorchNeuron), the CPU when there is
+    none (``auto``) or refused (``--device accelerator``)."""
+    accelerator = None if choice == "cpu" else torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is None and choice == "accelerator":
+        raise SystemExit("--device accelerator: torch.accelerator reports no accelerator here; use --device cpu")
+    return torch.device("cpu") if accelerator is None else accelerator
+
+
+def process_group_backend(device: torch.device) -> str:
+    """The process group for ``device``: torch's default backend for its type (gloo on the CPU)."""
+    default_for = getattr(dist, "get_default_backend_for_device", None)
+    return "gloo" if device.type == "cpu" or default_for is None else default_for(device)
+
+
 def init_distributed(choice: str) -> None:
     """Under torchrun, the process group an NxD script creates: ``xla`` when training on an
-    XLA device (one process included, as on Trainium), gloo on the CPU."""
+    XLA device (one process included, as on Trainium), else the eager device's (gloo on the CPU)."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return  # not launched by torchrun: one process, no process group
     if wants_xla(choice, int(os.environ["WORLD_SIZE"])):
@@ -99,7 +117,7 @@ def init_distributed(choice: str) -> None:
 
         dist.init_process_group("xla", init_method="xla://")
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group(process_group_backend(eager_device(choice)))
 
 
 def nxd_config_for(cfg: RunConfig) -> dict[str, Any]:
@@ -123,7 +141,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     nxd = nxd_config_for(cfg)  # before the device: it sets the Neuron SR variable
-    device = __import__("torch_xla").device() if wants_xla(cfg.device, world_size) else torch.device("cpu")
+    device = __import__("torch_xla").device() if wants_xla(cfg.device, world_size) else eager_device(cfg.device)
     on_xla = device.type == "xla"
     sync = __import__("torch_xla").sync if on_xla else (lambda: None)
 
@@ -247,7 +265,7 @@ def parse_args(argv=None) -> RunConfig:
     p.add_argument("--mode", choices=MODES, default=d.mode,
                    help="smp (default), fp32, bf16 (no master weights), bf16_sr (bf16 + stochastic rounding)")
     p.add_argument("--config", type=Path, help="a JSON file with an NxD config (optimizer_config, mixed_precision_config, ...)")
-    p.add_argument("--device", choices=["auto", "cpu", "xla"], default=d.device)
+    p.add_argument("--device", choices=["auto", "cpu", "accelerator", "xla"], default=d.device)
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-iters", type=int, default=d.eval_iters)
     p.add_argument("--ckpt-every", type=int, default=100, help="0: no checkpoints (default 100)")

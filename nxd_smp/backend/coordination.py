@@ -69,6 +69,12 @@ class Coordinator(ABC):
         self.all_gather(None)
 
 
+def coordination_backend() -> str | None:
+    """The torch.distributed backend of the host-side coordination: gloo where torch has it (a CPU
+    group, whatever device the training uses), else None (the default group's backend)."""
+    return "gloo" if dist.is_gloo_available() else None
+
+
 class LocalCoordinator(Coordinator):
     """A group of one rank."""
 
@@ -79,7 +85,9 @@ class LocalCoordinator(Coordinator):
 
 
 class ProcessGroupCoordinator(Coordinator):
-    """Over a gloo group of the given global ranks, created when first used."""
+    """Over a host-side group of the given global ranks, created when first used: gloo, or where
+    this torch has no gloo (a device build without it) the default group's backend, whose object
+    collectives go through the current accelerator."""
 
     def __init__(self, ranks: Sequence[int]):
         self.ranks = sorted(ranks)
@@ -95,7 +103,8 @@ class ProcessGroupCoordinator(Coordinator):
             # that drops ``use_local_synchronization``): only the group's ranks call it.
             from torch.distributed import distributed_c10d
 
-            self._group = distributed_c10d.new_group(self.ranks, backend="gloo", use_local_synchronization=True)
+            self._group = distributed_c10d.new_group(self.ranks, backend=coordination_backend(),
+                                                     use_local_synchronization=True)
         return self._group
 
     def all_gather(self, obj: Any) -> list[Any]:
