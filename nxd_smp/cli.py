@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m nxd_smp") -> int:
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR as a whole")
     p = sub.add_parser("export-torch", help="write a torch.distributed.checkpoint directory in "
                        "get_state_dict(model, optimizer)'s layout, for native PyTorch")
-    p.add_argument("path")
+    p.add_argument("path", nargs="+", help="a checkpoint, or a DTensor model's checkpoints of every "
+                   "tensor-parallel coordinate in rank order (joined into whole tensors)")
     p.add_argument("out_dir")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR as a whole")
     p = sub.add_parser("export-safetensors", help="write the model weights as one safetensors file")
@@ -108,7 +109,8 @@ def _run(args: argparse.Namespace) -> None:
         consolidate(args.path, args.out, overwrite=args.overwrite)
         _say(f"wrote {args.out}")
     elif args.command == "export-torch":
-        _say(f"wrote {export_torch(args.path, args.out_dir, overwrite=args.overwrite)}")
+        paths = args.path[0] if len(args.path) == 1 else args.path
+        _say(f"wrote {export_torch(paths, args.out_dir, overwrite=args.overwrite)}")
     elif args.command == "export-safetensors":
         _say(f"wrote {export_safetensors(args.path, args.out_file, masters=args.masters, overwrite=args.overwrite)}")
     else:

@@ -240,3 +240,73 @@ def quiet_step_rank(rank: int, world_size: int) -> list[str]:
             opt.step()
             opt.zero_grad()
     return [(c.category.__name__, c.filename, c.lineno, str(c.message)) for c in caught]
+
+
+def _smp_optimizer(model: nn.Module, **groups) -> Zero1Optimizer:
+    from nxd_smp import MixedPrecisionConfig
+
+    return Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=0.1, max_norm=MAX_NORM,
+                          bucket_cap_mb=CAP_MB, mixed_precision=MixedPrecisionConfig(use_master_weights_in_ckpt=True),
+                          **groups)
+
+
+def _full_masters(opt: Zero1Optimizer, model: nn.Module, mesh) -> dict[str, torch.Tensor]:
+    """Every parameter's fp32 master, whole: this rank's shard gathered over ``dp``, the TP parts joined."""
+    group = mesh["dp"].get_group()
+    index = {id(p): i for i, p in enumerate(opt.managed_params)}
+    local = {}
+    for layout, shard in zip(opt.bucket_layouts, opt.master_shards):
+        flat = torch.empty(shard.numel() * opt.world_size)
+        dist.all_gather_into_tensor(flat, shard.contiguous(), group=group)
+        for i, param_index in enumerate(layout.param_indices):
+            start, end = layout.param_range(i)
+            local[param_index] = flat[start:end]
+    out = {}
+    for name, p in model.named_parameters():
+        value = local[index[id(p)]].view(_local(p).shape)
+        if isinstance(p, DTensor):
+            value = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                       stride=p.stride()).full_tensor()
+        out[name] = value.clone()
+    return out
+
+
+def checkpoint_save_rank(rank: int, world_size: int, root: str) -> dict:
+    """TP 2 x DP 2: two steps, then each TP coordinate saves its own checkpoint."""
+    from nxd_smp import save_checkpoint
+
+    mesh = mesh_2x2()
+    model = parallelize_module(full_model(), mesh["tp"], PLAN)
+    opt = _smp_optimizer(model, device_mesh=mesh)
+    dp, tp = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    for step in range(2):
+        x, y = data(dp, step, 0)
+        ((model(x).float() - y.float()) ** 2).mean().backward()
+        opt.step()
+    save_checkpoint(f"{root}/tp{tp}", model=model, optimizer=opt)
+    return {"params": {n: _full(p) for n, p in model.named_parameters()}, "masters": _full_masters(opt, model, mesh)}
+
+
+def checkpoint_load_rank(rank: int, world_size: int, root: str, export: str) -> dict:
+    """TP 2 x DP 1: each coordinate loads its own checkpoint (resharded from DP 2), the other's is refused;
+    then the DCP export loads into a fresh fp32 DTensor model with ``dcp.load``, as TorchTitan loads one."""
+    import torch.distributed.checkpoint as dcp
+
+    from nxd_smp import CheckpointError, load_checkpoint
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"].get_local_rank()
+    model = parallelize_module(full_model(seed=1), mesh["tp"], PLAN)
+    opt = _smp_optimizer(model, device_mesh=mesh)
+    try:
+        load_checkpoint(f"{root}/tp{1 - tp}", model=model, optimizer=opt)
+        wrong = "loaded"
+    except CheckpointError as e:
+        wrong = str(e)
+    load_checkpoint(f"{root}/tp{tp}", model=model, optimizer=opt)
+    loaded = {"params": {n: _full(p) for n, p in model.named_parameters()}, "masters": _full_masters(opt, model, mesh)}
+    titan = parallelize_module(full_model(seed=2).float(), mesh["tp"], PLAN)
+    state = {"model": titan.state_dict()}
+    dcp.load(state, checkpoint_id=export)
+    titan.load_state_dict(state["model"])
+    return {**loaded, "wrong": wrong, "exported": {n: _full(p) for n, p in titan.named_parameters()}}

@@ -63,3 +63,18 @@ def test_steps_raise_no_warning():
     for rank, caught in enumerate(run_ranks(2, w.quiet_step_rank)):
         ours = [c for c in caught if c[1].startswith(package) or c[0] != "DeprecationWarning"]
         assert ours == [], (rank, ours)
+
+
+def test_checkpoints_per_tp_coordinate_reshard_over_dp_and_export_whole(tmp_path):
+    from nxd_smp.interop.native_torch import export_torch
+
+    saved = run_ranks(4, w.checkpoint_save_rank, str(tmp_path / "ckpt"))
+    export = export_torch([tmp_path / "ckpt" / "tp0", tmp_path / "ckpt" / "tp1"], tmp_path / "dcp")
+    with pytest.raises(nxd_smp.CheckpointError, match="pass the checkpoints of all 2 coordinates"):
+        export_torch(tmp_path / "ckpt" / "tp1", tmp_path / "dcp1")
+    for got in run_ranks(2, w.checkpoint_load_rank, str(tmp_path / "ckpt"), str(export)):
+        assert "tensor-parallel rank" in got["wrong"] and "each tensor-parallel coordinate" in got["wrong"]
+        for name, value in saved[0]["params"].items():
+            assert torch.equal(got["params"][name], value), name
+            assert torch.equal(got["masters"][name], saved[0]["masters"][name]), name
+            assert torch.equal(got["exported"][name], saved[0]["masters"][name]), name

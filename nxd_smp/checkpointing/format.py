@@ -259,6 +259,12 @@ def check_meta(meta: Any, source: Path) -> None:
         if not isinstance(key, str) or not isinstance(info, Mapping) or not is_shape(info.get("shape")) \
                 or not _dtype_name(info.get("dtype")):
             refuse(f"the model entry {key!r} is not {{'shape': sizes, 'dtype': a torch dtype}}")
+    tp = meta.get("tensor_parallel")
+    if tp is not None and not (
+            isinstance(tp, Mapping) and set(tp) == {"size", "rank", "split"} and is_shape((tp["size"], tp["rank"]))
+            and 0 <= tp["rank"] < tp["size"] and isinstance(tp["split"], Mapping)
+            and all(k in model and is_shape((d,)) and d < len(model[k]["shape"]) for k, d in tp["split"].items())):
+        refuse("'tensor_parallel' is not {'size', 'rank' below it, 'split': {model key: one of its dimensions}}")
     opt = meta.get("optimizer")
     if opt is None:
         return

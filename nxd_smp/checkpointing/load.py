@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from ..backend import Backend
 from ..backend.agreement import agree, error_text
+from ..core.dtensors import like_live, local_shape, local_state_dict, tensor_parallel_layout
 from ..core.errors import CheckpointError
 from ..optim.loss_scaler import check_scaler_state
 from ..optim.state_fit import StateFit, check_step
@@ -176,7 +177,7 @@ def name_differences(wanted, given, missing: str, extra: str) -> list[str]:
 
 def _check_model(meta: Mapping[str, Any], model: nn.Module, strict: bool,
                  device_dtype: Callable[[torch.dtype], torch.dtype]) -> None:
-    live = model.state_dict()
+    live = local_state_dict(model)
     saved = meta["model"]
     problems = []
     if strict:
@@ -187,6 +188,12 @@ def _check_model(meta: Mapping[str, Any], model: nn.Module, strict: bool,
             problems.append(f"{key}: shape {tuple(saved[key]['shape'])} in the checkpoint, {shape} in the model")
         elif saved[key]["dtype"] != dtype:
             problems.append(f"{key}: dtype {saved[key]['dtype']} in the checkpoint, {dtype} in the model")
+    saved_tp, live_tp = meta.get("tensor_parallel"), tensor_parallel_layout(model)
+    if saved_tp != live_tp:
+        where = (lambda tp: "a model without DTensors" if tp is None else
+                 f"tensor-parallel rank {tp['rank']} of {tp['size']} (split {sorted(tp['split'])})")
+        problems.append(f"it was saved by {where(saved_tp)}, and this rank holds {where(live_tp)}: each tensor-parallel "
+                        f"coordinate loads the checkpoint it saved")
     if problems:
         raise CheckpointError("the checkpoint does not fit the model: " + "; ".join(problems) + ".")
 
@@ -208,9 +215,9 @@ def _check_optimizer(saved_opt: Mapping[str, Any] | None, names: list[str], opti
             + ("" if live_names != saved_names else "; the param groups are arranged differently")
             + "."
         )
-    problems = [f"{name}: shape {tuple(saved_opt['params'][name]['shape'])} in the checkpoint, {tuple(p.shape)} "
+    problems = [f"{name}: shape {tuple(saved_opt['params'][name]['shape'])} in the checkpoint, {tuple(local_shape(p))} "
                 f"in the optimizer" for name, p in zip(names, optimizer.managed_params)
-                if tuple(saved_opt["params"][name]["shape"]) != tuple(p.shape)]
+                if tuple(saved_opt["params"][name]["shape"]) != tuple(local_shape(p))]
     if problems:
         raise CheckpointError(f"{source}: the optimizer's parameters do not fit: " + "; ".join(problems) + ".")
     fit = StateFit(type(optimizer.inner_optimizer), optimizer.param_groups, [g["hyper"] for g in saved_opt["groups"]])
@@ -245,7 +252,7 @@ def plan_load(
             not fit, each named.
     """
     _check_model(meta, model, strict, device_dtype)
-    live = model.state_dict()
+    live = local_state_dict(model)
     plan = LoadPlan({
         model_key(key): torch.empty(info["shape"], dtype=dtype_named(info["dtype"]))
         for key, info in meta["model"].items() if key in live
@@ -293,7 +300,9 @@ def plan_load(
 def _commit(
     plan: LoadPlan, meta: Mapping[str, Any], model: nn.Module, optimizer: Zero1Optimizer | None, strict: bool
 ) -> None:
-    model_state = {key: plan.staging[model_key(key)] for key in meta["model"] if model_key(key) in plan.staging}
+    live = model.state_dict()  # (DTensors take their parts back as DTensors)
+    model_state = {key: like_live(plan.staging[model_key(key)], live.get(key))
+                   for key in meta["model"] if model_key(key) in plan.staging}
     with torch.no_grad():
         model.load_state_dict(model_state, strict=strict)  # copies in place: views stay views
     if optimizer is None:
@@ -395,10 +404,10 @@ def check_full_optimizer_state(
         keys = {frozenset(entry) for entry in state.values() if isinstance(entry, Mapping) and entry}
         if fit.expected_keys() is None and len(keys) > 1:  # (a class that cannot be probed)
             problems.append(f"the parameters' state keys differ: {sorted(sorted(k) for k in keys)}")
-        problems += fit.problems((group_of[name], name, state[name], tuple(live[name].shape))
+        problems += fit.problems((group_of[name], name, state[name], tuple(local_shape(live[name])))
                                  for name in sorted(set(names) & set(state)))
     for name in sorted(set(names) & set(state)) if master_weights is not None else ():
-        master, shape = master_weights.get(name), tuple(live[name].shape)
+        master, shape = master_weights.get(name), tuple(local_shape(live[name]))
         if not isinstance(master, torch.Tensor) or tuple(master.shape) != shape or not master.dtype.is_floating_point:
             problems.append(f"master weight {name}: {_what(master)}, the parameter is {shape}")
     if problems:
@@ -442,7 +451,7 @@ def install_full_optimizer_state(
         scalars.append({} if source is None else {k: v for k, v in state[source].items() if v.dim() == 0})
 
     def entry(name: str, key: str) -> torch.Tensor:
-        return state[name][key] if key in state[name] else torch.zeros(live[name].shape, dtype=torch.float32)
+        return state[name][key] if key in state[name] else torch.zeros(local_shape(live[name]), dtype=torch.float32)
 
     tensors = {key: shards_of({n: entry(n, key) for n in names}, shard_dtypes) for key in tensor_keys}
     masters = None if master_weights is None else shards_of(master_weights, [torch.float32] * len(layouts))

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from ..backend import Backend
 from ..backend.coordination import Coordinator
+from ..core.dtensors import local_shape, local_state_dict, tensor_parallel_layout
 from ..core.errors import CheckpointError
 from ..zero1_optimizer import Zero1Optimizer
 from .format import (
@@ -192,7 +193,7 @@ def state_to_save(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], bool]:
     """This rank's tensors of the checkpoint (on the host), the metadata, and whether the
     tensors are copies (False: some are the live ones, which an asynchronous save stages)."""
-    model_state = model.state_dict()
+    model_state = local_state_dict(model)  # (a DTensor's part on this rank: one checkpoint per TP coordinate)
     model_keys = {}
     for key, value in model_state.items():
         if not isinstance(value, torch.Tensor):
@@ -202,6 +203,9 @@ def state_to_save(
     host, copied = backend.to_host([model_state[key] for key in mine])
     state: dict[str, torch.Tensor] = {model_key(key): value for key, value in zip(mine, host)}
     meta: dict[str, Any] = {"format": FORMAT, "model": model_keys, "optimizer": None}
+    layout = tensor_parallel_layout(model)
+    if layout is not None:
+        meta["tensor_parallel"] = layout
     if optimizer is None:
         return state, meta, copied
 
@@ -249,7 +253,7 @@ def state_to_save(
         state.update({scaler_key(key): value for key, value in zip(scaler_state, values)})
 
     params = {
-        name: {"shape": tuple(p.shape), "dtype": str(backend.device_dtype(p.dtype))}
+        name: {"shape": tuple(local_shape(p)), "dtype": str(backend.device_dtype(p.dtype))}
         for name, p in zip(names, optimizer.managed_params)
     }
     meta["optimizer"] = {

@@ -66,7 +66,8 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     {"groups": [{"hyper", "params": names}], "state": {name: {key: tensor shaped like the
     parameter (or 0-dim)}}, "master_weights": {name: fp32 tensor} or None, "inner_class": the
     torch.optim class's name}, "extra",
-    "stateful": {name: state dict}}."""
+    "stateful": {name: state dict}, "tensor_parallel": None, or for a DTensor model the TP coordinate
+    that saved it and the dimension each split tensor is cut on (``core.dtensors.tensor_parallel_layout``)}."""
     target = resolve(Path(path))
     record = completion_record(target)
     verify_files(target, record, checksums=record["format"] == FORMAT_V1)
@@ -79,6 +80,7 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         "optimizer": None,
         "extra": saved["extra"],
         "stateful": saved["objects"],
+        "tensor_parallel": meta.get("tensor_parallel"),
     }
     opt = meta["optimizer"]
     if opt is None:

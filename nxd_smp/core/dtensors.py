@@ -26,7 +26,8 @@ try:  # torch.distributed is optional in some builds
 except ImportError:  # pragma: no cover - builds without torch.distributed
     DeviceMesh = DTensor = Shard = None  # type: ignore[assignment,misc]
 
-__all__ = ["DeviceMesh", "is_dtensor", "local_tensor", "local_grad", "local_shape", "is_split", "param_mesh"]
+__all__ = ["DeviceMesh", "is_dtensor", "local_tensor", "local_grad", "local_shape", "is_split", "param_mesh",
+           "local_state_dict", "like_live", "tensor_parallel_layout"]
 
 
 def is_dtensor(tensor: Any) -> bool:
@@ -85,3 +86,36 @@ def param_mesh(params: Sequence[torch.Tensor]) -> Any:
             f"mesh['tp']) and pass the data-parallel dimension as device_mesh=mesh."
         )
     return meshes[0] if meshes else None
+
+
+def local_state_dict(module: torch.nn.Module) -> dict[str, Any]:
+    """``module.state_dict()`` with every DTensor as this rank's part (``local_tensor``)."""
+    return {key: local_tensor(value) if isinstance(value, torch.Tensor) else value
+            for key, value in module.state_dict().items()}
+
+
+def like_live(value: torch.Tensor, live: Any) -> torch.Tensor:
+    """``value``, this rank's part of a tensor, as ``live`` holds it: a DTensor of ``live``'s mesh and
+    placements when ``live`` is one (what ``load_state_dict`` copies into it), else ``value``."""
+    if not is_dtensor(live):
+        return value
+    return DTensor.from_local(value, live.device_mesh, live.placements, run_check=False, shape=live.shape,
+                              stride=live.stride())
+
+
+def tensor_parallel_layout(module: torch.nn.Module) -> dict[str, Any] | None:
+    """Where this rank's parts of ``module``'s DTensor state sit in the whole tensors: ``{"size": the mesh's
+    size, "rank": this rank's place on it, "split": {state key: the dimension it is sharded on}}``, for the
+    one-dimensional tensor-parallel mesh; None when ``module`` holds no DTensor."""
+    state = module.state_dict()
+    mesh = param_mesh([v for v in state.values() if isinstance(v, torch.Tensor)])
+    if mesh is None:
+        return None
+    if mesh.ndim != 1:
+        raise ValueError(f"the model's DTensors live on a {mesh.ndim}-dimensional mesh; nxd_smp checkpoints a model "
+                         f"parallelized over one tensor-parallel dimension.")
+    split = {}
+    for key, value in state.items():
+        if is_dtensor(value) and value.placements[0].is_shard():
+            split[key] = value.placements[0].dim % value.dim()
+    return {"size": mesh.size(), "rank": mesh.get_local_rank(), "split": split}

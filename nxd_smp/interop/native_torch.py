@@ -33,7 +33,7 @@ import inspect
 import math
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,10 +68,16 @@ def _as_fp32(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- export
-def export_torch(path: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
+def export_torch(path: str | os.PathLike | Sequence[str | os.PathLike], out_dir: str | os.PathLike, *,
+                 overwrite: bool = False) -> Path:
     """Write the checkpoint at ``path`` as a DCP directory ``out_dir`` holding ``{"model":
     model_sd, "optim": optim_sd}`` in ``get_state_dict(model, optimizer)``'s layout for the
     same model in fp32 under the checkpoint's ``torch.optim`` class.
+
+    A model with DTensor tensor parallelism saves one checkpoint per tensor-parallel coordinate: pass
+    them all, in tensor-parallel rank order, as ``path`` (a list). Each split tensor is joined whole along
+    the dimension it was sharded on, so the directory holds plain full tensors, which ``dcp.load``
+    reshards into any layout (TorchTitan's, FSDP2's, another TP size).
 
     ``model_sd``: the fp32 master weights for the managed parameters (without saved masters,
     the parameters upcast to fp32, with a ``UserWarning`` that precision was lost); every
@@ -99,7 +105,7 @@ def export_torch(path: str | os.PathLike, out_dir: str | os.PathLike, *, overwri
         TypeError: ``out_dir`` is not a path or ``overwrite`` not a bool.
     """
     out = check_target(out_dir, overwrite=overwrite, directory=True)
-    full = read_checkpoint(path)
+    full = _whole_model_checkpoint(path)
     opt = full["optimizer"]
     masters = None if opt is None else opt["master_weights"]
     managed = set() if opt is None else {name for g in opt["groups"] for name in g["params"]}
@@ -125,6 +131,48 @@ def export_torch(path: str | os.PathLike, out_dir: str | os.PathLike, *, overwri
     if opt is not None:
         state[OPTIM] = _torch_optim_state_dict(opt, opt["inner_class"])
     return write_directory(out, lambda staging: _save_dcp(state, staging, out), overwrite=overwrite)
+
+
+def _whole_model_checkpoint(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> dict[str, Any]:
+    """``read_checkpoint`` of one checkpoint, or of the checkpoints of every tensor-parallel coordinate
+    (in rank order) joined into the whole model's: split tensors (model entries, masters, state shaped like
+    the parameter) concatenated on their dimension, the rest taken from rank 0 (replicated: the same)."""
+    many = not isinstance(paths, (str, os.PathLike))
+    parts = [read_checkpoint(p) for p in (paths if many else [paths])]
+    layouts = [part["tensor_parallel"] for part in parts]
+    if not many or len(parts) == 1:
+        tp = layouts[0]
+        if tp is not None and tp["size"] > 1:
+            raise CheckpointError(
+                f"{paths if not many else paths[0]} holds tensor-parallel rank {tp['rank']} of {tp['size']} of a DTensor "
+                f"model; pass the checkpoints of all {tp['size']} coordinates, in rank order, to export the whole model.")
+        return parts[0]
+    wanted = [{"size": len(parts), "rank": r, "split": layouts[0]["split"] if layouts[0] else None}
+              for r in range(len(parts))]
+    if layouts != wanted:
+        raise CheckpointError(
+            f"the {len(parts)} checkpoints are not tensor-parallel ranks 0..{len(parts) - 1} of one DTensor model "
+            f"(their layouts: {layouts}); pass each coordinate's checkpoint once, in rank order.")
+    split = layouts[0]["split"]
+
+    def join(key: str, values: list[Any]) -> Any:
+        if key in split and isinstance(values[0], torch.Tensor) and values[0].dim() > 0:
+            return torch.cat(values, dim=split[key])
+        return values[0]
+
+    whole = {**parts[0], "tensor_parallel": None,
+             "model": {key: join(key, [p["model"][key] for p in parts]) for key in parts[0]["model"]}}
+    opt = parts[0]["optimizer"]
+    if opt is not None:
+        masters = opt["master_weights"]
+        whole["optimizer"] = {
+            **opt,
+            "state": {name: {key: join(name, [p["optimizer"]["state"][name][key] for p in parts]) for key in entry}
+                      for name, entry in opt["state"].items()},
+            "master_weights": None if masters is None else {
+                name: join(name, [p["optimizer"]["master_weights"][name] for p in parts]) for name in masters},
+        }
+    return whole
 
 
 def _torch_optim_state_dict(opt: Mapping[str, Any], inner_class: str) -> dict[str, Any]:
