@@ -89,7 +89,9 @@ def _plain_reference() -> list[torch.Tensor]:
 
 def test_the_demo_picks_the_device_through_torch_accelerator(monkeypatch):
     demo = _train_gpt()
-    assert torch.accelerator.current_accelerator(check_available=True) is None  # this machine: no accelerator
+    here = torch.accelerator.current_accelerator(check_available=True)  # None on a CPU-only machine
+    assert demo.eager_device("auto") == (torch.device("cpu") if here is None else here)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: None)
     assert demo.eager_device("auto") == torch.device("cpu")
     assert demo.eager_device("cpu") == torch.device("cpu")
     with pytest.raises(SystemExit, match="torch.accelerator reports no accelerator"):
