@@ -203,6 +203,41 @@ torch.manual_seed(0)
 initial = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)).to(torch.bfloat16)
 assert os.path.islink("runs/accelerate_dp/step_4/nxd_smp")
 '''),
+    # docs/native_pytorch.md, 4 ranks under torchrun: the TP pair agrees, every rank has one norm, and the run
+    # is the unsharded fp32-master reference's within bf16 drift (DTensor's rowwise bias rounds its own way)
+    "Tensor parallelism with ZeRO-1 on DTensor": '''
+import os
+from tests.oracle import assert_params_close
+from tests.snippet_reference import smp_reference
+tp_group = mesh["tp"].get_group()
+pair = [torch.empty_like(model[2].bias.to_local()) for _ in range(2)]
+dist.all_gather(pair, model[2].bias.to_local().contiguous(), group=tp_group)
+assert torch.equal(pair[0], pair[1]), "the replicated bias differs across the TP pair"
+norms = [torch.zeros(()) for _ in range(4)]
+dist.all_gather(norms, opt.grad_norm.float().reshape(()))
+assert all(torch.equal(n, norms[0]) for n in norms)
+assert (opt.world_size, opt.tensor_parallel_size) == (2, 2) and os.path.isfile(f"ckpt/step_3/tp{tp}/COMPLETE.json")
+torch.manual_seed(0)
+initial = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)).to(torch.bfloat16)
+data = [[(torch.manual_seed(100 * step + r), torch.randn(8, 32).bfloat16())[1] for r in range(2)] for step in range(3)]
+expected, ref_norms = smp_reference(initial, data, lambda m, x: m(x).float().pow(2).mean() / 2, lr=1e-3, max_norm=1.0)
+got = {n: p.full_tensor() for n, p in model.named_parameters()}
+assert_params_close(got, expected, max_ulp=64, max_flip_fraction=1.0)
+assert abs(float(opt.grad_norm) - ref_norms[-1]) <= 2e-2 * ref_norms[-1]
+print("checked")
+''',
+    "Carrying a checkpoint over to DCP": '''
+from nxd_smp.checkpoint import read_checkpoint
+masters = read_checkpoint("ckpt")["optimizer"]["master_weights"]
+for n, p in fp32.named_parameters():
+    assert p.dtype == torch.float32 and torch.equal(p.detach(), masters[n]), n
+print("checked")
+''',
+    # 2 ranks under torchrun: refused, and FSDP2 trains
+    "FSDP2 instead: the fully sharded form": '''
+assert all(float(s["step"]) == 3 for s in opt.state.values())
+print("checked")
+''',
     "InternEvo's NaiveAMPModel": '''
 import torch.nn.functional as F
 x = torch.randn(4, 8)
@@ -227,8 +262,9 @@ def snippets() -> list[tuple[str, str]]:
     for heading, body in re.findall(r"^### (.+?)\n(.*?)(?=^### |\Z)", nxd, re.S | re.M):
         for code in re.findall(r"```python\n(.*?)```", body, re.S):
             found.append((heading.strip().replace("`", ""), code))
-    for page in ("training_loops.md", "trainium.md"):
+    for page in ("training_loops.md", "trainium.md", "native_pytorch.md"):
         text = (ROOT / "docs" / page).read_text()
+        text = text.split("\n# Reference")[0]  # (native_pytorch.md: the migration guide; the reference after it)
         for heading, body in re.findall(r"^## (.+?)\n(.*?)(?=^## |\Z)", text, re.S | re.M):
             for code in re.findall(r"```python\n(.*?)```", body, re.S):
                 found.append((heading.strip().replace("`", ""), code))
@@ -241,13 +277,17 @@ STAND_INS = {"NxD Training, with nxd_smp under it", "optimum-neuron, with nxd_sm
 # what PRINTS says the snippet prints).
 LAUNCHED = {"An NxD Llama-style setup: tensor and sequence parallelism with ZeRO-1": 4,
             "The Trainer at DP > 1, with its checkpoints": 2,
-            "accelerate at DP > 1, with save_state and load_state": 2}
-PRINTS = {"An NxD Llama-style setup: tensor and sequence parallelism with ZeRO-1": "grad norm"}
+            "accelerate at DP > 1, with save_state and load_state": 2,
+            "Tensor parallelism with ZeRO-1 on DTensor": 4,
+            "FSDP2 instead: the fully sharded form": 2}
+PRINTS = {"An NxD Llama-style setup: tensor and sequence parallelism with ZeRO-1": "grad norm",
+          "Tensor parallelism with ZeRO-1 on DTensor": "grad norm",
+          "FSDP2 instead: the fully sharded form": "refused: the model's DTensor parameters are spread over ranks"}
 
 
 def test_every_loop_has_a_snippet_and_a_check():
     headings = [h for h, _ in snippets()]
-    assert len(headings) == len(set(headings)) == 15 and set(headings) == set(CHECKS), headings
+    assert len(headings) == len(set(headings)) == 18 and set(headings) == set(CHECKS), headings
     assert set(SETUPS) <= set(headings)
 
 
