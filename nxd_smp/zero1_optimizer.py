@@ -71,8 +71,9 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         mixed_precision: ``MixedPrecisionConfig`` (None: SMP on).
         grad_clipping, max_norm: clip the global gradient norm at ``max_norm`` (positive; ``inf``
             measures the norm without clipping).
-        process_group: the data-parallel group: a process group, torch_xla replica groups (a list of
-            lists of ranks), or None (every rank); on an XLA device every form becomes replica groups.
+        process_group: the data-parallel group: a process group, a one-dimensional ``DeviceMesh``
+            (``mesh["dp"]``), torch_xla replica groups (a list of lists of ranks), or None (every rank); on
+            an XLA device every form becomes replica groups.
         reduce_dtype: the gradient's reduce-scatter dtype: None (fp32 with fp32 accumulation, else
             the parameter dtype), a floating dtype, or ``"param"`` / ``"master"`` (torch_xla's two).
         bucket_cap_mb: the largest bucket in MiB of fp32 elements (``0``: a bucket per parameter,
