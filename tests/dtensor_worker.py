@@ -221,6 +221,10 @@ def refusals_rank(rank: int, world_size: int) -> dict:
                                                    device_mesh=tp_mesh, process_group=tp_mesh["dp"].get_group()))
     ok = Zero1Optimizer(tp_model.parameters(), torch.optim.AdamW, lr=LR, device_mesh=tp_mesh)
     out["tp_only"] = (ok.world_size, ok.tensor_parallel_size)
+    by_mesh = Zero1Optimizer(tp_model.parameters(), torch.optim.AdamW, lr=LR, process_group=tp_mesh["dp"])
+    out["dp_mesh"] = (by_mesh.world_size, by_mesh.tensor_parallel_size)
+    out["2d_mesh"] = refusal(lambda: Zero1Optimizer(tp_model.parameters(), torch.optim.AdamW, lr=LR,
+                                                    process_group=tp_mesh))
     return out
 
 

@@ -52,7 +52,8 @@ def test_what_a_mesh_build_refuses():
     kind, message = got["names"]
     assert kind == "ValueError" and "'dp'" in message and "replicas" in message
     assert got["beside"][0] == "TypeError"
-    assert got["tp_only"] == (1, 2)
+    assert got["tp_only"] == got["dp_mesh"] == (1, 2)  # device_mesh=mesh, or process_group=mesh["dp"]
+    assert got["2d_mesh"][0] == "ValueError" and "mesh['dp']" in got["2d_mesh"][1]
 
 
 def test_steps_raise_no_warning():
