@@ -88,6 +88,7 @@ def test_a_resume_from_step_3_continues_the_uninterrupted_run_exactly_on_every_r
         assert_same_run(got, expected)
 
 
+@pytest.mark.requires_xla
 def test_on_the_xla_device_the_trainers_own_xla_order_resumes_exactly(on_xla):
     (full,), (resumed,) = ranks(on_xla, "dp1", "full"), ranks(on_xla, "dp1", "resumed")
     assert full["device"] == "xla:0" and full["error"] is None
