@@ -267,8 +267,10 @@ def test_the_snippet_computes_what_it_says(tmp_path, heading, code):
         setup = "import os, sys\nsys.stdout = open(os.devnull, 'w')\n" + setup + "sys.stdout = sys.__stdout__\n"
     program = setup + "# ---- the snippet\n" + code + "\n# ---- the test's check\nimport torch\n" + CHECKS[heading]
     ranks = LAUNCHED.get(heading)
-    if ranks:  # (the group destroyed before exit, as training_loops.md says: pytorch/pytorch#190489)
-        program += "\nif torch.distributed.is_initialized():\n    torch.distributed.destroy_process_group()\n"
+    if ranks:  # (the group destroyed before exit, as training_loops.md says: pytorch/pytorch#190489,
+        # once every rank is past its last collective: tests/trainer_dp_worker.py)
+        program += ("\nif torch.distributed.is_initialized():\n    torch.distributed.barrier()\n"
+                    "    torch.distributed.destroy_process_group()\n")
         (tmp_path / "snippet.py").write_text(program)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                    "snippet.py"]
