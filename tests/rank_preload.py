@@ -2,14 +2,28 @@
 torch, nxd_smp and the test helpers, and inductor's inspection of this CPU (a second interpreter
 that loads a compiled probe, ~2 s), so that a rank starts in a fraction of a second instead of
 importing and probing anew. Nothing here runs a tensor kernel: the server's children may then use
-OpenMP freely."""
+OpenMP freely.
 
-import torch
-import torch.distributed  # noqa: F401
-import torch._inductor.codecache  # noqa: F401
-from torch._inductor import cpu_vec_isa
+Nothing here may set up CUDA either: a process forked from one that counted its CUDA devices
+through the CUDA runtime cannot use CUDA, and on a machine with a GPU torch.compile in a rank asks
+for the current CUDA device ("Cannot re-initialize CUDA in forked subprocess" in every rank). The
+count happened here: importing inductor imports torch.utils.cpp_extension, whose search for
+CUDA_HOME calls ``torch.cuda.is_available()``, which counts through the runtime and registers
+torch's fork handler. With PYTORCH_NVML_BASED_CUDA_CHECK=1 it counts through NVML and registers
+nothing (seen on an H200 with torch 2.11: a child of this server was in a "bad fork" without it,
+and with it ranks compiled and used CUDA). The ranks get the environment of the call back
+(tests/distributed.py), so the variable stays in this server."""
 
-import nxd_smp  # noqa: F401
-import tests.oracle  # noqa: F401
+import os
+
+os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+
+import torch  # noqa: E402
+import torch.distributed  # noqa: E402, F401
+import torch._inductor.codecache  # noqa: E402, F401
+from torch._inductor import cpu_vec_isa  # noqa: E402
+
+import nxd_smp  # noqa: E402, F401
+import tests.oracle  # noqa: E402, F401
 
 cpu_vec_isa.valid_vec_isa_list()

@@ -51,6 +51,7 @@ def test_the_peers_benchmark_writes_finite_json(tmp_path):
     assert finite(peers["results"]["torch_zero_ddp"]["bytes_per_param"]) and peers["report"]
 
 
+@pytest.mark.requires_xla
 def test_xla_benchmark_runs_both_optimizers_on_replicas(tmp_path):
     run("bench_xla.py", "--width", "1024", "--layers", "1", "2", "--dp", "2", "--iters", "1", "--warmup", "2",
         "--kinds", "torch_xla", "nxd_smp", "--out", str(tmp_path / "xla.json"), timeout=900)

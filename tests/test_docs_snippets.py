@@ -291,7 +291,13 @@ def test_every_loop_has_a_snippet_and_a_check():
     assert set(SETUPS) <= set(headings)
 
 
-@pytest.mark.parametrize("heading, code", snippets(), ids=[h for h, _ in snippets()])
+def runs_torch_xla(code: str) -> bool:
+    """The snippet imports torch_xla (it runs on the XLA CPU device): ``make test`` runs it."""
+    return re.search(r"^\s*(import|from) torch_xla\b", code, re.M) is not None
+
+
+@pytest.mark.parametrize("heading, code", [
+    pytest.param(h, c, id=h, marks=[pytest.mark.requires_xla] if runs_torch_xla(c) else []) for h, c in snippets()])
 def test_the_snippet_computes_what_it_says(tmp_path, heading, code):
     path = f"{ROOT / 'tests' / 'stand_ins'}:{ROOT}" if heading in STAND_INS else str(ROOT)
     env = {**os.environ, "PYTHONPATH": path, "USE_TORCH_XLA": "0"}
@@ -301,8 +307,10 @@ def test_the_snippet_computes_what_it_says(tmp_path, heading, code):
         setup = "import os, sys\nsys.stdout = open(os.devnull, 'w')\n" + setup + "sys.stdout = sys.__stdout__\n"
     program = setup + "# ---- the snippet\n" + code + "\n# ---- the test's check\nimport torch\n" + CHECKS[heading]
     ranks = LAUNCHED.get(heading)
-    if ranks:  # (the group destroyed before exit, as training_loops.md says: pytorch/pytorch#190489)
-        program += "\nif torch.distributed.is_initialized():\n    torch.distributed.destroy_process_group()\n"
+    if ranks:  # (the group destroyed before exit, as training_loops.md says: pytorch/pytorch#190489,
+        # once every rank is past its last collective: tests/trainer_dp_worker.py)
+        program += ("\nif torch.distributed.is_initialized():\n    torch.distributed.barrier()\n"
+                    "    torch.distributed.destroy_process_group()\n")
         (tmp_path / "snippet.py").write_text(program)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                    "snippet.py"]

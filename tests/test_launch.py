@@ -22,7 +22,7 @@ import torch
 from tests.oracle import assert_params_close, run_oracle
 from tests.xla_launch_worker import SAVED_AT, SCENARIO, STEPS, WARMUP, scenario_of
 
-pytest.importorskip("torch_xla", reason="torch_xla is part of the pinned test environment")
+pytestmark = pytest.mark.requires_xla  # every test here runs torch_xla (tests/conftest.py skips them without it)
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 

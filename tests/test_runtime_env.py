@@ -69,6 +69,7 @@ def test_stochastic_rounding_variable_is_set_before_the_runtime_starts():
         set_stochastic_rounding("0", environ=env)
 
 
+@pytest.mark.requires_xla
 def test_stochastic_rounding_change_is_refused_after_the_xla_runtime_started():
     code = (
         "import torch, torch_xla\n"

@@ -67,6 +67,8 @@ def test_train_gpt_takes_an_nxd_config_file(tmp_path):
 
 
 def test_compare_precision_writes_a_plot_and_a_table(tmp_path):
+    # matplotlib comes with the scripts extra, which make test installs and make test-native does not
+    pytest.importorskip("matplotlib", reason="matplotlib (the scripts extra) is absent: make test installs it")
     out = tmp_path / "cmp"
     run("compare_precision.py", "--steps", "3", "--eval-every", "3", "--eval-iters", "1", "--layers", "1",
         "--width", "32", "--seq", "32", "--batch", "4", "--out", str(out), "--no-progress")

@@ -18,7 +18,7 @@ import nxd_smp
 from nxd_smp.checkpoint import read_checkpoint
 from tests.xla_downcast_worker import LR, SHAPES, STEPS, Params, initial
 
-pytest.importorskip("torch_xla", reason="torch_xla is part of the pinned test environment")
+pytestmark = pytest.mark.requires_xla  # every test here runs torch_xla (tests/conftest.py skips them without it)
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -90,11 +90,13 @@ def exported(tmp_path_factory):
     return {**torch.load(out, weights_only=False), "nxd": root / "nxd"}
 
 
+@pytest.mark.requires_xla  # (the exported fixture runs torch_xla)
 def test_export_loads_into_torch_xla_zero1_and_takes_the_same_next_step(exported):
     names = [str(i) for i in range(len(exported["ours"]))]
     assert_params_close(dict(zip(names, exported["theirs"])), dict(zip(names, exported["ours"])))
 
 
+@pytest.mark.requires_xla  # (the exported fixture runs torch_xla)
 def test_torch_xla_state_imports_back(exported):
     for ours, imported in zip(exported["ours_state"], exported["imported_state"]):
         assert ours.keys() == imported.keys()
@@ -105,6 +107,7 @@ def test_torch_xla_state_imports_back(exported):
         torch.testing.assert_close(imported, ours, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.requires_xla  # (the exported fixture runs torch_xla)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_an_nxd_checkpoint_written_by_torch_xla_at_dp1_resumes(exported, layout):
     # NxD's folder (torch_xla's ZeRO-1 with NxD's settings on the XLA device) loads and goes on

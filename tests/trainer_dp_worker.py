@@ -193,6 +193,11 @@ def missing_file(checkpoint: Path) -> str:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
-    # (exiting with gloo's threads still up can abort the interpreter's exit: pytorch/pytorch#190489)
+    # Every rank past its last collective before any rank closes its gloo connections (a barrier),
+    # then the group destroyed before the interpreter exits (exiting with gloo's threads still up
+    # can abort the interpreter's exit: pytorch/pytorch#190489; it printed "terminate called
+    # without an active exception"). On an error the traceback is printed and the launch fails
+    # either way: no barrier there, which would wait for a rank that may never come.
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
