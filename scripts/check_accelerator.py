@@ -209,15 +209,16 @@ def main() -> int:
         backend = "gloo" if device.type == "cpu" else dist.get_default_backend_for_device(device)
         dist.init_process_group(backend, rank=0, world_size=1)
     rows = run_checks(device)
-    print(f"nxd_smp on {device} (torch {torch.__version__})")
-    print(f"{'check':16} {'ok':5} detail")
+    report = [f"nxd_smp on {device} (torch {torch.__version__})", f"{'check':16} {'ok':5} detail"]
     for r in rows:
-        detail = {k: v for k, v in r.items() if k not in ("check", "ok")}
-        print(f"{r['check']:16} {str(r['ok']):5} {detail}")
+        detail = {k: v for k, v in r.items() if k not in ("check", "ok", "seconds")}
+        report.append(f"{r['check']:16} {str(r['ok']):5} {detail}")
+    print("\n".join(report))
     if args.out:
         args.out.write_text(json.dumps({"device": str(device), "torch": torch.__version__,
                                         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else None,
-                                        "command": " ".join(sys.argv), "rows": rows}, indent=1) + "\n")
+                                        "command": " ".join(sys.argv), "rows": rows, "report": report},
+                                       indent=1) + "\n")
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0 if all(r["ok"] for r in rows) else 1

@@ -23,7 +23,7 @@ DOCS = ROOT / "docs"
 HEADER = ["| what | measured | target | made by (the file holds the command and the report) |", "|---|---|---|---|"]
 #: The files whose ``report`` docs/results.md shows, as the scripts printed it.
 REPORTS = ["precision/results.json", "bench_step.json", "bench_peers.json", "bench_xla.json", "bench_checkpoint.json",
-           "bench_step_options.json", "memory_options_demo.json", "compare_checkouts.json"]
+           "bench_step_options.json", "memory_options_demo.json", "compare_checkouts.json", "check_accelerator_cuda.json"]
 
 
 def _load(name: str) -> dict:

@@ -124,3 +124,18 @@ def _save_and_load_without_gloo(rank: int, world_size: int, root: str) -> tuple[
 def test_checkpoints_coordinate_without_gloo(tmp_path):
     for backend, same in run_ranks(2, _save_and_load_without_gloo, str(tmp_path)):
         assert backend is None and same
+
+
+def test_check_accelerator_passes_on_the_cpu(tmp_path):
+    """The accelerator check (what a CUDA or neuron machine runs) passes its own checks on the CPU: every
+    row ok, and a failing row would fail the command."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_accelerator.py"), "--device", "cpu",
+                          "--out", str(tmp_path / "c.json")], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert [r["check"] for r in rows] == ["step", "prescaled", "dtensor", "checkpoint", "compiled_model"]
+    assert all(r["ok"] for r in rows) and rows[1]["grad_scale_in_kernel"] is False
