@@ -89,7 +89,8 @@ def train(model, opt, device, steps=STEPS) -> None:
 
 
 def masters_by_name(model, opt) -> dict[str, torch.Tensor]:
-    from nxd_smp.core.dtensors import local_tensor
+    def local_tensor(p: torch.Tensor) -> torch.Tensor:  # (a DTensor's part on this rank)
+        return p.to_local() if hasattr(p, "to_local") else p
 
     index = {id(p): i for i, p in enumerate(opt.managed_params)}
     flat = {}
