@@ -26,9 +26,6 @@ try:  # torch.distributed is optional in some builds
 except ImportError:  # pragma: no cover - builds without torch.distributed
     DeviceMesh = DTensor = Shard = None  # type: ignore[assignment,misc]
 
-__all__ = ["DeviceMesh", "is_dtensor", "local_tensor", "local_grad", "local_shape", "is_split", "param_mesh",
-           "local_state_dict", "like_live", "tensor_parallel_layout"]
-
 
 def is_dtensor(tensor: Any) -> bool:
     """Whether ``tensor`` is a DTensor (a DTensor parameter included)."""
