@@ -37,6 +37,7 @@ from .core.layout import BucketKey, BucketLayout, plan_buckets
 from .grad_accum import AutogradGrads, GradientSource, MainGradBuffers, ShardedMainGrads
 from .mixed_precision_config import MixedPrecisionConfig, Zero1Config, require_bool
 from .optim.compiled_adamw import CompiledAdamW
+from .optim.frozen import FrozenParams
 from .optim.inner_step import InnerStep
 from .optim.loss_scaler import DynamicLossScaler
 from .optim.masters import MasterWeights
@@ -61,8 +62,10 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
 
     Args:
         params: parameters or param-group dicts (each group may carry its own hyperparameters).
-            Parameters with ``requires_grad=False`` are not managed; the managed ones share one
-            device and are bf16, fp16 or fp32.
+            Parameters with ``requires_grad=False`` are not managed (no masters, no fp32 buffers),
+            and ``step()`` refuses to run once one of them requires a gradient; the managed ones
+            share one device and are bf16, fp16 or fp32. A managed parameter frozen at step time
+            (``requires_grad=False``) is not touched, as in torch.optim (``optim.frozen``).
         optimizer_class: an element-wise ``torch.optim.Optimizer`` subclass (AdamW, Adam, SGD, ...),
             built over this rank's flat shards with ``**defaults``; on CPU/CUDA with fp32 shards it
             gets ``fused=True`` unless the caller chose ``fused``, ``foreach``, ``capturable`` or
@@ -163,6 +166,8 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
                 p.dtype for p in self._managed), step_counter_on_device=self._backend.step_counter_on_device
             and loss_scaler is not None, compile_update=config.compile_update, device=device)
         managed_ids = {id(p) for p in self._managed}
+        self._frozen = FrozenParams(self._managed, [p for group in groups for p in group["params"]
+                                                    if id(p) not in managed_ids])
         wrapper_groups = [{**group, "params": [p for p in group["params"] if id(p) in managed_ids]}
                           for group in groups]
         self._layout_frozen = False
@@ -352,7 +357,12 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         ``enable_grad``, as torch_xla's ZeRO-1 does; ``kwargs`` (and a ``closure`` that is not
         callable, as torch's ``ZeroRedundancyOptimizer`` passes it on) go to the inner optimizer's
         ``step``. Parameters changed in place since the last step are taken up first
-        (``adopt_param_changes``).
+        (``adopt_param_changes``). Managed parameters with ``requires_grad=False`` now are left as
+        they are (their masters, states and values; their gradients out of the norm); the
+        bias-correction ``step`` counter is their bucket's and advances.
+
+        Raises:
+            RuntimeError: a parameter frozen when the optimizer was built requires a gradient now.
         """
         self._require_initialized()
         loss, inner_args = None, dict(kwargs)
@@ -361,10 +371,13 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
                 loss = closure()
         elif closure is not None:
             inner_args["closure"] = closure
+        frozen = self._frozen.now(self._layouts, self._backend)  # (host: requires_grad of each parameter)
         self._backend.begin_step()
         self._state_changed()
         self._masters.adopt_changes()  # weights written since the last step are the truth
         grads = self._grads.reduce()  # 1. reduce
+        if frozen is not None:
+            frozen.zero_(grads)  # (a frozen parameter's gradient is no part of the norm)
         norm = self._topology.global_norm(  # 2. norm
             {role: [grads[b] for b in buckets] for role, buckets in self._norm_buckets.items()}, sharded=True,
             dtype=self._plan.norm, device=self._backend.device,
@@ -378,7 +391,7 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         coef = gradient_coefficient(  # 3. clip (with the mean's 1/N and the loss scale)
             norm, self._config.grad_clipping, self._config.max_grad_norm, mean_over if mean_over > 1 else None,
             None if self._scaler is None else self._scaler.scale)
-        self._inner_step.update(grads, coef, found_inf, inner_args, self.param_groups)  # 4. inner step, 5. publish
+        self._inner_step.update(grads, coef, found_inf, inner_args, self.param_groups, frozen)  # 4., 5. publish
         if self._scaler is not None:
             self._scaler.update(found_inf)
         self._grad_norm = norm
