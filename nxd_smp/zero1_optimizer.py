@@ -348,7 +348,6 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
                                "using its state.")
 
     # ------------------------------------------------------------------ the step
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """One optimizer step over every rank's shard; every rank of the group calls it.
 
@@ -361,9 +360,22 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         they are (their masters, states and values; their gradients out of the norm); the
         bias-correction ``step`` counter is their bucket's and advances.
 
+        Under ``torch.compile`` (of ``opt.step``, or of a function that calls it) the step runs
+        eagerly, as this code is written: dynamo never traces it (its collectives, host bookkeeping
+        and the CPU kernels it compiles itself), so a compiled step equals the eager one.
+
         Raises:
             RuntimeError: a parameter frozen when the optimizer was built requires a gradient now.
         """
+        return self._step(closure, **kwargs)
+
+    # (a function of its own: torch 2.9's torch.compile of a bound method follows the attributes
+    # ``disable`` sets through torch.optim's step wrapper to the unbound function)
+    @torch.compiler.disable(reason="torch.compile runs nxd_smp's Zero1Optimizer.step eagerly (its collectives, "
+                                   "host bookkeeping and own compiled kernels): drop fullgraph=True, or compile the "
+                                   "model and loss and call opt.step() outside the compiled function")
+    @torch.no_grad()
+    def _step(self, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
         self._require_initialized()
         loss, inner_args = None, dict(kwargs)
         if callable(closure):
