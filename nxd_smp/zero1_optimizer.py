@@ -128,6 +128,7 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         sr_seed: int = 0,
         **defaults: Any,
     ):
+        _install_eager_step()
         config = Zero1Config(
             grad_clipping=grad_clipping, max_grad_norm=max_norm, mixed_precision=mixed_precision,
             reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, pin_layout=pin_layout, lazy_init=lazy_init,
@@ -367,13 +368,8 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         Raises:
             RuntimeError: a parameter frozen when the optimizer was built requires a gradient now.
         """
-        return self._step(closure, **kwargs)
+        return self._eager_step(closure, **kwargs)  # (``_step`` made untraceable: ``_install_eager_step``)
 
-    # (a function of its own: torch 2.9's torch.compile of a bound method follows the attributes
-    # ``disable`` sets through torch.optim's step wrapper to the unbound function)
-    @torch.compiler.disable(reason="torch.compile runs nxd_smp's Zero1Optimizer.step eagerly (its collectives, "
-                                   "host bookkeeping and own compiled kernels): drop fullgraph=True, or compile the "
-                                   "model and loss and call opt.step() outside the compiled function")
     @torch.no_grad()
     def _step(self, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
         self._require_initialized()
@@ -422,6 +418,18 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         it got none)."""
         self._require_initialized()
         return self._grads.main_grad(next((i for i, p in enumerate(self._managed) if p is param), None))
+
+
+def _install_eager_step() -> None:
+    """``Zero1Optimizer._eager_step``: ``_step`` that dynamo never traces (``torch.compiler.disable``).
+    Set at the first build, so that ``import nxd_smp`` does not import torch._dynamo; a method apart
+    from ``step``, as torch 2.9's compile of a bound method follows the attributes ``disable`` sets
+    through torch.optim's step wrapper to the unbound function."""
+    if "_eager_step" not in Zero1Optimizer.__dict__:
+        Zero1Optimizer._eager_step = torch.compiler.disable(Zero1Optimizer._step, reason=(
+            "torch.compile runs nxd_smp's Zero1Optimizer.step eagerly (its collectives, host bookkeeping and "
+            "own compiled kernels): drop fullgraph=True, or compile the model and loss and call opt.step() "
+            "outside the compiled function"))
 
 
 def zero1_optimizer_of(optimizer: Any) -> Zero1Optimizer | None:

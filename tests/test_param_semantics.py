@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import gc
 import math
+import os
+import subprocess
+import sys
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,6 +26,7 @@ from nxd_smp import DynamicLossScaler, MixedPrecisionConfig, Zero1Optimizer
 from tests.distributed import run_ranks
 from tests.oracle import assert_params_close, batch, loss_fn, make_model, param_groups
 
+ROOT = Path(__file__).resolve().parents[1]
 FROZEN = ("lin2.weight", "kernel", "temperature")  # (several buckets; at DP 2 they straddle shards)
 CAP = 0.0004  # ~100 fp32 elements a bucket
 
@@ -363,6 +368,14 @@ def test_under_torch_compile_the_step_still_runs_nxd_smps_own_compiled_kernels()
     compiled, compiled_calls = run(True)
     assert min(eager_calls) >= 2 and compiled_calls == eager_calls
     assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
+
+
+def test_importing_nxd_smp_leaves_dynamo_unimported():
+    """The step's ``torch.compiler.disable`` is applied at the first build, not at import."""
+    code = "import sys, nxd_smp; assert 'torch._dynamo' not in sys.modules, 'import nxd_smp imported dynamo'"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
 
 
 def test_fullgraph_compilation_of_the_step_is_refused_with_the_way_out():
