@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -281,24 +282,73 @@ def test_the_trainer_callback_routes_clipping_to_the_optimizer_and_silences_it()
     assert clip_warnings(model, opt, lambda ps, m: torch.nn.utils.clip_grad_norm_(ps, m)) == []
 
 
-def test_the_wrapper_is_torchs_function_unchanged_otherwise():
+def test_the_wrapper_is_installed_once_and_calls_what_it_wraps_unchanged():
+    from nxd_smp.optim import clip_watch
+
     Zero1Optimizer(make_model().parameters(), torch.optim.AdamW)  # (installs it)
-    wrapped = torch.nn.utils.clip_grad_norm_
-    assert wrapped is torch.nn.utils.clip_grad.clip_grad_norm_ and wrapped._nxd_smp_clip_watch
-    assert not getattr(wrapped.__wrapped__, "_nxd_smp_clip_watch", False)  # installed once, not nested
+    # (torch_xla puts its own function at torch.nn.utils on import: then the two names differ)
+    installed = (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_norm_)
+    for fn in installed:
+        assert fn._nxd_smp_clip_watch and not getattr(fn.__wrapped__, "_nxd_smp_clip_watch", False)
     Zero1Optimizer(make_model().parameters(), torch.optim.AdamW)
-    assert torch.nn.utils.clip_grad_norm_ is wrapped
-    torch.manual_seed(0)
+    assert (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_norm_) == installed
+
+    calls = []
+
+    def spy(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        calls.append((parameters, [p for p in ([parameters] if isinstance(parameters, torch.Tensor) else parameters)],
+                      max_norm, norm_type, error_if_nonfinite, foreach))
+        return "result"
+
+    wrapper = clip_watch._wrap(spy)
+    params = list(make_model().parameters())
+    assert wrapper((p for p in params), 0.5, 3.0, error_if_nonfinite=True, foreach=False) == "result"
+    given, seen, *rest = calls[-1]
+    assert isinstance(given, types.GeneratorType) and seen == params and rest == [0.5, 3.0, True, False]
+    wrapper(params[0], 1.0)
+    assert calls[-1][0] is params[0]
+    wrapper(iter(params), 1.0)  # a one-shot iterator: torch reads it once, so does the wrapper
+    assert calls[-1][1] == params
+
+    torch.manual_seed(0)  # torch's own function behind the wrapper: the same result, its own warning
     plain = nn.Linear(8, 4)
     plain(torch.randn(3, 8)).sum().backward()
     grads = [p.grad.clone() for p in plain.parameters()]
-    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-    for given in (plain.parameters(), list(plain.parameters()), iter(list(plain.parameters()))):
+    results = []
+    for fn in (installed[1], installed[1].__wrapped__):
         for p, g in zip(plain.parameters(), grads):
             p.grad = g.clone()
-        assert torch.equal(wrapped(given, 1e9), expected)
-    with pytest.warns(UserWarning, match="empty generator"):  # torch's own: a generator stays one
-        wrapped((p for p in []), 1.0)
+        results.append((fn(plain.parameters(), 0.1), [p.grad.clone() for p in plain.parameters()]))
+    assert torch.equal(results[0][0], results[1][0]) and all(map(torch.equal, results[0][1], results[1][1]))
+    with pytest.warns(UserWarning, match="empty generator"):  # a generator stays one
+        installed[1]((p for p in []), 1.0)
+
+
+XLA_CLIP = """
+import warnings, torch
+import torch_xla  # (puts its own clip_grad_norm_ at torch.nn.utils)
+import nxd_smp
+from tests.oracle import batch, loss_fn, make_model
+theirs = torch.nn.utils.clip_grad_norm_
+model = make_model()
+opt = nxd_smp.Zero1Optimizer(model.parameters(), torch.optim.AdamW)
+assert torch.nn.utils.clip_grad_norm_.__wrapped__ is theirs
+loss_fn(model, *batch(0, 0, 0, 0)).backward()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+assert sum("clip_grad_norm_ found no .grad" in str(w.message) for w in caught) == 1, caught
+"""
+
+
+def test_torch_xlas_own_clip_grad_norm_is_watched_too():
+    """torch_xla replaces torch.nn.utils.clip_grad_norm_ on import; an optimizer built after it (as on
+    an XLA device) wraps that one."""
+    pytest.importorskip("torch_xla", reason="torch_xla is part of the pinned test environment")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16")}
+    out = subprocess.run([sys.executable, "-c", XLA_CLIP], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**env, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 # ---------------------------------------------------------------- torch.compile

@@ -15,9 +15,11 @@ and that optimizer holds an accumulated gradient. accelerate's ``Accelerator.cli
 the Hugging Face Trainer call through ``torch.nn.utils.clip_grad_norm_``, so they are covered; the
 Trainer's ``Zero1TrainerCallback``, which routes the Trainer's clipping to the optimizer, silences
 it (``silence``). Chosen over a check inside the optimizer, which never sees the call, and over
-warning at every step, which would blame loops that do not clip at all. Not covered: a name bound
-before the wrapper was installed (``from torch.nn.utils import clip_grad_norm_`` at import time),
-and calls while torch.compile traces (the wrapper steps aside then).
+warning at every step, which would blame loops that do not clip at all. torch_xla puts its own
+function at ``torch.nn.utils.clip_grad_norm_`` when it is imported; an optimizer built after that (on
+an XLA device, always) wraps that one. Not covered: a name bound before the wrapper was installed
+(``from torch.nn.utils import clip_grad_norm_`` at import time), and calls while torch.compile traces
+(the wrapper steps aside then).
 """
 
 from __future__ import annotations
