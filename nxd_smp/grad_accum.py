@@ -14,7 +14,8 @@ Three sources, one per way the gradient is accumulated (the precision plan says 
 
 With fp32 accumulation a post-accumulate-grad hook adds each micro-batch's gradient into
 the parameter's ``main_grad`` and frees ``param.grad``, so the low-precision gradient lives
-only for the duration of one backward.
+only for the duration of one backward (a torch ``clip_grad_norm_`` that then finds no ``.grad``
+warns: ``optim.clip_watch``).
 
 The lifecycle is bookkeeping, not memsets: after ``start_new_accumulation()`` (called by
 the optimizer's ``step()`` and ``zero_grad()``) the first gradient of a parameter is
@@ -39,6 +40,7 @@ from .backend.base import PendingShard
 from .core.dtensors import local_grad, local_shape
 from .core.layout import BucketLayout
 from .core.memory import staggered_empty
+from .optim.clip_watch import ClipWatch
 from .optim.precision import PrecisionPlan
 from .optim.topology import Topology
 
@@ -80,6 +82,11 @@ class GradientSource(ABC):
 
     def start_new_accumulation(self) -> None:
         """Forget the accumulation in progress."""
+
+    def holds_accumulation(self) -> bool:
+        """Whether a gradient was accumulated since the accumulation started (host bookkeeping; the
+        sources whose hooks take ``.grad`` away say, for ``optim.clip_watch``)."""
+        return False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the accumulation in progress and the parameters' ``.grad``."""
@@ -174,6 +181,10 @@ class MainGradBuffers(GradientSource):
                     start, end = layout.param_range(i)
                     self._acc[index] = self.buffers[b][start:end].view(self._shapes[index])
                 _attach_hook(params[index], index, owner)
+        self.clip_watch = _clip_watch(params, owner)
+
+    def holds_accumulation(self) -> bool:
+        return not all(self._fresh)
 
     @torch.no_grad()
     def add(self, index: int, grad: torch.Tensor, in_backward: bool = False) -> None:
@@ -251,6 +262,12 @@ def concat_bucket(layout: BucketLayout, parts: Sequence[torch.Tensor | None], dt
     return torch.cat(flat)
 
 
+def _clip_watch(params: Sequence[torch.Tensor], owner: weakref.ref) -> ClipWatch:
+    """A torch ``clip_grad_norm_`` that finds no ``.grad`` on ``params`` while ``owner()`` holds their
+    gradients warns (``optim.clip_watch``)."""
+    return ClipWatch(params, lambda: (source := owner()) is not None and source.holds_accumulation())
+
+
 def _attach_hook(param: torch.Tensor, index: int, owner: weakref.ref) -> None:
     """After each backward, ``owner().add(index, param.grad)`` and ``param.grad = None``."""
 
@@ -315,6 +332,10 @@ class ShardedMainGrads(GradientSource):
         for layout in layouts:
             for index in layout.param_indices:
                 _attach_hook(params[index], index, owner)
+        self.clip_watch = _clip_watch(params, owner)
+
+    def holds_accumulation(self) -> bool:
+        return self._in_pass or not all(self._fresh)
 
     def _borrow(self, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A ``numel``-element buffer of ``dtype`` from the pool of ``kind`` ("staging": flat

@@ -38,6 +38,7 @@ from .core.layout import BucketKey, BucketLayout, plan_buckets
 from .grad_accum import AutogradGrads, GradientSource, MainGradBuffers, ShardedMainGrads
 from .mixed_precision_config import MixedPrecisionConfig, Zero1Config, require_bool
 from .optim.compiled_adamw import CompiledAdamW
+from .optim.frozen import FrozenParams
 from .optim.inner_step import InnerStep
 from .optim.loss_scaler import DynamicLossScaler
 from .optim.masters import MasterWeights
@@ -62,8 +63,10 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
 
     Args:
         params: parameters or param-group dicts (each group may carry its own hyperparameters).
-            Parameters with ``requires_grad=False`` are not managed; the managed ones share one
-            device and are bf16, fp16 or fp32.
+            Parameters with ``requires_grad=False`` are not managed (no masters, no fp32 buffers),
+            and ``step()`` refuses to run once one of them requires a gradient; the managed ones
+            share one device and are bf16, fp16 or fp32. A managed parameter frozen at step time
+            (``requires_grad=False``) is not touched, as in torch.optim (``optim.frozen``).
         optimizer_class: an element-wise ``torch.optim.Optimizer`` subclass (AdamW, Adam, SGD, ...),
             built over this rank's flat shards with ``**defaults``; on CPU/CUDA with fp32 shards it
             gets ``fused=True`` unless the caller chose ``fused``, ``foreach``, ``capturable`` or
@@ -132,6 +135,7 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         sr_seed: int = 0,
         **defaults: Any,
     ):
+        _install_eager_step()
         config = Zero1Config(
             grad_clipping=grad_clipping, max_grad_norm=max_norm, mixed_precision=mixed_precision,
             reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, pin_layout=pin_layout, lazy_init=lazy_init,
@@ -171,6 +175,8 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
                 p.dtype for p in self._managed), step_counter_on_device=self._backend.step_counter_on_device
             and loss_scaler is not None, compile_update=config.compile_update, device=device)
         managed_ids = {id(p) for p in self._managed}
+        self._frozen = FrozenParams(self._managed, [p for group in groups for p in group["params"]
+                                                    if id(p) not in managed_ids])
         wrapper_groups = [{**group, "params": [p for p in group["params"] if id(p) in managed_ids]}
                           for group in groups]
         self._layout_frozen = False
@@ -352,7 +358,6 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
                                "using its state.")
 
     # ------------------------------------------------------------------ the step
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """One optimizer step over every rank's shard; every rank of the group calls it.
 
@@ -361,8 +366,21 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         ``enable_grad``, as torch_xla's ZeRO-1 does; ``kwargs`` (and a ``closure`` that is not
         callable, as torch's ``ZeroRedundancyOptimizer`` passes it on) go to the inner optimizer's
         ``step``. Parameters changed in place since the last step are taken up first
-        (``adopt_param_changes``).
+        (``adopt_param_changes``). Managed parameters with ``requires_grad=False`` now are left as
+        they are (their masters, states and values; their gradients out of the norm); the
+        bias-correction ``step`` counter is their bucket's and advances.
+
+        Under ``torch.compile`` (of ``opt.step``, or of a function that calls it) the step runs
+        eagerly, as this code is written: dynamo never traces it (its collectives, host bookkeeping
+        and the CPU kernels it compiles itself), so a compiled step equals the eager one.
+
+        Raises:
+            RuntimeError: a parameter frozen when the optimizer was built requires a gradient now.
         """
+        return self._eager_step(closure, **kwargs)  # (``_step`` made untraceable: ``_install_eager_step``)
+
+    @torch.no_grad()
+    def _step(self, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
         self._require_initialized()
         loss, inner_args = None, dict(kwargs)
         if callable(closure):
@@ -370,10 +388,13 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
                 loss = closure()
         elif closure is not None:
             inner_args["closure"] = closure
+        frozen = self._frozen.now(self._layouts, self._backend)  # (host: requires_grad of each parameter)
         self._backend.begin_step()
         self._state_changed()
         self._masters.adopt_changes()  # weights written since the last step are the truth
         grads = self._grads.reduce()  # 1. reduce
+        if frozen is not None:
+            frozen.zero_(grads)  # (a frozen parameter's gradient is no part of the norm)
         norm = self._topology.global_norm(  # 2. norm
             {role: [grads[b] for b in buckets] for role, buckets in self._norm_buckets.items()}, sharded=True,
             dtype=self._plan.norm, device=self._backend.device,
@@ -387,7 +408,7 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         coef = gradient_coefficient(  # 3. clip (with the mean's 1/N and the loss scale)
             norm, self._config.grad_clipping, self._config.max_grad_norm, mean_over if mean_over > 1 else None,
             None if self._scaler is None else self._scaler.scale)
-        self._inner_step.update(grads, coef, found_inf, inner_args, self.param_groups)  # 4. inner step, 5. publish
+        self._inner_step.update(grads, coef, found_inf, inner_args, self.param_groups, frozen)  # 4., 5. publish
         if self._scaler is not None:
             self._scaler.update(found_inf)
         self._grad_norm = norm
@@ -406,6 +427,18 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         it got none)."""
         self._require_initialized()
         return self._grads.main_grad(next((i for i, p in enumerate(self._managed) if p is param), None))
+
+
+def _install_eager_step() -> None:
+    """``Zero1Optimizer._eager_step``: ``_step`` that dynamo never traces (``torch.compiler.disable``).
+    Set at the first build, so that ``import nxd_smp`` does not import torch._dynamo; a method apart
+    from ``step``, as torch 2.9's compile of a bound method follows the attributes ``disable`` sets
+    through torch.optim's step wrapper to the unbound function."""
+    if "_eager_step" not in Zero1Optimizer.__dict__:
+        Zero1Optimizer._eager_step = torch.compiler.disable(Zero1Optimizer._step, reason=(
+            "torch.compile runs nxd_smp's Zero1Optimizer.step eagerly (its collectives, host bookkeeping and "
+            "own compiled kernels): drop fullgraph=True, or compile the model and loss and call opt.step() "
+            "outside the compiled function"))
 
 
 def zero1_optimizer_of(optimizer: Any) -> Zero1Optimizer | None:

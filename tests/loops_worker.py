@@ -72,6 +72,11 @@ def train_data() -> torch.Tensor:
     return markov_data(BATCH * ACCUM * STEPS, seed=1)
 
 
+def clip_warnings(caught) -> int:
+    """How many of the warnings ``caught`` say a clip_grad_norm_ found no .grad (nxd_smp's)."""
+    return sum("clip_grad_norm_ found no .grad" in str(w.message) for w in caught)
+
+
 # ---------------------------------------------------------------- Hugging Face Trainer
 def hf_trainer(kind: str, callback: bool = False) -> dict:
     from transformers import Trainer, TrainingArguments
@@ -115,7 +120,8 @@ def hf_trainer(kind: str, callback: bool = False) -> dict:
         "logged_grad_norm": logged,
         "optimizer_grad_norm": norms,
         "optimizer_max_norm": getattr(optimizer, "max_norm", None),
-        "warnings": [str(w.message) for w in caught if "Zero1TrainerCallback" in str(w.message)],
+        "warnings": [str(w.message) for w in caught if str(w.message).startswith("Zero1TrainerCallback")],
+        "clip_warnings": clip_warnings(caught),
     }
 
 
@@ -132,17 +138,22 @@ def accelerate_loop(kind: str) -> dict:
     accelerator = Accelerator(gradient_accumulation_steps=ACCUM, cpu=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     norms = []
-    for tokens in loader:
-        with accelerator.accumulate(model):
-            loss = model(input_ids=tokens, labels=tokens).loss
-            accelerator.backward(loss)
-            if accelerator.sync_gradients and not isinstance(optimizer.optimizer, nxd_smp.Zero1Optimizer):
-                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
-            optimizer.step()
-            optimizer.zero_grad()
-            if accelerator.sync_gradients and isinstance(optimizer.optimizer, nxd_smp.Zero1Optimizer):
-                norms.append(float(optimizer.optimizer.grad_norm))
-    return {"held_out": held_out_loss(accelerator.unwrap_model(model)), "optimizer_grad_norm": norms}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for tokens in loader:
+            with accelerator.accumulate(model):
+                loss = model(input_ids=tokens, labels=tokens).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:  # (as users write it; nxd_smp's clips inside its step)
+                    norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                    if not isinstance(optimizer.optimizer, nxd_smp.Zero1Optimizer):
+                        norms.append(float(norm))
+                optimizer.step()
+                optimizer.zero_grad()
+                if accelerator.sync_gradients and isinstance(optimizer.optimizer, nxd_smp.Zero1Optimizer):
+                    norms.append(float(optimizer.optimizer.grad_norm))
+    return {"held_out": held_out_loss(accelerator.unwrap_model(model)), "optimizer_grad_norm": norms,
+            "clip_warnings": clip_warnings(caught)}
 
 
 # ---------------------------------------------------------------- a plain loop
@@ -151,14 +162,16 @@ def plain_loop(kind: str) -> dict:
     model = make_model(dtype)
     optimizer = make_optimizer(kind, model)
     tokens = train_data().view(STEPS, ACCUM, BATCH, SEQ)
-    for step in range(STEPS):
-        for micro in tokens[step]:
-            (model(input_ids=micro, labels=micro).loss / ACCUM).backward()
-        if not kind.startswith("smp"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        model.zero_grad()  # never optimizer.zero_grad(), as the Trainer
-    return {"held_out": held_out_loss(model)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            for micro in tokens[step]:
+                (model(input_ids=micro, labels=micro).loss / ACCUM).backward()
+            if not kind.startswith("smp"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            model.zero_grad()  # never optimizer.zero_grad(), as the Trainer
+    return {"held_out": held_out_loss(model), "clip_warnings": clip_warnings(caught)}
 
 
 LOOPS = {"hf_trainer": hf_trainer, "accelerate": accelerate_loop, "plain": plain_loop}

@@ -114,16 +114,39 @@ class Scenario:
     sharded_acc: bool = False
     remainders: bool = False
     bucket_cap_mb: float = 0.0004  # ~100 fp32 elements: several buckets per group
+    # Parameters frozen at step time: (first step, names frozen from it on), in order; each entry
+    # replaces the previous set (``()`` unfreezes them). torch.optim's meaning: a frozen parameter
+    # gets no gradient, so the step skips it (no update, no state change) and the norm leaves it out.
+    freeze: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    # The bias-correction step counter of a bucket, not of a parameter (nxd_smp's): every existing
+    # state's ``step`` is the number of steps taken, frozen or not.
+    bucket_step_counter: bool = False
 
     @property
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
         return getattr(torch.optim, self.optimizer)
+
+    def frozen_at(self, step: int) -> tuple[str, ...]:
+        """The names frozen (``requires_grad=False``) during ``step``."""
+        names: tuple[str, ...] = ()
+        for start, frozen in self.freeze:
+            if step >= start:
+                names = frozen
+        return names
 
     @property
     def wire_dtype(self) -> torch.dtype:
         if self.wire is not None:
             return self.wire
         return torch.float32 if self.fp32_acc else torch.bfloat16
+
+
+def apply_freeze(s: Scenario, model: nn.Module, step: int) -> None:
+    """Set ``requires_grad`` of the parameters ``s.freeze`` names as they are during ``step``."""
+    frozen = set(s.frozen_at(step))
+    named = dict(model.named_parameters())
+    for name in {n for _, names in s.freeze for n in names}:
+        named[name].requires_grad_(name not in frozen)
 
 
 def run_oracle(
@@ -164,6 +187,7 @@ def _run_oracle(s: Scenario, ranks_per_step: list[list[int]]) -> tuple[dict[str,
     for step in range(s.steps):
         data_ranks = ranks_per_step[step]
         world_size = len(data_ranks)
+        apply_freeze(s, model, step)  # (a frozen parameter's gradient is None: zeros below, skipped at the step)
         def backward(rank: int, micro: int) -> list[torch.Tensor]:
             model.zero_grad(set_to_none=True)
             if s.fixed_grads:
@@ -196,7 +220,11 @@ def _run_oracle(s: Scenario, ranks_per_step: list[list[int]]) -> tuple[dict[str,
             coef = min(1.0, s.max_norm / (norm + 1e-6))
             grads = [g * coef for g in grads]
         for p, g in zip(managed, grads):
-            masters[id(p)].grad = g
+            masters[id(p)].grad = g if p.requires_grad else None
+        if s.bucket_step_counter:
+            for state in inner.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"].fill_(float(step))
         inner.step()
         with torch.no_grad():
             for p in managed:

@@ -84,3 +84,16 @@ def test_trainer_logs_the_optimizers_norm_with_the_callback(runs):
     # and training is then exactly the run without the callback.
     assert with_callback["optimizer_max_norm"] == 1.0 and with_callback["warnings"]
     assert with_callback["held_out"] == plain["held_out"]
+
+
+def test_a_clip_grad_norm_that_finds_no_grad_says_so_once_and_not_where_the_callback_stands_in(runs):
+    """The Trainer and accelerate call torch's clip_grad_norm_, which finds no .grad under fp32
+    accumulation: one warning per optimizer points to its own clipping; none with the Trainer's
+    callback (which routes the clipping to the optimizer), none in a loop that does not clip, and
+    none where the gradients are autograd's (the bf16 runs)."""
+    trainer, accelerate, plain = runs("hf_trainer"), runs("accelerate"), runs("plain")
+    assert trainer["smp"]["clip_warnings"] == trainer["smp_memory_options"]["clip_warnings"] == 1
+    assert trainer["smp_callback"]["clip_warnings"] == 0 and trainer["bf16"]["clip_warnings"] == 0
+    assert accelerate["smp"]["clip_warnings"] == accelerate["smp_memory_options"]["clip_warnings"] == 1
+    assert accelerate["bf16"]["clip_warnings"] == 0
+    assert plain["smp"]["clip_warnings"] == 0

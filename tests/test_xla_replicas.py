@@ -54,6 +54,10 @@ ORACLE_CASES = [
     Case("adamw_sharded_grad_acc", scenario("sharded", max_norm=0.5, sharded_acc=True)),
     Case("memory_options_nxd_config", scenario("memory", max_norm=0.3, sharded_acc=True, remainders=True,
                                                clear="model"), api="nxd_config"),
+    # Parameters frozen from step 1 on (before warm-up ends): kept by a mask the rank cuts as data,
+    # so the program stays one for every rank and compiles nothing new while the set holds.
+    Case("adamw_frozen_layers", scenario("frozen", max_norm=0.5,
+                                         freeze=((1, ("lin2.weight", "kernel", "temperature")),))),
 ]
 PAIRS = Case("adamw_pairs_of_replicas", scenario("pairs", max_norm=0.5), groups=((0, 1), (2, 3)))
 FP16_OVERFLOW = Case("fp16_overflow_on_rank_1", scenario("fp16", max_norm=0.5), dtype=torch.float16,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from nxd_smp import (
 from tests.distributed import run_ranks
 from tests.oracle import (
     Scenario,
+    apply_freeze,
     assert_params_close,
     batch,
     loss_fn,
@@ -25,6 +28,7 @@ from tests.oracle import (
 )
 
 SGD = {"momentum": 0.9}
+FROZEN = ("lin2.weight", "kernel", "temperature")  # (buckets of ~100 elements: these straddle shards)
 SCENARIOS = [
     Scenario("adamw_smp", "AdamW"),
     Scenario("adamw_legacy", "AdamW", master=False, fp32_acc=False),
@@ -58,8 +62,23 @@ SCENARIOS = [
     Scenario("sgd_remainders_clip_active", "SGD", SGD, lr_a=0.05, lr_b=0.02, max_norm=0.05, remainders=True),
     Scenario("adamw_memory_options_nxd_config", "AdamW", api="nxd_config", max_norm=0.3, sharded_acc=True,
              remainders=True),
+    # torch's parameter semantics (issue 31): parameters frozen at step time are not touched, on
+    # every kernel path: the compiled CPU AdamW, the plain foreach one, fused SGD, bf16 shards that
+    # are the parameters' memory, remainders, sharded accumulation; and unfrozen again they go on
+    # with their bucket's step counter.
+    *[Scenario(f"{name}_frozen_layers", optimizer, opt_kwargs, steps=5, freeze=((1, FROZEN),), **kwargs)
+      for name, optimizer, opt_kwargs, kwargs in [
+          ("adamw", "AdamW", {}, {}),
+          ("adamw_foreach", "AdamW", {"foreach": True}, {}),
+          ("sgd_clip_active", "SGD", SGD, {"lr_a": 0.05, "lr_b": 0.02, "max_norm": 0.05}),
+          ("adamw_legacy", "AdamW", {}, {"master": False, "fp32_acc": False}),
+          ("adamw_remainders", "AdamW", {}, {"remainders": True}),
+          ("adamw_sharded_acc", "AdamW", {}, {"sharded_acc": True, "clear": "model"}),
+      ]],
+    Scenario("adamw_unfrozen_again", "AdamW", steps=5, freeze=((1, FROZEN), (3, ())), bucket_step_counter=True),
 ]
-LEGACY_LIKE = {"adamw_legacy", "sgd_master_bf16_accumulation", "sgd_bf16_wire", "sgd_sharded_acc_bf16_wire"}
+LEGACY_LIKE = {"adamw_legacy", "sgd_master_bf16_accumulation", "sgd_bf16_wire", "sgd_sharded_acc_bf16_wire",
+               "adamw_legacy_frozen_layers"}
 
 
 def build_optimizer(s: Scenario, groups):
@@ -111,6 +130,7 @@ def train(rank: int, world_size: int, scenarios: list[Scenario]) -> dict:
         opt = build_optimizer(s, param_groups(model, lr_a=s.lr_a, lr_b=s.lr_b))
         norms = []
         for step in range(s.steps):
+            apply_freeze(s, model, step)
             for micro in range(s.micro):
                 x, y = batch(s.seed, rank, step, micro)
                 loss_fn(model, x, y).backward()
@@ -183,3 +203,12 @@ def test_scenarios_exercise_what_they_claim():
     # A parameter that never gets a gradient still moves (weight decay on a zero
     # gradient), so skipping it, as torch.optim does for grad=None, would be caught.
     assert not torch.equal(params["unused"], make_model().unused.detach())
+    # Frozen at step time, the same parameters would move on if they trained; unfrozen again,
+    # torch's own counter of each parameter's steps gives another result than the bucket's.
+    for name in ("adamw_frozen_layers", "sgd_clip_active_frozen_layers", "adamw_unfrozen_again"):
+        frozen, _ = run_oracle(by_name[name], 2)
+        moving, _ = run_oracle(dataclasses.replace(by_name[name], freeze=()), 2)
+        assert any(not torch.equal(frozen[n], moving[n]) for n in FROZEN), name
+    bucket, _ = run_oracle(by_name["adamw_unfrozen_again"], 2)
+    per_param, _ = run_oracle(dataclasses.replace(by_name["adamw_unfrozen_again"], bucket_step_counter=False), 2)
+    assert any(not torch.equal(bucket[n], per_param[n]) for n in FROZEN)

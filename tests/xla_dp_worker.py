@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tests.oracle import Scenario, fixed_grad_loss, fixed_grads, make_model, param_groups
+from tests.oracle import Scenario, apply_freeze, fixed_grad_loss, fixed_grads, make_model, param_groups
 
 WARMUP = 3  # steps before the graph is steady: the first builds state, the second uses it
 
@@ -227,6 +227,7 @@ def train(rank: int, world: int, cases: list[Case], checkpoint_job: dict[str, An
             barrier()
 
         for step in range(s.steps):
+            apply_freeze(s, model, step)
             if case.overflow is not None and step == case.overflow[0]:
                 snapshot("before_overflow")
             for micro in range(s.micro):

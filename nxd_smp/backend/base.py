@@ -119,6 +119,9 @@ class Backend(ABC):
             step's graph, so the inner optimizer keeps its ``step`` on the device.
         param_shard_is_storage: ``param_shard(b)`` is a writable view of the parameters'
             own memory (so bf16 shards can be updated in place without master weights).
+        host_rank_slices: a part of this rank's shard may be cut with host integers derived
+            from ``rank`` (False on XLA, where the rank enters a graph only as data, so that
+            every rank runs one program: there a part is selected with a mask).
         fp32: the torch dtype this device stores as fp32, for master weights, optimizer
             states, fp32 accumulation and norms: ``torch.float32``, or ``torch.float64`` on an
             XLA device under ``XLA_DOWNCAST_BF16=1`` (which stores float32 as bf16).
@@ -134,6 +137,7 @@ class Backend(ABC):
     holds_dtensors: bool = False
     step_counter_on_device: bool
     param_shard_is_storage: bool
+    host_rank_slices: bool = True
     fp32: torch.dtype = torch.float32
 
     def device_dtype(self, dtype: torch.dtype) -> torch.dtype:

@@ -144,6 +144,7 @@ class XlaBackend(Backend):
     has_fused_kernels = False
     step_counter_on_device = True
     param_shard_is_storage = False
+    host_rank_slices = False
 
     def __init__(self, device: torch.device, group: GroupSpec = None, pin_layout: bool = True):
         import torch_xla

@@ -45,6 +45,7 @@ from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpointing.outputs import write_file
+from ..optim.clip_watch import silence
 from ..zero1_optimizer import STATE_LOADED, Zero1Optimizer, zero1_optimizer_of
 from .loop_checkpoints import checkpoint_reference, is_reference, load_beside, save_beside
 
@@ -95,7 +96,8 @@ class Zero1TrainerCallback(TrainerCallback):
       ``max_norm`` the optimizer was built with).
     * At each log the Trainer's ``grad_norm`` (0: it saw no ``.grad``) is replaced, for the
       callbacks after this one and in ``state.log_history``, by the optimizer's fp32 norm of
-      the last step before clipping.
+      the last step before clipping. (So the warning a ``clip_grad_norm_`` without ``.grad``
+      gives, ``nxd_smp.optim.clip_watch``, is not given for this Trainer.)
 
     * Given the ``trainer`` (``trainer.add_callback(Zero1TrainerCallback(trainer))``), at the
       start of training DDP's all-reduce of ``.grad`` is replaced by nothing
@@ -138,6 +140,7 @@ class Zero1TrainerCallback(TrainerCallback):
                 f"Trainer, or drop the callback."
             )
         self._optimizer = zero1
+        silence(zero1.managed_params)  # (the Trainer's clip_grad_norm_ finds no .grad: the callback stands in)
         max_grad_norm = args.max_grad_norm
         clip = max_grad_norm is not None and max_grad_norm > 0
         if (clip, max_grad_norm if clip else zero1.max_norm) != (zero1.grad_clipping, zero1.max_norm):

@@ -18,6 +18,10 @@ masters into the parameters (cast, gathered on every rank):
 * with stochastic rounding (legacy mode, bf16 shards) the update is computed on fp32
   copies of the shards and states and rounded back stochastically.
 
+Parameters frozen at step time (``frozen.FrozenElements``) keep their elements of the shards, of
+every shard-shaped state tensor and, on the compiled path, of the parameters' shards: kept before
+the kernel runs and put back before the publication, the same for every kernel.
+
 It also keeps the wrapper's param groups and the inner optimizer's in step: the wrapper's
 are the truth before a step (LR schedulers act on them), and what the inner step adds or
 changes shows on the wrapper after it (as torch's and torch_xla's ZeRO do).
@@ -32,6 +36,7 @@ import torch
 
 from ..backend import Backend
 from .compiled_adamw import CompiledAdamW
+from .frozen import FrozenElements
 from .masters import MasterWeights
 from .rounding import stochastic_round
 
@@ -95,25 +100,43 @@ class InnerStep:
         return self.compiled is not None and self.compiled.enabled
 
     def update(self, grads: list[torch.Tensor], coef: torch.Tensor | float | None, found_inf: torch.Tensor | None,
-               inner_args: dict[str, Any], wrapper_groups: Sequence[dict[str, Any]]) -> None:
+               inner_args: dict[str, Any], wrapper_groups: Sequence[dict[str, Any]],
+               frozen: FrozenElements | None = None) -> None:
         """The step: the wrapper's hyperparameters in, one step of the masters with ``grads *
         coef`` (nothing where ``found_inf``), the masters published into every rank's parameters,
-        the inner step's hyperparameters back out to the wrapper."""
+        the inner step's hyperparameters back out to the wrapper. The elements of ``frozen``
+        parameters (their masters, states and parameters) are put back before the publication,
+        whichever kernel ran."""
         self.pull_hyperparameters(wrapper_groups)
-        if inner_args or not self._compiled_update(grads, coef, found_inf):
+        if inner_args or not self._compiled_update(grads, coef, found_inf, frozen):
             self.masters.begin_update()  # (remainders: the fp32 masters exist from here to publish)
+            restore = None if frozen is None else frozen.keep(self._targets)
             self(grads, coef, found_inf, inner_args)
+            if restore is not None:
+                restore()
             self.masters.publish()
         self.push_hyperparameters(wrapper_groups)
 
-    def _compiled_update(self, grads, coef, found_inf) -> bool:
+    def _targets(self, b: int, **more: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
+        """Bucket ``b``'s tensors a step writes: its master shard, every state tensor of it, and
+        ``more`` (the compiled path's parameter shard and remainder)."""
+        shard = self.shards[b]
+        state = self.inner.state.get(shard, {})
+        return {"master": shard, **{f"state.{key}": value for key, value in state.items()}, **more}
+
+    def _compiled_update(self, grads, coef, found_inf, frozen: FrozenElements | None) -> bool:
         """The compiled one-pass update (CPU): it writes the cast (with remainders: the split)
         straight into the parameters' shards, which are then gathered. False if it does not run."""
         if self.compiled is None:
             return False
         outs = [self.backend.param_shard(b) for b in range(len(self.shards))]
-        if not self.compiled.step(grads, outs, coef, found_inf, remainders=self.masters.remainders):
+        remainders = self.masters.remainders
+        restore = None if frozen is None else frozen.keep(
+            lambda b: self._targets(b, param=outs[b], remainder=None if remainders is None else remainders[b]))
+        if not self.compiled.step(grads, outs, coef, found_inf, remainders=remainders):
             return False
+        if restore is not None:
+            restore()
         self.backend.publish(outs)
         self.masters.record_versions()
         return True

@@ -29,6 +29,7 @@ import torch
 from ..backend import Backend
 from ..core.layout import BucketLayout
 from ..core.memory import staggered_empty
+from .frozen import bucket_mask
 from .precision import PrecisionPlan
 from .rounding import join_master, split_master
 
@@ -185,7 +186,4 @@ class MasterWeights:
 
     def _bucket_mask(self, layout: BucketLayout, members: Sequence[bool]) -> torch.Tensor:
         """A bool per element of the bucket: whether it belongs to a member parameter."""
-        device = self._backend.device
-        parts = [torch.full((n,), m, dtype=torch.bool, device=device) for n, m in zip(layout.numels, members)]
-        parts.append(torch.zeros(layout.padded_numel - layout.numel, dtype=torch.bool, device=device))
-        return torch.cat(parts)
+        return bucket_mask(layout, members, self._backend.device)
