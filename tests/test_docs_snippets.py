@@ -238,6 +238,9 @@ print("checked")
 assert all(float(s["step"]) == 3 for s in opt.state.values())
 print("checked")
 ''',
+    # the compiled model's gradients round their own way in bf16: the reference's within drift
+    "torch.compile and frozen parameters": trained_like_the_reference("data", MEAN_OVER_4, ulp=64, flips=1.0,
+                                                                      rel=2e-2),
     "InternEvo's NaiveAMPModel": '''
 import torch.nn.functional as F
 x = torch.randn(4, 8)
@@ -287,7 +290,7 @@ PRINTS = {"An NxD Llama-style setup: tensor and sequence parallelism with ZeRO-1
 
 def test_every_loop_has_a_snippet_and_a_check():
     headings = [h for h, _ in snippets()]
-    assert len(headings) == len(set(headings)) == 18 and set(headings) == set(CHECKS), headings
+    assert len(headings) == len(set(headings)) == 19 and set(headings) == set(CHECKS), headings
     assert set(SETUPS) <= set(headings)
 
 
