@@ -328,7 +328,7 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         self._layouts = plan_buckets([t.numel() for t in storage], keys, self._backend.world_size,
                                      self._config.bucket_cap_numel)
         self._backend.place_params(storage, self._layouts)
-        self._masters = MasterWeights(storage, self._layouts, self._backend, plan)
+        self._masters = MasterWeights(storage, self._layouts, self._backend, plan, written_through=params)
         source = (ShardedMainGrads if self.mixed_precision.use_sharded_grad_acc else
                   MainGradBuffers if plan.fp32_accumulation else AutogradGrads)
         self._grads: GradientSource = source(params, self._layouts, topology, plan)

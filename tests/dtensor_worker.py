@@ -314,3 +314,25 @@ def checkpoint_load_rank(rank: int, world_size: int, root: str, export: str) -> 
     dcp.load(state, checkpoint_id=export)
     titan.load_state_dict(state["model"])
     return {**loaded, "wrong": wrong, "exported": {n: _full(p) for n, p in titan.named_parameters()}}
+
+
+def written_in_place_rank(rank: int, world_size: int) -> dict:
+    """TP 2 x DP 1 with lr 0: weights written in place after the build (``mul_`` on the DTensor,
+    ``model.load_state_dict``) are the truth at the next step, as for plain parameters."""
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(full_model(), mesh["tp"], PLAN)
+    opt = Zero1Optimizer(model.parameters(), torch.optim.SGD, lr=0.0, device_mesh=mesh)
+    out = {}
+    with torch.no_grad():
+        model.up.weight.mul_(0)
+    x, y = data(0, 0, 0)
+    ((model(x).float() - y.float()) ** 2).mean().backward()
+    opt.step()
+    out["mul_"] = float(model.up.weight.to_local().abs().max())
+    zeros = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(zeros)
+    ((model(x).float() - y.float()) ** 2).mean().backward()
+    opt.step()
+    out["load_state_dict"] = max(float(p.to_local().abs().max()) if isinstance(p, DTensor) else float(p.abs().max())
+                                 for p in model.parameters())
+    return out

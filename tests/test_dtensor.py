@@ -79,3 +79,8 @@ def test_checkpoints_per_tp_coordinate_reshard_over_dp_and_export_whole(tmp_path
             assert torch.equal(got["params"][name], value), name
             assert torch.equal(got["masters"][name], saved[0]["masters"][name]), name
             assert torch.equal(got["exported"][name], saved[0]["masters"][name]), name
+
+
+def test_weights_written_in_place_after_the_build_are_kept():
+    for got in run_ranks(2, w.written_in_place_rank):
+        assert got == {"mul_": 0.0, "load_state_dict": 0.0}

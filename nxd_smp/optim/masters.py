@@ -38,7 +38,10 @@ class MasterWeights:
     """The master shard of every bucket (``shards``) over ``params`` laid out by ``layouts``.
 
     Args:
-        params: the managed parameters in layout order, already placed by ``backend``.
+        params: the managed parameters in layout order, already placed by ``backend`` (a DTensor's
+            local part).
+        written_through: the parameters as the user holds them, when ``params`` are their local
+            parts: in-place writes are counted on both.
         plan: the precision plan: the master dtype of each parameter dtype (fp32 under SMP), and
             whether each master is kept as the bf16 parameter plus an int16 remainder (then
             ``shards``, what the inner optimizer steps, hold data only between ``begin_update``
@@ -54,8 +57,12 @@ class MasterWeights:
         layouts: Sequence[BucketLayout],
         backend: Backend,
         plan: PrecisionPlan,
+        written_through: Sequence[torch.Tensor] | None = None,
     ):
         self._params = list(params)
+        # what a user writes in place: the parameters themselves (a DTensor counts its own writes,
+        # not its local part's, which ``params`` holds), beside ``params``
+        self._written_through = self._params if written_through is None else list(written_through)
         self._layouts = list(layouts)
         self._backend = backend
         self.alias = backend.param_shard_is_storage and not plan.master_weights
@@ -100,13 +107,14 @@ class MasterWeights:
 
     def record_versions(self) -> None:
         """What the parameters hold now is what the masters say (the optimizer wrote it)."""
-        self._versions = [p._version for p in self._params]
+        self._versions = [(w._version, p._version) for w, p in zip(self._written_through, self._params)]
 
     def changed(self) -> list[int]:
         """Parameters written in place since ``record_versions``, or whose storage was replaced
         and taken back (``Backend.adopt_param_storage``)."""
         adopted = set(self._backend.adopt_param_storage())
-        return [i for i, p in enumerate(self._params) if i in adopted or p._version != self._versions[i]]
+        return [i for i, (w, p) in enumerate(zip(self._written_through, self._params))
+                if i in adopted or (w._version, p._version) != self._versions[i]]
 
     def publish(self) -> None:
         """The parameters become the masters (cast, gathered on every rank); with remainders
