@@ -336,3 +336,18 @@ def written_in_place_rank(rank: int, world_size: int) -> dict:
     out["load_state_dict"] = max(float(p.to_local().abs().max()) if isinstance(p, DTensor) else float(p.abs().max())
                                  for p in model.parameters())
     return out
+
+
+def fsdp_after_forward_rank(rank: int, world_size: int) -> str:
+    """FSDP2's root keeps plain unsharded parameters after a forward: still refused, at any world size (a
+    world of one included, where no parameter is spread over another rank)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = full_model().float()
+    fully_shard(model)
+    model(data(0, 0, 0)[0].float())  # (the root's parameters unsharded: plain tensors)
+    try:
+        Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=LR)
+    except ValueError as e:
+        return str(e).splitlines()[0]
+    return "built"

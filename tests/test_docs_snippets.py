@@ -285,7 +285,7 @@ LAUNCHED = {"An NxD Llama-style setup: tensor and sequence parallelism with ZeRO
             "FSDP2 instead: the fully sharded form": 2}
 PRINTS = {"An NxD Llama-style setup: tensor and sequence parallelism with ZeRO-1": "grad norm",
           "Tensor parallelism with ZeRO-1 on DTensor": "grad norm",
-          "FSDP2 instead: the fully sharded form": "refused: the model's DTensor parameters are spread over ranks"}
+          "FSDP2 instead: the fully sharded form": "refused: the parameters belong to a model sharded by FSDP2"}
 
 
 def test_every_loop_has_a_snippet_and_a_check():

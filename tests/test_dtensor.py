@@ -84,3 +84,9 @@ def test_checkpoints_per_tp_coordinate_reshard_over_dp_and_export_whole(tmp_path
 def test_weights_written_in_place_after_the_build_are_kept():
     for got in run_ranks(2, w.written_in_place_rank):
         assert got == {"mul_": 0.0, "load_state_dict": 0.0}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fsdp2_is_refused_after_a_forward_at_any_world_size(world_size):
+    for message in run_ranks(world_size, w.fsdp_after_forward_rank):
+        assert message.startswith("the parameters belong to a model sharded by FSDP2 (fully_shard)"), message

@@ -116,3 +116,17 @@ def tensor_parallel_layout(module: torch.nn.Module) -> dict[str, Any] | None:
         if is_dtensor(value) and value.placements[0].is_shard():
             split[key] = value.placements[0].dim % value.dim()
     return {"size": mesh.size(), "rank": mesh.get_local_rank(), "split": split}
+
+
+def fully_sharded(params: Sequence[torch.Tensor]) -> bool:
+    """Whether any of ``params`` belongs to a module FSDP2 (``fully_shard``) manages, whatever it holds now:
+    its sharded DTensors, or the plain unsharded parameters a root module keeps after a forward (which no
+    parameter shows). Read from torch's registry of composable module states."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - a torch without FSDP2
+        return False
+    wanted = {id(p) for p in params}
+    return any(isinstance(module, FSDPModule) and any(id(p) in wanted for p in module.parameters())
+               for module in list(_module_state_mapping))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backend import Backend, GroupSpec, NormGroupSpec, group_backends, select_backend
-from ..core.dtensors import DeviceMesh, param_mesh
+from ..core.dtensors import DeviceMesh, fully_sharded, param_mesh
 from .norm import global_norm, sum_of_squares
 from .param_groups import check_sequence_parallel
 
@@ -101,6 +101,8 @@ class Topology:
                 raise TypeError("device_mesh names the data- and tensor-parallel groups; pass it instead of "
                                 "process_group and grad_norm_groups, not beside them.")
             data, tensor = _mesh_groups(device_mesh)
+        if fully_sharded(params):
+            raise ValueError(f"the parameters belong to {_FULLY_SHARDED}")
         mesh = param_mesh(params)
         if mesh is not None and tensor is None:
             tensor = _tensor_group_of(mesh)
@@ -111,6 +113,8 @@ class Topology:
                                  "tensor parallelism (its layers mark tensor_model_parallel) with grad_norm_groups.")
             _check_not_sharded_over(mesh, data_backend.global_ranks)
         tensor_backends = tuple(group_backends(tensor, device, pin_layout=pin_layout))
+        if mesh is not None:
+            _check_tensor_group(mesh, tensor_backends)
         contexts = group_backends(context, device, pin_layout=pin_layout)
         outside = tuple(cp for cp in contexts if not set(cp.global_ranks) <= set(data_backend.global_ranks))
         marked = sequence_parallel and check_sequence_parallel(
@@ -179,6 +183,13 @@ def _sum_over(group: Backend, tensors: Sequence[torch.Tensor], per_parameter: bo
         group.all_reduce_many_(tensors)
 
 
+_FULLY_SHARDED = (
+    "a model sharded by FSDP2 (fully_shard): it already shards the parameters over data parallelism, which "
+    "ZeRO-1 cannot shard again. Use torch.optim.AdamW with FSDP2's MixedPrecisionPolicy(param_dtype="
+    "torch.bfloat16, reduce_dtype=torch.float32), the fully sharded form of standard mixed precision, and carry "
+    "an nxd_smp checkpoint into it with `python -m nxd_smp export-torch CKPT OUT_DIR` (a DCP directory that "
+    "dcp.load reshards).")
+
 #: The names a ``device_mesh`` may give its dimensions.
 MESH_DIMS = ("dp", "tp")
 
@@ -204,9 +215,21 @@ def _tensor_group_of(mesh: object) -> object:
         raise ValueError(
             f"the DTensor parameters live on a {mesh.ndim}-dimensional mesh {mesh}; nxd_smp shards a model "
             f"parallelized over one tensor-parallel dimension (parallelize_module(model, mesh['tp'], plan)). "
-            f"Pass device_mesh=mesh with dimensions ('dp', 'tp')."
+            f"Pass device_mesh=mesh with dimensions ('dp', 'tp'). (A mesh with a data-parallel dimension is FSDP2's "
+            f"or HSDP's: {_FULLY_SHARDED})"
         )
     return mesh.get_group()
+
+
+def _check_tensor_group(mesh: object, tensor_backends: Sequence[Backend]) -> None:
+    """The DTensor parameters' mesh is the one tensor-parallel group the norm sums their parts over."""
+    ranks = sorted(mesh.mesh.flatten().tolist())
+    given = sorted(tensor_backends[0].global_ranks) if len(tensor_backends) == 1 else None
+    if mesh.ndim != 1 or ranks != given:
+        raise ValueError(
+            f"the DTensor parameters live on mesh {mesh} (ranks {ranks}), but the tensor-parallel group is "
+            f"{given if given is not None else f'{len(tensor_backends)} groups'}: the norm adds their parts over "
+            f"that group, so it must be their mesh. Parallelize the model over mesh['tp'] and pass device_mesh=mesh.")
 
 
 def _check_not_sharded_over(mesh: object, data_ranks: Sequence[int]) -> None:
@@ -221,9 +244,5 @@ def _check_not_sharded_over(mesh: object, data_ranks: Sequence[int]) -> None:
             f"data-parallel group {sorted(data_ranks)}. Two causes:\n"
             f"* tensor parallelism without its data-parallel group: pass device_mesh=mesh (dimensions "
             f"('dp', 'tp')) or process_group=mesh['dp'].get_group();\n"
-            f"* a model sharded by FSDP2 (fully_shard): it already shards the parameters over data parallelism, "
-            f"which ZeRO-1 cannot shard again. Use torch.optim.AdamW with FSDP2's "
-            f"MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), the fully sharded "
-            f"form of standard mixed precision, and carry an nxd_smp checkpoint into it with "
-            f"`python -m nxd_smp export-torch CKPT OUT_DIR` (a DCP directory that dcp.load reshards)."
+            f"* {_FULLY_SHARDED}"
         )
