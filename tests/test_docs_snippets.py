@@ -38,6 +38,18 @@ def trained_like_the_reference(steps: str, loss: str, model: str = "model", norm
         model=model, norm=norm, ulp=ulp, flips=flips, rel=rel, max_norm=max_norm))
 
 
+# Where a snippet's forward rounds its own way in bf16 (a compiled model, DTensor's rowwise bias), the
+# parameters cannot match the eager reference's to the last bit: each step's update must (at most 10% of
+# a tensor's elements further than half of the run's total lr from the reference's update; an untrained
+# model, or one trained at lr/10, leaves 70-100% of them further).
+_UPDATED_LIKE_THE_REFERENCE = '''
+def _updated_like_the_reference(got, expected, initial, lr, steps):
+    for n, e in expected.items():
+        ours, theirs = got[n].float() - initial[n].float(), e.float() - initial[n].float()
+        far = ((ours - theirs).abs() > 0.5 * steps * lr).float().mean().item()
+        assert far <= 0.1, (n, far)
+'''
+
 MEAN_OVER_4 = "lambda m, x: m(x.bfloat16()).float().pow(2).mean() / 4"
 # accelerate's DataLoader of torch.randn(128, 32), drawn right after the model: 4 steps of 4
 # micro-batches of 8 (it divides the loss by gradient_accumulation_steps inside backward)
@@ -205,9 +217,8 @@ assert os.path.islink("runs/accelerate_dp/step_4/nxd_smp")
 '''),
     # docs/native_pytorch.md, 4 ranks under torchrun: the TP pair agrees, every rank has one norm, and the run
     # is the unsharded fp32-master reference's within bf16 drift (DTensor's rowwise bias rounds its own way)
-    "Tensor parallelism with ZeRO-1 on DTensor": '''
+    "Tensor parallelism with ZeRO-1 on DTensor": _UPDATED_LIKE_THE_REFERENCE + '''
 import os
-from tests.oracle import assert_params_close
 from tests.snippet_reference import smp_reference
 tp_group = mesh["tp"].get_group()
 pair = [torch.empty_like(model[2].bias.to_local()) for _ in range(2)]
@@ -222,7 +233,7 @@ initial = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn
 data = [[(torch.manual_seed(100 * step + r), torch.randn(8, 32).bfloat16())[1] for r in range(2)] for step in range(3)]
 expected, ref_norms = smp_reference(initial, data, lambda m, x: m(x).float().pow(2).mean() / 2, lr=1e-3, max_norm=1.0)
 got = {n: p.full_tensor() for n, p in model.named_parameters()}
-assert_params_close(got, expected, max_ulp=64, max_flip_fraction=1.0)
+_updated_like_the_reference(got, expected, dict(initial.named_parameters()), lr=1e-3, steps=3)
 assert abs(float(opt.grad_norm) - ref_norms[-1]) <= 2e-2 * ref_norms[-1]
 print("checked")
 ''',
@@ -239,8 +250,17 @@ assert all(float(s["step"]) == 3 for s in opt.state.values())
 print("checked")
 ''',
     # the compiled model's gradients round their own way in bf16: the reference's within drift
-    "torch.compile and frozen parameters": trained_like_the_reference("data", MEAN_OVER_4, ulp=64, flips=1.0,
-                                                                      rel=2e-2),
+    "torch.compile and frozen parameters": _UPDATED_LIKE_THE_REFERENCE + '''
+from tests.snippet_reference import smp_reference
+torch.manual_seed(0)
+initial = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)).to(torch.bfloat16)
+expected, norms = smp_reference(initial, data, lambda m, x: m(x.bfloat16()).float().pow(2).mean() / 4, lr=1e-3,
+                                max_norm=1.0)
+_updated_like_the_reference(dict(model.named_parameters()), expected, dict(initial.named_parameters()), lr=1e-3,
+                            steps=3)
+assert abs(float(opt.grad_norm) - norms[-1]) <= 1e-2 * norms[-1]
+print("checked")
+''',
     "InternEvo's NaiveAMPModel": '''
 import torch.nn.functional as F
 x = torch.randn(4, 8)
