@@ -90,10 +90,8 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
             over ``grad_norm_groups`` first, as NxD's trainer wrapper does (refused without them).
         context_parallel_groups: average every gradient over them first (NxD's wrapper under context
             parallelism); where the data-parallel group spans them, its mean already does.
-        device_mesh: a torch ``DeviceMesh`` with dimensions ``("dp", "tp")`` (or ``("dp",)``), instead of
-            ``process_group`` and ``grad_norm_groups``: ZeRO-1 over ``dp``, the norm over ``tp``. DTensor
-            parameters (``parallelize_module`` over ``mesh["tp"]``) are managed through their local
-            parts; those sharded on the mesh count as split in the norm.
+        device_mesh: a ``DeviceMesh`` with dimensions ``("dp", "tp")`` or ``("dp",)`` instead of the groups:
+            ZeRO-1 over ``dp``, the norm over ``tp``; DTensor parameters managed through their local parts.
         topology: all those groups as one ``nxd_smp.optim.topology.Topology`` (then pass none of them).
         pin_layout: passed to torch_xla's collectives.
         lazy_init: build the shards at ``init_zero()`` instead of now.
@@ -430,10 +428,9 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
 
 
 def _install_eager_step() -> None:
-    """``Zero1Optimizer._eager_step``: ``_step`` that dynamo never traces (``torch.compiler.disable``).
-    Set at the first build, so that ``import nxd_smp`` does not import torch._dynamo; a method apart
-    from ``step``, as torch 2.9's compile of a bound method follows the attributes ``disable`` sets
-    through torch.optim's step wrapper to the unbound function."""
+    """``Zero1Optimizer._eager_step``: ``_step`` that dynamo never traces (``torch.compiler.disable``), set
+    at the first build (``import nxd_smp`` imports no torch._dynamo); apart from ``step``, as torch 2.9's
+    compile of a bound method follows ``disable``'s attributes through torch.optim's step wrapper."""
     if "_eager_step" not in Zero1Optimizer.__dict__:
         Zero1Optimizer._eager_step = torch.compiler.disable(Zero1Optimizer._step, reason=(
             "torch.compile runs nxd_smp's Zero1Optimizer.step eagerly (its collectives, host bookkeeping and "
