@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m nxd_smp") -> int:
     p.add_argument("out_dir")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR as a whole")
     p = sub.add_parser("export-safetensors", help="write the model weights as one safetensors file")
-    p.add_argument("path")
+    p.add_argument("path", nargs="+", help="a checkpoint, or a DTensor model's checkpoints of every "
+                   "tensor-parallel coordinate in rank order (joined into whole tensors)")
     p.add_argument("out_file")
     p.add_argument("--masters", action="store_true", help="the fp32 master weights instead of the saved parameters")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_FILE")
@@ -112,7 +113,8 @@ def _run(args: argparse.Namespace) -> None:
         paths = args.path[0] if len(args.path) == 1 else args.path
         _say(f"wrote {export_torch(paths, args.out_dir, overwrite=args.overwrite)}")
     elif args.command == "export-safetensors":
-        _say(f"wrote {export_safetensors(args.path, args.out_file, masters=args.masters, overwrite=args.overwrite)}")
+        paths = args.path[0] if len(args.path) == 1 else args.path
+        _say(f"wrote {export_safetensors(paths, args.out_file, masters=args.masters, overwrite=args.overwrite)}")
     else:
         for f in export_xla(args.path, args.out_dir, args.dp_size, overwrite=args.overwrite):
             _say(f"wrote {f}")

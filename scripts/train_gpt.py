@@ -93,12 +93,16 @@ def wants_xla(choice: str, world_size: int) -> bool:
 
 def eager_device(choice: str) -> torch.device:
     """The device of a run that is not on XLA: ``--device cpu``, else the current accelerator
-    (``torch.accelerator``: CUDA, or Trainium's ``neuron`` under TorchNeuron), the CPU when there is
-    none (``auto``) or refused (``--device accelerator``)."""
+    (``torch.accelerator``: CUDA, or Trainium's ``neuron`` under TorchNeuron; under torchrun the local
+    rank's), the CPU when there is none (``auto``) or refused (``--device accelerator``)."""
     accelerator = None if choice == "cpu" else torch.accelerator.current_accelerator(check_available=True)
     if accelerator is None and choice == "accelerator":
         raise SystemExit("--device accelerator: torch.accelerator reports no accelerator here; use --device cpu")
-    return torch.device("cpu") if accelerator is None else accelerator
+    if accelerator is None:
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", 0))  # under torchrun: this process's device
+    torch.accelerator.set_device_index(index)
+    return torch.device(accelerator.type, index)
 
 
 def process_group_backend(device: torch.device) -> str:

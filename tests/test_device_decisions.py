@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from nxd_smp import Zero1Optimizer, load_checkpoint, save_checkpoint
-from nxd_smp.backend import coordination
 from nxd_smp.backend.eager import EagerBackend
 from tests.distributed import run_ranks
 
@@ -98,14 +97,26 @@ def test_the_demo_picks_the_device_through_torch_accelerator(monkeypatch):
         demo.eager_device("accelerator")
     assert demo.process_group_backend(torch.device("cpu")) == "gloo"
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
-    assert demo.eager_device("auto") == torch.device("cuda")
+    chosen = []
+    monkeypatch.setattr(torch.accelerator, "set_device_index", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # under torchrun: the local rank's device
+    assert demo.eager_device("auto") == torch.device("cuda", 1) and chosen == [1]
     assert demo.eager_device("cpu") == torch.device("cpu")
     if hasattr(dist, "get_default_backend_for_device"):
         assert demo.process_group_backend(torch.device("cuda")) == "nccl"
 
 
-def _save_and_load_without_gloo(rank: int, world_size: int, root: str) -> tuple[str | None, bool]:
+def _save_and_load_without_gloo(rank: int, world_size: int, root: str) -> tuple[list, bool]:
+    from torch.distributed import distributed_c10d
+
     dist.is_gloo_available = lambda: False  # a torch built without gloo: the default group's backend
+    asked, new_group = [], distributed_c10d.new_group
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("backend", "missing"))
+        return new_group(*args, **kwargs)
+
+    distributed_c10d.new_group = spy
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4).bfloat16()
     opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
@@ -118,12 +129,12 @@ def _save_and_load_without_gloo(rank: int, world_size: int, root: str) -> tuple[
             p.zero_()
     load_checkpoint(f"{root}/ckpt", model=model, optimizer=opt)
     same = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    return coordination.coordination_backend(), same
+    return asked, same
 
 
 def test_checkpoints_coordinate_without_gloo(tmp_path):
-    for backend, same in run_ranks(2, _save_and_load_without_gloo, str(tmp_path)):
-        assert backend is None and same
+    for asked, same in run_ranks(2, _save_and_load_without_gloo, str(tmp_path)):
+        assert asked and all(backend is None for backend in asked) and same, asked
 
 
 def test_check_accelerator_passes_on_the_cpu(tmp_path):

@@ -67,12 +67,19 @@ def test_steps_raise_no_warning():
 
 
 def test_checkpoints_per_tp_coordinate_reshard_over_dp_and_export_whole(tmp_path):
-    from nxd_smp.interop.native_torch import export_torch
+    from nxd_smp.checkpoint import consolidate
+    from nxd_smp.checkpointing.tools import read_whole_checkpoint
+    from nxd_smp.interop.native_torch import export_safetensors, export_torch
 
     saved = run_ranks(4, w.checkpoint_save_rank, str(tmp_path / "ckpt"))
     export = export_torch([tmp_path / "ckpt" / "tp0", tmp_path / "ckpt" / "tp1"], tmp_path / "dcp")
-    with pytest.raises(nxd_smp.CheckpointError, match="pass the checkpoints of all 2 coordinates"):
-        export_torch(tmp_path / "ckpt" / "tp1", tmp_path / "dcp1")
+    for one_coordinate in (lambda p: export_torch(p, tmp_path / "dcp1"), lambda p: consolidate(p, tmp_path / "c.pt"),
+                           lambda p: export_safetensors(p, tmp_path / "w.safetensors")):
+        with pytest.raises(nxd_smp.CheckpointError, match="pass the checkpoints of all 2 coordinates"):
+            one_coordinate(tmp_path / "ckpt" / "tp1")
+    whole = read_whole_checkpoint([tmp_path / "ckpt" / "tp0", tmp_path / "ckpt" / "tp1"])
+    for name, value in saved[0]["masters"].items():
+        assert torch.equal(whole["optimizer"]["master_weights"][name], value), name
     for got in run_ranks(2, w.checkpoint_load_rank, str(tmp_path / "ckpt"), str(export)):
         assert "tensor-parallel rank" in got["wrong"] and "each tensor-parallel coordinate" in got["wrong"]
         for name, value in saved[0]["params"].items():

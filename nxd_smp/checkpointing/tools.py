@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -130,6 +131,64 @@ def _entries(meta: dict[str, Any], index: dict[str, Any], target: Path) -> dict[
     return shapes
 
 
+def read_whole_checkpoint(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> dict[str, Any]:
+    """``read_checkpoint`` of one checkpoint, or of the checkpoints of every tensor-parallel coordinate of a
+    DTensor model (in rank order) joined into the whole model's: split tensors (model entries, masters, state
+    shaped like the parameter) concatenated on their dimension, the rest taken from rank 0 (replicated: the
+    same). What the exports and ``consolidate`` read.
+
+    Raises:
+        CheckpointError: one coordinate's checkpoint alone, or parts that are not every coordinate of one
+            save (their layouts, param groups or state keys differ).
+    """
+    many = not isinstance(paths, (str, os.PathLike))
+    parts = [read_checkpoint(p) for p in (paths if many else [paths])]
+    layouts = [part["tensor_parallel"] for part in parts]
+    if not many or len(parts) == 1:
+        tp = layouts[0]
+        if tp is not None and tp["size"] > 1:
+            raise CheckpointError(
+                f"{paths if not many else paths[0]} holds tensor-parallel rank {tp['rank']} of {tp['size']} of a DTensor "
+                f"model; pass the checkpoints of all {tp['size']} coordinates, in rank order, to export the whole model.")
+        return parts[0]
+    wanted = [{"size": len(parts), "rank": r, "split": layouts[0]["split"] if layouts[0] else None}
+              for r in range(len(parts))]
+    if layouts != wanted:
+        raise CheckpointError(
+            f"the {len(parts)} checkpoints are not tensor-parallel ranks 0..{len(parts) - 1} of one DTensor model "
+            f"(their layouts: {layouts}); pass each coordinate's checkpoint once, in rank order.")
+    if any((p["optimizer"] is None) != (parts[0]["optimizer"] is None) for p in parts) or (
+            parts[0]["optimizer"] is not None and any(
+                p["optimizer"]["groups"] != parts[0]["optimizer"]["groups"]
+                or {n: sorted(e) for n, e in p["optimizer"]["state"].items()}
+                != {n: sorted(e) for n, e in parts[0]["optimizer"]["state"].items()}
+                or (p["optimizer"]["master_weights"] is None) != (parts[0]["optimizer"]["master_weights"] is None)
+                for p in parts)):
+        raise CheckpointError(f"the {len(parts)} checkpoints hold different optimizer states (param groups, state "
+                              f"keys or master weights): pass the coordinates' checkpoints of one save.")
+    split = layouts[0]["split"]
+
+    def join(key: str, values: list[Any]) -> Any:
+        if key in split and isinstance(values[0], torch.Tensor) and values[0].dim() > 0:
+            return torch.cat(values, dim=split[key])
+        return values[0]
+
+    whole = {**parts[0], "tensor_parallel": None,
+             "model": {key: join(key, [p["model"][key] for p in parts]) for key in parts[0]["model"]}}
+    opt = parts[0]["optimizer"]
+    if opt is not None:
+        masters = opt["master_weights"]
+        whole["optimizer"] = {
+            **opt,
+            "state": {name: {key: join(name, [p["optimizer"]["state"][name][key] for p in parts]) for key in entry}
+                      for name, entry in opt["state"].items()},
+            "master_weights": None if masters is None else {
+                name: join(name, [p["optimizer"]["master_weights"][name] for p in parts]) for name in masters},
+        }
+    return whole
+
+
+
 def consolidate(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False) -> None:
     """Write one plain ``torch.save`` file ``out``: ``{"model": state_dict, "optimizer":
     torch.optim-style state dict (param ids in the saved group order; each group also lists
@@ -146,7 +205,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: b
         TypeError: ``out`` is not a path or ``overwrite`` not a bool.
     """
     out = check_target(out, overwrite=overwrite, directory=False)
-    full = read_checkpoint(path)
+    full = read_whole_checkpoint(path)
     result = {"model": full["model"], "optimizer": None, "master_weights": None, "extra": full["extra"],
               "stateful": full["stateful"]}
     opt = full["optimizer"]

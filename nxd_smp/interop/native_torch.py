@@ -43,13 +43,14 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageM
 
 from ..backend.agreement import agree
 from ..checkpointing.dcp_index import DcpEntry, read_dcp_index
+from ..core.dtensors import is_dtensor
 from ..checkpointing.storage import INDEX_FILE
 from ..checkpointing.format import check_args, group_hyperparameters, managed_param_names, param_group_names
 from ..checkpointing.load import check_full_optimizer_state, install_full_optimizer_state, name_differences
 from ..checkpointing.outputs import check_target, write_directory, write_file
 from ..checkpointing.reader import UnsafeFileError
 from ..checkpointing.storage import read_record
-from ..checkpointing.tools import read_checkpoint
+from ..checkpointing.tools import read_whole_checkpoint
 from ..checkpointing.values import check_cast, is_shape
 from ..core.errors import CheckpointError
 from ..zero1_optimizer import Zero1Optimizer
@@ -105,7 +106,7 @@ def export_torch(path: str | os.PathLike | Sequence[str | os.PathLike], out_dir:
         TypeError: ``out_dir`` is not a path or ``overwrite`` not a bool.
     """
     out = check_target(out_dir, overwrite=overwrite, directory=True)
-    full = _whole_model_checkpoint(path)
+    full = read_whole_checkpoint(path)
     opt = full["optimizer"]
     masters = None if opt is None else opt["master_weights"]
     managed = set() if opt is None else {name for g in opt["groups"] for name in g["params"]}
@@ -131,48 +132,6 @@ def export_torch(path: str | os.PathLike | Sequence[str | os.PathLike], out_dir:
     if opt is not None:
         state[OPTIM] = _torch_optim_state_dict(opt, opt["inner_class"])
     return write_directory(out, lambda staging: _save_dcp(state, staging, out), overwrite=overwrite)
-
-
-def _whole_model_checkpoint(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> dict[str, Any]:
-    """``read_checkpoint`` of one checkpoint, or of the checkpoints of every tensor-parallel coordinate
-    (in rank order) joined into the whole model's: split tensors (model entries, masters, state shaped like
-    the parameter) concatenated on their dimension, the rest taken from rank 0 (replicated: the same)."""
-    many = not isinstance(paths, (str, os.PathLike))
-    parts = [read_checkpoint(p) for p in (paths if many else [paths])]
-    layouts = [part["tensor_parallel"] for part in parts]
-    if not many or len(parts) == 1:
-        tp = layouts[0]
-        if tp is not None and tp["size"] > 1:
-            raise CheckpointError(
-                f"{paths if not many else paths[0]} holds tensor-parallel rank {tp['rank']} of {tp['size']} of a DTensor "
-                f"model; pass the checkpoints of all {tp['size']} coordinates, in rank order, to export the whole model.")
-        return parts[0]
-    wanted = [{"size": len(parts), "rank": r, "split": layouts[0]["split"] if layouts[0] else None}
-              for r in range(len(parts))]
-    if layouts != wanted:
-        raise CheckpointError(
-            f"the {len(parts)} checkpoints are not tensor-parallel ranks 0..{len(parts) - 1} of one DTensor model "
-            f"(their layouts: {layouts}); pass each coordinate's checkpoint once, in rank order.")
-    split = layouts[0]["split"]
-
-    def join(key: str, values: list[Any]) -> Any:
-        if key in split and isinstance(values[0], torch.Tensor) and values[0].dim() > 0:
-            return torch.cat(values, dim=split[key])
-        return values[0]
-
-    whole = {**parts[0], "tensor_parallel": None,
-             "model": {key: join(key, [p["model"][key] for p in parts]) for key in parts[0]["model"]}}
-    opt = parts[0]["optimizer"]
-    if opt is not None:
-        masters = opt["master_weights"]
-        whole["optimizer"] = {
-            **opt,
-            "state": {name: {key: join(name, [p["optimizer"]["state"][name][key] for p in parts]) for key in entry}
-                      for name, entry in opt["state"].items()},
-            "master_weights": None if masters is None else {
-                name: join(name, [p["optimizer"]["master_weights"][name] for p in parts]) for name in masters},
-        }
-    return whole
 
 
 def _torch_optim_state_dict(opt: Mapping[str, Any], inner_class: str) -> dict[str, Any]:
@@ -228,11 +187,14 @@ def _save_dcp(state: dict[str, Any], staging: Path, out: Path) -> None:
 
 
 def export_safetensors(
-    path: str | os.PathLike, out_file: str | os.PathLike, *, masters: bool = False, overwrite: bool = False
+    path: str | os.PathLike | Sequence[str | os.PathLike], out_file: str | os.PathLike, *, masters: bool = False,
+    overwrite: bool = False,
 ) -> Path:
     """Write the checkpoint's model weights to one safetensors file ``out_file``: the
     saved parameters (bf16 under SMP) and buffers as they are; with ``masters=True`` the
-    fp32 master weights in place of the managed parameters (other entries as saved).
+    fp32 master weights in place of the managed parameters (other entries as saved). A DTensor
+    model's checkpoints go in together, in tensor-parallel rank order (``path`` a list), joined into
+    whole tensors as ``export_torch`` joins them; one coordinate's alone is refused.
     Written with ``{"format": "pt"}`` as its metadata into a fresh staging file beside
     ``out_file`` (``tempfile.mkstemp``), moved into place once complete. An existing
     ``out_file`` (a file, or a link, dangling or not) is refused, checked before the
@@ -255,7 +217,7 @@ def export_safetensors(
     except ImportError:
         raise ImportError("export_safetensors needs the safetensors package: pip install safetensors") from None
     out = check_target(out_file, overwrite=overwrite, directory=False)
-    full = read_checkpoint(path)
+    full = read_whole_checkpoint(path)
     tensors = dict(full["model"])
     if masters:
         opt = full["optimizer"]
@@ -372,6 +334,11 @@ def import_torch(path: str | os.PathLike, *, model: nn.Module, optimizer: Zero1O
             shapes that differ, groups that do not fit; each named.
     """
     optimizer = check_args(model, optimizer)  # (a torch optimizer loads with dcp.load and set_state_dict)
+    if any(is_dtensor(p) for p in optimizer.managed_params):
+        raise CheckpointError(
+            "import_torch installs whole tensors into a model without DTensors; this model's parameters are "
+            "DTensors. Load the weights with dcp.load into model.state_dict() and model.load_state_dict(...), then "
+            "build the Zero1Optimizer (its masters from those weights; the optimizer state starts afresh).")
     if optimizer is None:
         raise TypeError("import_torch needs the optimizer to load into.")
     # all ranks commit, or none
