@@ -351,3 +351,17 @@ def fsdp_after_forward_rank(rank: int, world_size: int) -> str:
     except ValueError as e:
         return str(e).splitlines()[0]
     return "built"
+
+
+def four_ranks(rank: int, world_size: int, root: str) -> dict:
+    """Every TP 2 x DP 2 run of the tests on one set of 4 ranks (each set costs seconds to start): the fixed-
+    gradient oracle runs with the mesh given both ways, NxD's path beside DTensor's, and the checkpoint save."""
+    return {"oracle": {how: dtensor_oracle_rank(rank, world_size, how) for how in ("device_mesh", "process_group")},
+            "nxd": nxd_versus_dtensor_rank(rank, world_size),
+            "saved": checkpoint_save_rank(rank, world_size, root)}
+
+
+def two_ranks(rank: int, world_size: int) -> dict:
+    """Every 2-rank check but the checkpoint load, on one pair of ranks."""
+    return {"refusals": refusals_rank(rank, world_size), "warnings": quiet_step_rank(rank, world_size),
+            "written": written_in_place_rank(rank, world_size), "fsdp": fsdp_after_forward_rank(rank, world_size)}

@@ -14,9 +14,21 @@ from tests import dtensor_worker as w
 from tests.distributed import run_ranks
 
 
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    """The 4-rank runs, once for the module: (their checkpoint root, each rank's results)."""
+    root = tmp_path_factory.mktemp("dtensor")
+    return root, run_ranks(4, w.four_ranks, str(root / "ckpt"))
+
+
+@pytest.fixture(scope="module")
+def two():
+    return run_ranks(2, w.two_ranks)
+
+
 @pytest.mark.parametrize("how", ["device_mesh", "process_group"])
-def test_tp2_dp2_matches_the_unsharded_oracle(how):
-    results = run_ranks(4, w.dtensor_oracle_rank, how)
+def test_tp2_dp2_matches_the_unsharded_oracle(four, how):
+    results = [got["oracle"][how] for got in four[1]]
     expected, norms = w.oracle()
     for rank, got in enumerate(results):
         assert (got["tp_size"], got["dp_size"]) == (2, 2)
@@ -33,8 +45,8 @@ def test_tp2_dp2_matches_the_unsharded_oracle(how):
             assert not torch.equal(results[a]["local"][name], results[b]["local"][name]), name
 
 
-def test_nxd_hand_split_and_dtensor_train_to_the_same_numbers():
-    for rank, got in enumerate(run_ranks(4, w.nxd_versus_dtensor_rank)):
+def test_nxd_hand_split_and_dtensor_train_to_the_same_numbers(four):
+    for rank, got in enumerate(got["nxd"] for got in four[1]):
         assert got["dtensor_norm"] == pytest.approx(got["nxd_norm"], rel=1e-5), rank
         for a, b in zip(got["dtensor_masters"], got["nxd_masters"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -42,8 +54,8 @@ def test_nxd_hand_split_and_dtensor_train_to_the_same_numbers():
             torch.testing.assert_close(got["dtensor"][name].float(), value.float(), rtol=2 ** -7, atol=1e-6)
 
 
-def test_what_a_mesh_build_refuses():
-    got = run_ranks(2, w.refusals_rank)[0]
+def test_what_a_mesh_build_refuses(two):
+    got = two[0]["refusals"]
     kind, message = got["fsdp"]
     assert kind == "ValueError" and "fully_shard" in message and "export-torch" in message
     assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in message
@@ -56,31 +68,32 @@ def test_what_a_mesh_build_refuses():
     assert got["2d_mesh"][0] == "ValueError" and "mesh['dp']" in got["2d_mesh"][1]
 
 
-def test_steps_raise_no_warning():
+def test_steps_raise_no_warning(two):
     """Nothing nxd_smp calls warns (torch 2.13 deprecates the ``*_tensor`` collectives), and nothing a user
     would see by default: DeprecationWarnings that torch's own modules raise while inductor compiles the update
     are hidden outside ``__main__`` and not ours."""
     package = os.path.dirname(nxd_smp.__file__)
-    for rank, caught in enumerate(run_ranks(2, w.quiet_step_rank)):
+    for rank, caught in enumerate(got["warnings"] for got in two):
         ours = [c for c in caught if c[1].startswith(package) or c[0] != "DeprecationWarning"]
         assert ours == [], (rank, ours)
 
 
-def test_checkpoints_per_tp_coordinate_reshard_over_dp_and_export_whole(tmp_path):
+def test_checkpoints_per_tp_coordinate_reshard_over_dp_and_export_whole(four):
     from nxd_smp.checkpoint import consolidate
     from nxd_smp.checkpointing.tools import read_whole_checkpoint
     from nxd_smp.interop.native_torch import export_safetensors, export_torch
 
-    saved = run_ranks(4, w.checkpoint_save_rank, str(tmp_path / "ckpt"))
-    export = export_torch([tmp_path / "ckpt" / "tp0", tmp_path / "ckpt" / "tp1"], tmp_path / "dcp")
-    for one_coordinate in (lambda p: export_torch(p, tmp_path / "dcp1"), lambda p: consolidate(p, tmp_path / "c.pt"),
-                           lambda p: export_safetensors(p, tmp_path / "w.safetensors")):
+    root, results = four
+    saved = [got["saved"] for got in results]
+    export = export_torch([root / "ckpt" / "tp0", root / "ckpt" / "tp1"], root / "dcp")
+    for one_coordinate in (lambda p: export_torch(p, root / "dcp1"), lambda p: consolidate(p, root / "c.pt"),
+                           lambda p: export_safetensors(p, root / "w.safetensors")):
         with pytest.raises(nxd_smp.CheckpointError, match="pass the checkpoints of all 2 coordinates"):
-            one_coordinate(tmp_path / "ckpt" / "tp1")
-    whole = read_whole_checkpoint([tmp_path / "ckpt" / "tp0", tmp_path / "ckpt" / "tp1"])
+            one_coordinate(root / "ckpt" / "tp1")
+    whole = read_whole_checkpoint([root / "ckpt" / "tp0", root / "ckpt" / "tp1"])
     for name, value in saved[0]["masters"].items():
         assert torch.equal(whole["optimizer"]["master_weights"][name], value), name
-    for got in run_ranks(2, w.checkpoint_load_rank, str(tmp_path / "ckpt"), str(export)):
+    for got in run_ranks(2, w.checkpoint_load_rank, str(root / "ckpt"), str(export)):
         assert "tensor-parallel rank" in got["wrong"] and "each tensor-parallel coordinate" in got["wrong"]
         for name, value in saved[0]["params"].items():
             assert torch.equal(got["params"][name], value), name
@@ -88,12 +101,13 @@ def test_checkpoints_per_tp_coordinate_reshard_over_dp_and_export_whole(tmp_path
             assert torch.equal(got["exported"][name], saved[0]["masters"][name]), name
 
 
-def test_weights_written_in_place_after_the_build_are_kept():
-    for got in run_ranks(2, w.written_in_place_rank):
-        assert got == {"mul_": 0.0, "load_state_dict": 0.0}
+def test_weights_written_in_place_after_the_build_are_kept(two):
+    for got in two:
+        assert got["written"] == {"mul_": 0.0, "load_state_dict": 0.0}
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_fsdp2_is_refused_after_a_forward_at_any_world_size(world_size):
-    for message in run_ranks(world_size, w.fsdp_after_forward_rank):
+def test_fsdp2_is_refused_after_a_forward_at_any_world_size(two, world_size):
+    messages = [got["fsdp"] for got in two] if world_size == 2 else run_ranks(1, w.fsdp_after_forward_rank)
+    for message in messages:
         assert message.startswith("the parameters belong to a model sharded by FSDP2 (fully_shard)"), message
