@@ -337,7 +337,7 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         self._inner_step = InnerStep(
             self._inner, self._masters.shards, stochastic_rounding=plan.stochastic,
             sr_generator=self._backend.random_generator(self._config.sr_seed) if plan.stochastic else None,
-            masters=self._masters, backend=self._backend, fused_grad_scale=self._backend.fused_grad_scale,
+            masters=self._masters, backend=self._backend,
             compiled=CompiledAdamW.where_it_applies(self._inner, self._backend.device, self._config.compile_update)
             if self._inner_settings.may_compile else None)
         self._norm_buckets = {role: [b for b, layout in enumerate(self._layouts) if layout.key.role == role]

@@ -205,8 +205,10 @@ def test_parameters_the_optimizer_was_not_given_are_not_its_business():
     model = make_model()
     opt = Zero1Optimizer(list(model.lin1.parameters()), torch.optim.SGD, lr=0.1)
     model.frozen.requires_grad_(True)  # trained by another optimizer, or by nothing
+    frozen, weight = model.frozen.detach().clone(), model.lin1.weight.detach().clone()
     backward(model)
-    opt.step()
+    opt.step()  # (no refusal: the optimizer was never given it)
+    assert torch.equal(model.frozen, frozen) and not torch.equal(model.lin1.weight, weight)
 
 
 def test_the_parameters_frozen_at_the_build_are_held_weakly():

@@ -60,10 +60,10 @@ class InnerStep:
         sr_generator: with ``stochastic_rounding``, the generator of the draws (None: the
             device's default).
         masters, backend: where ``update`` publishes the result (the master weights, and the
-            parameters' storage and all-gather).
+            parameters' storage and all-gather); a fused kernel takes the coefficient as
+            ``grad_scale`` only where the backend's device does (``fused_grad_scale``), else the
+            gradients are scaled before it.
         compiled: the compiled one-pass update standing in for ``inner.step()`` where it runs.
-        fused_grad_scale: a fused kernel here takes the coefficient as ``grad_scale`` (the
-            backend's ``fused_grad_scale``); else the gradients are scaled before it.
     """
 
     def __init__(
@@ -76,13 +76,13 @@ class InnerStep:
         masters: MasterWeights | None = None,
         backend: Backend | None = None,
         compiled: CompiledAdamW | None = None,
-        fused_grad_scale: bool = True,
     ):
         self.inner = inner
         self.shards = list(shards)
         self.masters, self.backend, self.compiled = masters, backend, compiled
         # the fused kernel divides by ``grad_scale`` where its device takes one (else: scaled before)
-        self.fused = fused_grad_scale and all(g.get("fused", False) for g in inner.param_groups)
+        takes_grad_scale = backend is None or backend.fused_grad_scale
+        self.fused = takes_grad_scale and all(g.get("fused", False) for g in inner.param_groups)
         self.stochastic_rounding = stochastic_rounding
         self._generator = sr_generator
 
