@@ -229,6 +229,10 @@ class Backend(ABC):
         """``tensor``'s bits read as ``dtype`` (of the same size), on the device."""
         return tensor.view(dtype)
 
+    def update_in_place(self, tensors: Sequence[torch.Tensor]) -> None:
+        """``tensors`` (the masters and optimizer states a step wrote) are each to be written into
+        their own buffer (eager devices: they already are)."""
+
     # ---------------------------------------------------------------- host side
     def random_generator(self, seed: int) -> torch.Generator | None:
         """A generator for this rank's random draws (None: the device's default one)."""

@@ -302,6 +302,22 @@ class XlaBackend(Backend):
             return tensor
         return _bitcast_op(dtype)(tensor)
 
+    def update_in_place(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Each tensor's new value in its own buffer, with no copy.
+
+        torch_xla marks the buffers of updated tensors as donors and XLA pairs donors with outputs
+        of the same byte size in order (parameter numbers, output indices). The outputs go in the
+        order of the tensors' ids (the order of their last in-place write); the parameters are
+        numbered as the lowering first reaches them, from the parameters' all-gather into the update
+        (for Adam: ``exp_avg_sq`` before ``exp_avg``). Two same-sized state tensors paired crosswise
+        cost XLA a copy of each, and the copies' temporary memory (docs/trainium.md). An
+        optimization barrier over all of them, in decreasing id order (the lowering visits the
+        last operand first), makes the lowering reach their old values in the outputs' order. The
+        barrier computes nothing: XLA:CPU removes it before code generation."""
+        on_device = [t for t in tensors if t.device.type == self.device.type]  # (AdamW's ``step``: host)
+        if on_device:
+            self._xm.optimization_barrier_(sorted(on_device, key=self._xlac._xla_get_tensor_id, reverse=True))
+
     # ---------------------------------------------------------------- host side
     def to_host(self, tensors):
         # Host tensors come back from the transfer as themselves (AdamW keeps its ``step``

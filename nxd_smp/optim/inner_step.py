@@ -114,6 +114,8 @@ class InnerStep:
             self(grads, coef, found_inf, inner_args)
             if restore is not None:
                 restore()
+            if self.backend is not None:
+                self.backend.update_in_place(self.state_tensors())
             self.masters.publish()
         self.push_hyperparameters(wrapper_groups)
 

@@ -1,0 +1,48 @@
+"""What XLA makes of the step graph (its HLO after XLA's passes, dumped by a child process):
+each state tensor updated in its own buffer, with no copy, in both loop shapes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.requires_xla
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def step_graph(tmp_path: Path, shape: str) -> tuple[str, list[int]]:
+    """The last graph XLA compiled for four steps in loop ``shape`` (the steady step), and the
+    buckets' shard sizes."""
+    dump, out = tmp_path / "dump", tmp_path / "out.pt"
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT),
+           "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"}
+    for name in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-m", "tests.xla_graph_worker", str(out), shape], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    graphs = sorted(dump.glob("module_*.cpu_after_optimizations.txt"))
+    assert graphs, "XLA dumped no graph"
+    return graphs[-1].read_text(), torch.load(out)["shard_numels"]
+
+
+@pytest.mark.parametrize("shape", ["nxd_loop", "one_graph"])
+def test_every_state_tensor_is_updated_in_its_own_buffer(tmp_path, shape):
+    """XLA pairs donated buffers with outputs of the same size in order; paired crosswise, two
+    state tensors of a bucket each cost a copy of the whole shard (and its temporary memory)."""
+    hlo, shard_numels = step_graph(tmp_path, shape)
+    entry = hlo[hlo.index("\nENTRY"):]
+    shard_shapes = {f"f32[{n}]" for n in shard_numels}
+    copies = [line for line in entry.splitlines()
+              if " copy(" in line and any(f"= {s}" in line for s in shard_shapes)]
+    assert not copies, f"{len(copies)} shard-sized copies in the step graph:\n" + "\n".join(copies[:4])
+    # and the buffers are still donated: each bucket's master and two Adam moments alias an input
+    aliased = re.search(r"input_output_alias=\{(.*?)\}, entry_computation_layout", hlo.splitlines()[0])
+    assert aliased and aliased.group(1).count("may-alias") >= 3 * len(shard_numels)
+
