@@ -12,10 +12,9 @@ Group forms, all ending in replica groups (lists of global ordinals):
 The collectives (``xm.reduce_scatter`` / ``xm.all_gather``, as torch_xla's and NxD's ZeRO-1
 use them) return new tensors and never slice by a Python rank: this rank's identity enters
 the graph as data (what the reduce-scatter returns, ``local_shard``'s index), so every rank
-runs one compiled program. A group of one sends nothing, as on eager devices: XLA keeps a
-collective over one replica as a copy of its buffer (12 bytes per parameter a step at DP 1).
-Parameters are not views of a flat buffer: a bucket exists only inside the step's graph (one
-concatenation in, one all-gather out).
+runs one compiled program. They are issued even for a group of one, so the step compiles to
+the same graph shape at every size. Parameters are not views of a flat buffer: a bucket
+exists only inside the step's graph (one concatenation in, one all-gather out).
 """
 
 from __future__ import annotations
@@ -196,8 +195,6 @@ class XlaBackend(Backend):
 
     # ---------------------------------------------------------------- collectives
     def local_shard(self, flat: torch.Tensor) -> torch.Tensor:
-        if self.world_size == 1:
-            return flat
         # Rank as data: a gather with this rank's index, the same program on every rank.
         if self._rank_index is None:
             self._rank_index = torch.tensor([self.rank], device=flat.device)
@@ -225,11 +222,8 @@ class XlaBackend(Backend):
             self._xlac._set_all_reduce_token(self._xlac._xla_get_default_device(), None)
 
     def _per_bucket(self, op, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """``op`` over each tensor (a group of one: the tensors themselves); coalesced into one
-        collective where torch_xla allows it (``pin_layout`` off, not the XLA CPU device, more
-        than one bucket)."""
-        if self.world_size == 1:
-            return list(tensors)
+        """``op`` over each tensor; coalesced into one collective where torch_xla allows it
+        (``pin_layout`` off, not the XLA CPU device, more than one bucket)."""
         if self._cpu:
             return [self._run(op, t, pin_layout=False) for t in tensors]
         if self.pin_layout or len(tensors) < 2:  # torch_xla's coalesced forms cannot pin their layout
@@ -260,8 +254,6 @@ class XlaBackend(Backend):
         return self._per_bucket(op, shards)
 
     def all_reduce_(self, tensor: torch.Tensor) -> None:
-        if self.world_size == 1:
-            return
         if self._cpu:
             # No all-reduce form takes a channel id of our choosing: gather and add up (these
             # are norms, a few elements), in the group's order, the same on every rank.
