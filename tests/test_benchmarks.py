@@ -84,3 +84,24 @@ def test_the_demo_comparison_of_the_memory_options_writes_finite_json(tmp_path):
     assert set(result["results"]) == {"default", "sharded_acc+remainders"}
     assert result["results"]["default"]["train_vs_default"] == 0 and result["report"]
     assert finite(*(r["final_train_loss"] for r in result["results"].values()))
+
+
+def test_the_tensor_parallel_benchmark_writes_finite_json_for_both_sides(tmp_path):
+    run("bench_tp.py", "--width", "64", "--layers", "1", "--micro", "1", "--iters", "2", "--warmup", "1", "--no-peak",
+        "--out", str(tmp_path / "tp.json"))
+    result = json.loads((tmp_path / "tp.json").read_text())
+    sides = result["results"]
+    assert set(sides) == {"nxd_smp", "fsdp2"} and result["report"] and "bench_tp.py" in result["command"]
+    for side in sides.values():
+        assert finite(side["iter_ms_median"], side["step_ms_median"], side["held_bytes_per_param"],
+                      side["sent_bytes_per_iteration"], side["first_grad_norm"])
+        assert min(side["iter_ms_median"], side["step_ms_median"], side["held_bytes_per_param"],
+                   side["sent_bytes_per_iteration"]) > 0
+    # the same model on the same data: the first step's gradient norms agree (bf16 gradients summed in fp32)
+    assert abs(sides["nxd_smp"]["first_grad_norm"] - sides["fsdp2"]["first_grad_norm"]) <= 1e-3 * sides["fsdp2"][
+        "first_grad_norm"]
+    # held at the step, counted from the tensors: nxd_smp bf16 parameters and fp32 accumulation over TP 2 (3),
+    # masters and Adam states over TP 2 x DP 2 (3); FSDP2 fp32 parameters, gradients and states over 4 (4)
+    assert sides["nxd_smp"]["held_bytes_per_param"] == pytest.approx(6.0, abs=0.1)
+    assert sides["fsdp2"]["held_bytes_per_param"] == pytest.approx(4.0, abs=0.1)
+    assert finite(*(r["median"] for r in result["ratios"].values()))
