@@ -4,10 +4,13 @@
 DP=1 on CPU, a bf16 model of >= 20M parameters, AdamW with SMP (fp32 master weights,
 fp32 main_grad, clipping on). The roofline is ``torch.optim.AdamW(fused=True)`` over one
 flat fp32 tensor of the same size plus the copy of it into a bf16 buffer: the least
-work any fp32-master optimizer step must do. Each timed step, ours and the roofline's,
-follows an untimed backward (a step consumes the accumulation of its own backward); the
-two are timed alternately in one process, and the ratio of medians is reported with the
-spread of the per-pair ratios.
+work any fp32-master optimizer step must do. Each step, ours and the roofline's, follows its
+own backward (a step consumes the accumulation of its own backward): ours fills the fp32
+accumulation through its hooks, the roofline's is the same model under plain autograd (a bf16
+``.grad``, set to None after its step). Both are timed alternately in one process: the step
+ratio of medians with the spread of the per-pair ratios, each backward, and backward + step
+against the roofline's backward + step (work moved from the step into the backward shows
+there).
 
 Memory is a slope (docs/design.md, "How performance is measured"): the peak RSS (VmHWM) of backward + step at two
 model sizes, each in its own process, difference over difference. It counts everything
@@ -51,7 +54,7 @@ from memory_slope import check_sizes, slope  # noqa: E402
 
 REQUIRED = {"ratio": 1.25, "bytes_per_param": 20.0}
 # The memory target at DP=1 (docs/design.md): 6 + 12/N bytes per parameter, plus 2%.
-TARGET = {"ratio": 1.10, "bytes_per_param": (6 + 12) * 1.02}
+TARGET = {"ratio": 1.05, "bytes_per_param": (6 + 12) * 1.02}
 
 
 def rss_bytes(field: str) -> int:
@@ -305,19 +308,43 @@ def main() -> None:
         roof.step()
         bf16.copy_(flat)
 
+    # The roofline's backward: the same model under plain autograd (a bf16 .grad, set to None
+    # after each step as training loops do), the backward any optimizer's user runs.
+    torch.manual_seed(0)
+    plain = Weights(args.params, args.width)
+    x = torch.randn(args.width, args.width, dtype=torch.bfloat16) * 1e-3
+
+    def plain_backward() -> None:
+        plain(x).backward()
+
+    def plain_zero_grad() -> None:
+        plain.zero_grad(set_to_none=True)
+
     for _ in range(args.warmup):
+        plain_backward()
         roofline_step()
-    ours, roofline = [], []
+        plain_zero_grad()
+    ours, roofline, ours_bwd, roofline_bwd = [], [], [], []
     for _ in range(args.iters):
-        for step, times in ((opt.step, ours), (roofline_step, roofline)):
-            backward()  # not timed; before both, so each step starts from the same conditions
+        for run_backward, step, times, bwd_times, after in ((backward, opt.step, ours, ours_bwd, None),
+                                                            (plain_backward, roofline_step, roofline, roofline_bwd,
+                                                             plain_zero_grad)):
+            t = time.perf_counter()
+            run_backward()  # each step consumes its own backward's gradient
+            bwd_times.append(time.perf_counter() - t)
             t = time.perf_counter()
             step()
             times.append(time.perf_counter() - t)
+            if after is not None:
+                after()
 
     ours_ms = statistics.median(ours) * 1e3
     roof_ms = statistics.median(roofline) * 1e3
     ratio = ours_ms / roof_ms
+    bwd_ms, roof_bwd_ms = statistics.median(ours_bwd) * 1e3, statistics.median(roofline_bwd) * 1e3
+    both = [(b + s_) / (rb + rs) for b, s_, rb, rs in zip(ours_bwd, ours, roofline_bwd, roofline)]
+    both_ratio = statistics.median(both)
+    both_q1, _, both_q3 = statistics.quantiles(both, n=4) if len(both) > 1 else (both_ratio,) * 3
     pair_ratios = sorted(a / b for a, b in zip(ours, roofline))
     q1, _, q3 = statistics.quantiles(pair_ratios, n=4) if len(pair_ratios) > 1 else (ratio, ratio, ratio)
     result = {
@@ -337,6 +364,10 @@ def main() -> None:
         "target": TARGET,
         "meets_required": ratio <= REQUIRED["ratio"] and per_param <= REQUIRED["bytes_per_param"],
         "meets_target": ratio <= TARGET["ratio"] and per_param <= TARGET["bytes_per_param"],
+        "backward_ms_median": bwd_ms,
+        "roofline_backward_ms_median": roof_bwd_ms,
+        "backward_plus_step_ratio": both_ratio,
+        "backward_plus_step_ratio_quartiles": [both_q1, both_q3],
         "zero1_step_ms_all": [t * 1e3 for t in ours],
         "roofline_step_ms_all": [t * 1e3 for t in roofline],
     }
@@ -344,8 +375,12 @@ def main() -> None:
         ("parameters (bf16)", f"{n / 1e6:.1f}M"),
         ("Zero1Optimizer.step() median", f"{ours_ms:.1f} ms"),
         ("roofline: fused AdamW fp32 + copy to bf16", f"{roof_ms:.1f} ms"),
-        ("ratio (required <= 1.25, target <= 1.10)", f"{ratio:.3f}"),
+        ("ratio (required <= 1.25, target <= 1.05)", f"{ratio:.3f}"),
         ("per-pair ratio, quartiles", f"{q1:.3f} .. {q3:.3f}"),
+        ("backward before it: ours (hooks into the fp32 accumulation) / plain autograd (bf16 .grad)",
+         f"{bwd_ms:.1f} ms / {roof_bwd_ms:.1f} ms"),
+        ("backward + step against the roofline's backward + step, median of pairs (quartiles)",
+         f"{both_ratio:.3f} ({both_q1:.3f} .. {both_q3:.3f})"),
         (f"peak RSS slope {small['params'] / 1e6:.0f}M -> {large['params'] / 1e6:.0f}M, bytes/param "
          f"(target <= {TARGET['bytes_per_param']:.2f})", f"{per_param:.2f}"),
     ]
