@@ -330,7 +330,7 @@ def main() -> None:
                                                             (plain_backward, roofline_step, roofline, roofline_bwd,
                                                              plain_zero_grad)):
             t = time.perf_counter()
-            run_backward()  # each step consumes its own backward's gradient
+            run_backward()  # ours: the accumulation its step consumes; the roofline's: the same work, discarded
             bwd_times.append(time.perf_counter() - t)
             t = time.perf_counter()
             step()

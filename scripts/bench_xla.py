@@ -337,7 +337,9 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES), help="loop shapes to time")
     p.add_argument("--model", choices=MODELS, default="linear",
                    help="the timed MLP's layers: nn.Linear (default) or x @ W with W stored [in, out]")
-    p.add_argument("--time-only", action="store_true", help="time both optimizers; measure no memory")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--time-only", action="store_true", help="time both optimizers; measure no memory")
+    only.add_argument("--memory-only", action="store_true", help="measure memory (and compilations); time nothing")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
                    help="optimizers whose memory is measured (default: torch_xla and nxd_smp with each memory option)")
     p.add_argument("--out", type=Path, default=Path("bench_results/bench_xla.json"))
@@ -355,7 +357,7 @@ def main() -> None:
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # glibc returns large frees
 
     timing = {}
-    for world in a.dp:
+    for world in ([] if a.memory_only else a.dp):
         timing[f"dp{world}"] = t = time_pairs(world, a.width, a.time_layers, a.pairs, a.warmup, a.micro, a.shapes,
                                               a.model)
         print(f"  time DP={world}: " + ", ".join(f"{shape} {t[shape]['ratio']:.2f}" for shape in a.shapes), flush=True)
@@ -375,32 +377,34 @@ def main() -> None:
             key = f"dp{world}" if kind == "nxd_smp" else f"{kind}_dp{world}"
             ratios.setdefault(key, {})["memory"] = (results[f"{kind}_dp{world}"]["bytes_per_param"]
                                                     / results[f"torch_xla_dp{world}"]["bytes_per_param"])
-        for shape in a.shapes:
+        for shape in ([] if a.memory_only else a.shapes):
             ratios[f"dp{world}"][shape] = timing[f"dp{world}"][shape]["ratio"]
             ratios[f"dp{world}"][f"{shape}_quartiles"] = timing[f"dp{world}"][shape]["ratio_quartiles"]
 
-    n = timing[f"dp{a.dp[0]}"]["params"]
     split = "; torch_xla's collectives split per tensor, as XLA:CPU replicas force"
-    layer = "nn.Linear" if a.model == "linear" else "x @ W (W stored [in, out])"
-    report = [f"Time: bf16 MLP {a.time_layers} x {a.width} of {layer} + tanh ({n / 1e6:.1f}M parameters), AdamW, "
-              f"max_norm 1.0, "
-              f"{a.micro} micro-batches of 16 x {a.width} per iteration; both optimizers in one process, "
-              f"{a.pairs} pairs alternating after {a.warmup} warm-up iterations each; XLA CPU replicas", "",
-              "| DP | loop shape | nxd_smp ms | torch_xla ms | nxd_smp / torch_xla, median of pairs (quartiles) "
-              "| target | step HLO instructions (nxd_smp / torch_xla) | one step program for all ranks | "
-              "compilations after warm-up |", "|---|---|---|---|---|---|---|---|---|"]
-    for world in a.dp:
-        for shape in a.shapes:
-            t = timing[f"dp{world}"][shape]
-            hlo = t["step_hlo_instructions"]
-            report.append(
-                f"| {world} | {shape} | {t['iter_ms']['nxd_smp']:.1f} | {t['iter_ms']['torch_xla']:.1f} | "
-                f"{t['ratio']:.2f} ({t['ratio_quartiles'][0]:.2f}-{t['ratio_quartiles'][1]:.2f}) | "
-                f"<= {TARGETS[shape]} | "
-                + (f"{hlo['nxd_smp']} / {hlo['torch_xla']}" if world == 1 else f"{hlo['nxd_smp']} / n/a (split)")
-                + f" | {'yes' if all(t['one_program_for_all_ranks'].values()) else 'NO'} | "
-                f"{t['compiles_after_warmup']} |")
-    report += ["", *(f"{shape}: {what}" for shape, what in SHAPES.items() if shape in a.shapes), ""]
+    report: list[str] = []
+    if not a.memory_only:
+        n = timing[f"dp{a.dp[0]}"]["params"]
+        layer = "nn.Linear" if a.model == "linear" else "x @ W (W stored [in, out])"
+        report += [f"Time: bf16 MLP {a.time_layers} x {a.width} of {layer} + tanh ({n / 1e6:.1f}M parameters), AdamW, "
+                  f"max_norm 1.0, "
+                  f"{a.micro} micro-batches of 16 x {a.width} per iteration; both optimizers in one process, "
+                  f"{a.pairs} pairs alternating after {a.warmup} warm-up iterations each; XLA CPU replicas", "",
+                  "| DP | loop shape | nxd_smp ms | torch_xla ms | nxd_smp / torch_xla, median of pairs (quartiles) "
+                  "| target | step HLO instructions (nxd_smp / torch_xla) | one step program for all ranks | "
+                  "compilations after warm-up |", "|---|---|---|---|---|---|---|---|---|"]
+        for world in a.dp:
+            for shape in a.shapes:
+                t = timing[f"dp{world}"][shape]
+                hlo = t["step_hlo_instructions"]
+                report.append(
+                    f"| {world} | {shape} | {t['iter_ms']['nxd_smp']:.1f} | {t['iter_ms']['torch_xla']:.1f} | "
+                    f"{t['ratio']:.2f} ({t['ratio_quartiles'][0]:.2f}-{t['ratio_quartiles'][1]:.2f}) | "
+                    f"<= {TARGETS[shape]} | "
+                    + (f"{hlo['nxd_smp']} / {hlo['torch_xla']}" if world == 1 else f"{hlo['nxd_smp']} / n/a (split)")
+                    + f" | {'yes' if all(t['one_program_for_all_ranks'].values()) else 'NO'} | "
+                    f"{t['compiles_after_warmup']} |")
+        report += ["", *(f"{shape}: {what}" for shape, what in SHAPES.items() if shape in a.shapes), ""]
     if not a.time_only:
         report += [f"Memory: bf16 MLP {a.layers[1]} x {a.width} against {a.layers[0]} layers, each run in its own "
                    f"process, forward+backward and step synced apart, median of {a.iters} iterations after "
@@ -420,10 +424,11 @@ def main() -> None:
     report.append("")
     for world in a.dp:
         r = ratios[f"dp{world}"]
-        shapes = ", ".join(f"{shape} {r[shape]:.2f}" for shape in a.shapes)
-        memory = "" if "memory" not in r else f"; memory {r['memory']:.2f} (target <= {TARGETS['memory_ratio']})"
-        report.append(f"DP={world}: nxd_smp / torch_xla: {shapes} (targets <= {TARGETS['one_graph']}){memory}"
-                      f"{'' if world == 1 else split}")
+        parts = [f"{', '.join(f'{shape} {r[shape]:.2f}' for shape in a.shapes)} (targets <= {TARGETS['one_graph']})"
+                 ] if not a.memory_only else []
+        if "memory" in r:
+            parts.append(f"memory {r['memory']:.2f} (target <= {TARGETS['memory_ratio']})")
+        report.append(f"DP={world}: nxd_smp / torch_xla: {'; '.join(parts)}{'' if world == 1 else split}")
     for world, kind, what, target in (
             (1, TRAINIUM, "the README's Trainium settings (sharded accumulation)", OPTION_TARGETS["dp1_memory_ratio"]),
             (4, "nxd_smp_both", "sharded accumulation + remainders", OPTION_TARGETS["dp4_memory_ratio"])):
