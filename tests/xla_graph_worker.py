@@ -5,7 +5,6 @@ parent checks: each shape's last step graph (its text after XLA's passes), the b
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
