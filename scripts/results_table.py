@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 HEADER = ["| what | measured | target | made by (the file holds the command and the report) |", "|---|---|---|---|"]
 #: The files whose ``report`` docs/results.md shows, as the scripts printed it.
-REPORTS = ["precision/results.json", "bench_step.json", "bench_peers.json", "bench_xla.json", "bench_checkpoint.json",
-           "bench_step_options.json", "memory_options_demo.json", "compare_checkouts.json", "check_accelerator_cuda.json"]
+REPORTS = ["precision/results.json", "bench_step.json", "bench_peers.json", "bench_xla.json", "bench_xla_matmul.json",
+           "bench_checkpoint.json", "bench_step_options.json", "memory_options_demo.json", "compare_checkouts.json",
+           "check_accelerator_cuda.json", "bench_tp.json"]
 
 
 def _load(name: str) -> dict:
@@ -47,23 +48,38 @@ def rows() -> list[str]:
         ("bytes per parameter on CPU at DP=1 (slope)", f"{step['bytes_per_param_slope']:.1f}",
          f"<= {st['bytes_per_param']:.1f}", "bench_step.json"),
     ]
+    out.append(("CPU backward + step against the roofline's backward + step (plain autograd, bf16 .grad; quartiles)",
+                f"{step['backward_plus_step_ratio']:.2f} ({step['backward_plus_step_ratio_quartiles'][0]:.2f}-"
+                f"{step['backward_plus_step_ratio_quartiles'][1]:.2f})", "report", "bench_step.json"))
     for world in (1, 2, 4):
         ratios = xla["ratios"].get(f"dp{world}")
         if ratios is None:
             continue
         forced = "" if world == 1 else "; torch_xla's collectives split per tensor (forced by XLA:CPU)"
-        out.append((f"XLA iteration / memory per parameter against torch_xla's ZeRO-1, DP={world}{forced}",
-                    f"{ratios['iteration']:.2f} / {ratios['memory']:.2f}",
-                    f"<= {xt['iteration_ratio']} / {xt['memory_ratio']}", "bench_xla.json"))
+        out.append((f"XLA iteration against torch_xla's ZeRO-1 in one process, NxD's loop / one graph per iteration, "
+                    f"DP={world}{forced}", f"{ratios['nxd_loop']:.2f} / {ratios['one_graph']:.2f}",
+                    f"<= {xt['nxd_loop']} / {xt['one_graph']}", "bench_xla.json"))
+        out.append((f"XLA memory per parameter against torch_xla's ZeRO-1, DP={world}", f"{ratios['memory']:.2f}",
+                    f"<= {xt['memory_ratio']}", "bench_xla.json"))
+    matmul = _load("bench_xla_matmul.json")["ratios"]["dp1"]
+    out.append(("XLA iteration against torch_xla's ZeRO-1, NxD's loop / one graph, DP=1, layers x @ W (no transposed "
+                "weight gradient: docs/trainium.md)", f"{matmul['nxd_loop']:.2f} / {matmul['one_graph']:.2f}",
+                f"<= {xt['nxd_loop']} / {xt['one_graph']}", "bench_xla_matmul.json"))
     for world, kind, target in ((1, xla["trainium_kind"], "dp1_memory_ratio"),
                                 (4, "nxd_smp_both", "dp4_memory_ratio")):
         r = xla["ratios"].get(f"{kind}_dp{world}")
         if r is not None:
             what = "sharded accumulation (the README's Trainium settings)" if world == 1 else \
                 "sharded accumulation + remainders"
-            out.append((f"XLA memory per parameter / iteration against torch_xla's ZeRO-1, DP={world}, {what}",
-                        f"{r['memory']:.2f} / {r['iteration']:.2f}", f"<= {xla['option_targets'][target]} / -",
-                        "bench_xla.json"))
+            out.append((f"XLA memory per parameter against torch_xla's ZeRO-1, DP={world}, {what}",
+                        f"{r['memory']:.2f}", f"<= {xla['option_targets'][target]}", "bench_xla.json"))
+    tp = _load("bench_tp.json")
+    mine, fsdp = tp["results"]["nxd_smp"], tp["results"]["fsdp2"]
+    out.append(("DTensor TP 2 x ZeRO-1 DP 2 against FSDP2 (the same TP, fully_shard over dp, MixedPrecisionPolicy(bf16, "
+                "fp32)): iteration / bytes held per parameter per rank / bytes sent per parameter per iteration",
+                f"{tp['ratios']['iter_ms']['median']:.2f} / {mine['held_bytes_per_param']:.1f} against "
+                f"{fsdp['held_bytes_per_param']:.1f} / {mine['sent_bytes_per_param']:.1f} against "
+                f"{fsdp['sent_bytes_per_param']:.1f}", "report", "bench_tp.json"))
     options = _load("bench_step_options.json")
     for name, m in options["memory"].items():
         out.append((f"bytes per parameter per rank at DP=2 over gloo, {name} (slope)",
