@@ -158,3 +158,39 @@ def test_an_option_the_kernel_lacks_installed_by_a_load_is_computed_by_torchs_st
             o.zero_grad()
     for p, q in zip(model.parameters(), reference_model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_step_under_a_users_dispatch_mode_runs_and_matches(tmp_path):
+    """torch's debug and counting tools (FlopCounterMode, CommDebugMode, a profiler's mode) are
+    TorchDispatchModes; under one, torch 2.10+ compiles nothing with fullgraph=True and raises.
+    The compiled CPU kernels (the one-pass update, the norm's rows) then run as plain torch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    runs = []
+    for mode in (None, Counting()):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64)).bfloat16()
+        opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, max_norm=0.1)
+        assert opt._inner_step.compiling
+        for step in range(3):
+            model(torch.randn(8, 64, generator=torch.Generator().manual_seed(step)).bfloat16()).float().pow(2).sum().backward()
+            if mode is None or step < 2:
+                opt.step()
+            else:
+                with mode:
+                    opt.step()
+        runs.append(([p.detach().clone() for p in model.parameters()], opt.grad_norm.item(), mode))
+    (plain, plain_norm, _), (under, under_norm, mode) = runs
+    assert mode.calls > 0  # the step ran under the mode
+    assert under_norm == pytest.approx(plain_norm, rel=1e-6)
+    for a, b in zip(under, plain):  # the kernels as plain torch: the same arithmetic, last-bit rounding aside
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=float(b.float().abs().max()) * 2**-7)

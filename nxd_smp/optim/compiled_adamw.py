@@ -16,6 +16,7 @@ caller falls back to the stock step.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import warnings
@@ -104,16 +105,27 @@ def compiler_unavailable() -> tuple[type[BaseException], ...]:
 
 
 def compile_cpu_kernel(fn: Any) -> Any:
-    """``torch.compile`` of ``fn``, an element-wise CPU kernel over flat tensors of any size.
+    """``torch.compile`` of ``fn``, an element-wise CPU kernel over flat tensors of any size;
+    ``fn`` itself, as plain torch, while a user's ``TorchDispatchMode`` is active (torch's
+    FlopCounterMode, CommDebugMode, a profiler's mode: from torch 2.10 dynamo compiles nothing
+    under one, and with ``fullgraph=True`` raises).
 
     Inductor picks serial or OpenMP-parallel code from the first size it compiles for, and
     its on-disk cache keeps that choice for every later size: a small first tensor (a
     test, a tiny model) would leave every later 20M-element step on one core. A chunk of
     one element keeps the loop parallel; OpenMP's cost on a small tensor is microseconds.
     """
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
     # inductor's C++ build says "No CUDA runtime is found" on CPU-only machines: noise here.
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.min_chunk_size": 1})
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.min_chunk_size": 1})
+
+    @functools.wraps(fn)
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return (fn if _get_current_dispatch_mode() is not None else compiled)(*args, **kwargs)
+
+    return kernel
 
 
 _compiled: dict[Any, Any] = {}
