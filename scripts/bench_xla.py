@@ -352,7 +352,8 @@ def main() -> None:
         p.error("--pairs must be at least 2 (the ratio's quartiles)")
     if "torch_xla" not in a.kinds or "nxd_smp" not in a.kinds:
         p.error("--kinds must include torch_xla and nxd_smp (the baseline and the default)")
-    check_depths(p, a.width, a.layers)
+    if not a.time_only:  # (the memory slope's two depths)
+        check_depths(p, a.width, a.layers)
     kinds = [k for k in KINDS if k in a.kinds]
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # glibc returns large frees
 

@@ -16,27 +16,30 @@ pytestmark = pytest.mark.requires_xla
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def step_graph(tmp_path: Path, shape: str) -> tuple[str, list[int]]:
-    """The last graph XLA compiled for four steps in loop ``shape`` (the steady step), and the
-    buckets' shard sizes."""
-    dump, out = tmp_path / "dump", tmp_path / "out.pt"
+@pytest.fixture(scope="module")
+def step_graphs(tmp_path_factory) -> dict:
+    """Per loop shape, the last graph XLA compiled in four steps of it (the steady step); and the
+    buckets' shard sizes. One child process runs both shapes, one after the other."""
+    tmp = tmp_path_factory.mktemp("xla_graphs")
+    dump, out = tmp / "dump", tmp / "out.pt"
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT),
            "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"}
     for name in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16"):
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, "-m", "tests.xla_graph_worker", str(out), shape], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.xla_graph_worker", str(out), str(dump)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    graphs = sorted(dump.glob("module_*.cpu_after_optimizations.txt"))
-    assert graphs, "XLA dumped no graph"
-    return graphs[-1].read_text(), torch.load(out)["shard_numels"]
+    saved = torch.load(out)
+    graphs = {shape: Path(files[-1]).read_text() for shape, files in saved["dumped"].items()}
+    assert saved["dumped"]["one_graph"][-1] != saved["dumped"]["nxd_loop"][-1], "the one-graph loop compiled nothing"
+    return {"graphs": graphs, "shard_numels": saved["shard_numels"]}
 
 
 @pytest.mark.parametrize("shape", ["nxd_loop", "one_graph"])
-def test_every_state_tensor_is_updated_in_its_own_buffer(tmp_path, shape):
+def test_every_state_tensor_is_updated_in_its_own_buffer(step_graphs, shape):
     """XLA pairs donated buffers with outputs of the same size in order; paired crosswise, two
     state tensors of a bucket each cost a copy of the whole shard (and its temporary memory)."""
-    hlo, shard_numels = step_graph(tmp_path, shape)
+    hlo, shard_numels = step_graphs["graphs"][shape], step_graphs["shard_numels"]
     entry = hlo[hlo.index("\nENTRY"):]
     shard_shapes = {f"f32[{n}]" for n in shard_numels}
     copies = [line for line in entry.splitlines()
