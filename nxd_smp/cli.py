@@ -37,6 +37,11 @@ def _say(text: object = "", *, file=None) -> None:
     print(_printable(text), file=file if file is not None else sys.stdout)
 
 
+def _checkpoints(paths: list[str]) -> str | list[str]:
+    """An export's checkpoint argument from PATH [PATH ...]: one path, or a DTensor model's coordinates."""
+    return paths[0] if len(paths) == 1 else paths
+
+
 def _warn(message, category, filename, lineno, file=None, line=None) -> None:
     """Warnings (their messages name checkpoint contents) as one escaped line on stderr."""
     _say(f"warning: {' '.join(str(message).split())}", file=sys.stderr)
@@ -110,11 +115,11 @@ def _run(args: argparse.Namespace) -> None:
         consolidate(args.path, args.out, overwrite=args.overwrite)
         _say(f"wrote {args.out}")
     elif args.command == "export-torch":
-        paths = args.path[0] if len(args.path) == 1 else args.path
-        _say(f"wrote {export_torch(paths, args.out_dir, overwrite=args.overwrite)}")
+        _say(f"wrote {export_torch(_checkpoints(args.path), args.out_dir, overwrite=args.overwrite)}")
     elif args.command == "export-safetensors":
-        paths = args.path[0] if len(args.path) == 1 else args.path
-        _say(f"wrote {export_safetensors(paths, args.out_file, masters=args.masters, overwrite=args.overwrite)}")
+        written = export_safetensors(_checkpoints(args.path), args.out_file, masters=args.masters,
+                                     overwrite=args.overwrite)
+        _say(f"wrote {written}")
     else:
         for f in export_xla(args.path, args.out_dir, args.dp_size, overwrite=args.overwrite):
             _say(f"wrote {f}")

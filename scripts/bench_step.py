@@ -50,20 +50,11 @@ import torch.nn as nn
 import nxd_smp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_slope import check_sizes, slope  # noqa: E402
+from memory_slope import check_sizes, rss_bytes, slope  # noqa: E402
 
 REQUIRED = {"ratio": 1.25, "bytes_per_param": 20.0}
 # The memory target at DP=1 (docs/design.md): 6 + 12/N bytes per parameter, plus 2%.
 TARGET = {"ratio": 1.05, "bytes_per_param": (6 + 12) * 1.02}
-
-
-def rss_bytes(field: str) -> int:
-    """VmRSS or VmHWM of this process, in bytes (Linux)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 class Weights(nn.Module):

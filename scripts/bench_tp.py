@@ -68,7 +68,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from memory_slope import check_sizes, slope  # noqa: E402
+from memory_slope import check_sizes, rss_bytes, slope  # noqa: E402
 
 DP, TP, WORLD = 2, 2, 4
 ROWS = 16  # rows of a micro-batch per data-parallel rank
@@ -78,14 +78,6 @@ SIDES = ("nxd_smp", "fsdp2")
 
 def params_of(width: int, layers: int) -> int:
     return layers * (2 * 4 * width * width + 4 * width + width)
-
-
-def rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 # ---------------------------------------------------------------------------- the model, both sides
@@ -361,7 +353,7 @@ def peak_rank(rank: int, a: dict) -> dict:
         forward_backward(model, batches(a, a["side"], it, rank))
         step()
     gc.collect()
-    return {"peak_bytes": rss("VmHWM"), "params": params_of(a["width"], a["layers"])}
+    return {"peak_bytes": rss_bytes("VmHWM"), "params": params_of(a["width"], a["layers"])}
 
 
 def _entry(rank: int, port: int, body: str, a: dict, out_dir: str) -> None:

@@ -17,6 +17,15 @@ from collections.abc import Sequence
 MIN_PARAMS = 1 << 20
 
 
+def rss_bytes(field: str) -> int:
+    """``VmRSS`` or ``VmHWM`` (the peak) of this process, in bytes (Linux's /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
 def check_sizes(small_params: int, large_params: int) -> None:
     """Raise unless the two model sizes are far enough apart for a slope.
 

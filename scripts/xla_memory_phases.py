@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from memory_slope import check_depths  # noqa: E402
 from memory_slope import slope as bytes_slope  # noqa: E402
 
-from scripts.bench_step import rss_bytes  # noqa: E402
+from scripts.memory_slope import rss_bytes  # noqa: E402
 from scripts.bench_xla import KINDS, build, make_model, theory  # noqa: E402
 
 PHASES = ("between steps", "forward+backward", "step")

@@ -8,8 +8,8 @@ the default group). Nothing they read runs code.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -186,7 +186,6 @@ def read_whole_checkpoint(paths: str | os.PathLike | Sequence[str | os.PathLike]
                 name: join(name, [p["optimizer"]["master_weights"][name] for p in parts]) for name in masters},
         }
     return whole
-
 
 
 def consolidate(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False) -> None:

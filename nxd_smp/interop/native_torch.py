@@ -43,7 +43,6 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageM
 
 from ..backend.agreement import agree
 from ..checkpointing.dcp_index import DcpEntry, read_dcp_index
-from ..core.dtensors import is_dtensor
 from ..checkpointing.storage import INDEX_FILE
 from ..checkpointing.format import check_args, group_hyperparameters, managed_param_names, param_group_names
 from ..checkpointing.load import check_full_optimizer_state, install_full_optimizer_state, name_differences
@@ -52,6 +51,7 @@ from ..checkpointing.reader import UnsafeFileError
 from ..checkpointing.storage import read_record
 from ..checkpointing.tools import read_whole_checkpoint
 from ..checkpointing.values import check_cast, is_shape
+from ..core.dtensors import is_dtensor
 from ..core.errors import CheckpointError
 from ..zero1_optimizer import Zero1Optimizer
 
@@ -334,13 +334,13 @@ def import_torch(path: str | os.PathLike, *, model: nn.Module, optimizer: Zero1O
             shapes that differ, groups that do not fit; each named.
     """
     optimizer = check_args(model, optimizer)  # (a torch optimizer loads with dcp.load and set_state_dict)
+    if optimizer is None:
+        raise TypeError("import_torch needs the optimizer to load into.")
     if any(is_dtensor(p) for p in optimizer.managed_params):
         raise CheckpointError(
             "import_torch installs whole tensors into a model without DTensors; this model's parameters are "
             "DTensors. Load the weights with dcp.load into model.state_dict() and model.load_state_dict(...), then "
             "build the Zero1Optimizer (its masters from those weights; the optimizer state starts afresh).")
-    if optimizer is None:
-        raise TypeError("import_torch needs the optimizer to load into.")
     # all ranks commit, or none
     native_model, state, hypers, masters = agree(
         optimizer.backend.coordinator, lambda: (_read_and_check(Path(path), model, optimizer), None))
