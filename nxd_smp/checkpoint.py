@@ -1,15 +1,16 @@
 """Sharded, reshardable, atomic checkpoints of a model, its ``Zero1Optimizer``, and the
 caller's scheduler and other stateful objects; saved synchronously or in the background.
-The public entry points; the work is done in ``nxd_smp.checkpointing``, a room per job:
+The public entry points; the work is done in ``nxd_smp.checkpointing``:
 
-* ``format``: the files and keys, the records, the completion record;
-* ``save`` / ``load``: saving, and loading with the resharding plan (``resharding``);
-* ``publish``: the ranks' one write-and-publish, and the atomic moves into place;
-* ``links``: the version links and the retention; ``writer``: the background writer;
-* ``storage``: the bytes on disk; ``dcp_index``: the one DCP index reader; ``paths``: the one
-  safe open; ``reader``: the strict reader of pickled files; ``values``: checks of values read;
-* ``tools``: the offline tools (process-local: they never communicate);
-* ``formats``: other tools' checkpoint folders, which ``nxd_smp.interop`` registers (NxD's).
+* every load, whatever its format, runs one pipeline (``pipeline``): read (a format's reader:
+  ``smp_format`` for nxd_smp's own, NxD's registered by ``nxd_smp.interop``) -> check (``check``)
+  -> agree (``nxd_smp.backend.agreement``) -> install (``install``);
+* a save (``save``) writes nxd_smp's format into a version folder and swaps the checkpoint's link
+  (``versions``), now or in the background (``writer``);
+* every file operation goes through one filesystem room (``files``: directory descriptors, no link
+  followed below the root), every pickled file through one strict reader (``reader``), every
+  JSON file through ``typed_json``, each parse charged to a budget linear in its input (``budget``);
+* ``tools``: the offline tools (process-local: they never communicate).
 
 A checkpoint saved at DP size N loads at any DP size M; ``path`` always names a complete
 checkpoint (the old one or the new one); a refused load changes nothing; loading never runs
@@ -31,14 +32,23 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .backend import Backend, select_backend, this_replica
-from .backend.agreement import error_text
-from .checkpointing.format import check_args, stateful_objects
-from .checkpointing.format import managed_param_names, param_group_names  # noqa: F401 - (the previous release's names here)
-from .checkpointing.formats import folder_format_of, registered_formats, state_dict_format
-from .checkpointing.links import checkpoint_links, replaceable_folder, resolve, unpublish, version_prefix
-from .checkpointing.load import load, load_full_optimizer_state
+from .backend.agreement import decide
+from .checkpointing.check import SCHEDULER
+from .checkpointing.files import Folder, entry_kind
+from .checkpointing.pipeline import (
+    SmpFormat,
+    format_named,
+    full_state,
+    locate_checkpoint,
+    registered_formats,
+    run,
+    state_dict_format,
+)
 from .checkpointing.save import save
+from .checkpointing.staged import Staged, Targets
+from .checkpointing.staged import managed_param_names, param_group_names  # noqa: F401 - (the previous release's names here)
 from .checkpointing.tools import consolidate, inspect_checkpoint, read_checkpoint
+from .checkpointing.versions import version_prefix
 from .checkpointing.writer import finalize_checkpoint, finish_save_in_flight, save_in_flight
 from .core.errors import CheckpointError
 from .zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
@@ -64,6 +74,48 @@ _model_backends: dict[tuple[str, object, int], Backend] = {}
 # The directory of each rank's last save in NxD's call shape (a folder per tag), for callers that
 # remove tags by name (NxD Training, through NxD's io state: ``interop.nxd.patch``).
 _tag_directories: dict[Any, Path] = {}
+
+
+def check_args(model: Any, optimizer: Any) -> Zero1Optimizer | None:
+    """The ``Zero1Optimizer`` that ``optimizer`` is or holds (NxD's trainer wrapper, accelerate's and
+    optimum-neuron's keep it in ``.optimizer``), None for None; ``model`` checked.
+
+    Raises:
+        TypeError: ``model`` is not a module, or ``optimizer`` holds no nxd_smp optimizer.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if optimizer is None:
+        return None
+    zero1 = zero1_optimizer_of(optimizer)
+    if zero1 is None:
+        raise TypeError(
+            f"optimizer must be a nxd_smp Zero1Optimizer, or hold one in .optimizer (NxD's wrapper, accelerate's), "
+            f"got {type(optimizer).__name__}; a plain torch optimizer (ZeRO-1 off) is replicated: save its "
+            f"state_dict() with torch.save, or pass the state dicts in NxD's call shape, save_checkpoint(dir, tag, "
+            f"model=model.state_dict(), optimizer=optimizer.state_dict()).")
+    return zero1
+
+
+def stateful_objects(scheduler: Any, stateful: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``{name: object}`` for the scheduler and the caller's other stateful objects, each checked to have
+    ``state_dict()`` and ``load_state_dict()``."""
+    objects: dict[str, Any] = {}
+    if stateful is not None:
+        if not isinstance(stateful, Mapping):
+            raise TypeError(f"stateful must be a dict of name -> object, got {type(stateful).__name__}.")
+        for name, obj in stateful.items():
+            if not isinstance(name, str) or name == SCHEDULER:
+                raise ValueError(f"stateful names must be strings other than {SCHEDULER!r} (pass the scheduler as "
+                                 f"scheduler=...), got {name!r}.")
+            objects[name] = obj
+    if scheduler is not None:
+        objects[SCHEDULER] = scheduler
+    for name, obj in objects.items():
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"{name}: {type(obj).__name__} has no state_dict()/load_state_dict(); pass objects that do "
+                            f"(an LR scheduler, a data loader's sampler, ...), or put plain values in extra=.")
+    return objects
 
 
 def _device_backend(device: torch.device) -> Backend:
@@ -243,10 +295,6 @@ def save_checkpoint(
             "(use_master_weights=False); pass save_master_weights=None or False."
         )
     finish_save_in_flight(raise_error=True)  # at most one in flight; its failure surfaces here
-    if os.path.lexists(path) and not path.is_symlink() and not replaceable_folder(path):
-        raise CheckpointError(
-            f"{path} exists and is not an nxd_smp checkpoint link; pass a new path (or tag) or remove it."
-        )
     return save(path, model, optimizer, _backend(model, optimizer), objects=objects, extra=extra,
                 save_master_weights=bool(save_master_weights), async_save=async_save,
                 num_kept_ckpts=num_kept_ckpts, progress=progress)
@@ -329,42 +377,20 @@ def load_checkpoint(
     objects = stateful_objects(scheduler, stateful)
     _check_nxd_only_args(num_workers, strict=strict, use_zero1_dcp=use_zero1_dcp)
     finish_save_in_flight(raise_error=False)
-    coordinator = (_state_dicts_backend(model, optimizer) if state_dicts else _backend(model, optimizer)).coordinator
-    found: Any = None
-    if coordinator.rank == 0:
-        try:
-            foreign = _foreign(path)
-            found = ([foreign[0].name, str(foreign[1])] if foreign is not None
-                     else {"missing": str(path)} if not os.path.lexists(path) else None)
-        except Exception as e:  # noqa: BLE001 - every rank learns of it
-            found = {"refused": f"{path}: {error_text(e)}"}
-    found = coordinator.broadcast(found)  # rank 0's choice for all
-    if isinstance(found, dict) and "refused" in found:
-        raise CheckpointError(found["refused"])
-    foreign = None
-    if isinstance(found, list):  # another tool's folder, which rank 0 found: [its format's name, the folder]
-        foreign = (next(f for f in registered_formats() if f.name == found[0]), Path(found[1]))
-    if state_dicts:
-        if isinstance(found, dict):
-            raise FileNotFoundError(f"no checkpoint at {path}: the path does not exist.")
-        if foreign is None:
-            raise CheckpointError(
-                f"{path} holds nxd_smp's own format, which loads into the model and optimizer themselves, not into "
-                f"state dicts: pass model=<module> and optimizer=<optimizer>.")
-    elif foreign is not None and stateful:
-        raise CheckpointError(f"{foreign[1]} is an {foreign[0].name} checkpoint, which holds no stateful objects; "
-                              f"pass none.")
-    if foreign is not None:
-        return foreign[0].load(foreign[1], model=model, optimizer=optimizer, scheduler=scheduler, strict=strict,
-                               coordinator=coordinator)
-    return load(path, model, optimizer, _backend(model, optimizer), objects=objects,
-                verify_checksums=verify_checksums, progress=progress, strict=strict)
-
-
-def _foreign(path: Path):
-    """The registered format (another tool's) whose folder ``path`` means, and that folder; None for
-    an nxd_smp checkpoint."""
-    return folder_format_of(path, nxd_smp_checkpoints_there=path.is_dir() and bool(checkpoint_links(path)))
+    backend = _state_dicts_backend(model, optimizer) if state_dicts else _backend(model, optimizer)
+    name, location = decide(backend.coordinator, locate_checkpoint, path)  # rank 0's choice for all
+    folder_format = format_named(name)
+    if isinstance(folder_format, SmpFormat) and state_dicts:
+        raise CheckpointError(f"{path} holds nxd_smp's own format, which loads into the model and optimizer themselves, "
+                              f"not into state dicts: pass model=<module> and optimizer=<optimizer>.")
+    if not isinstance(folder_format, SmpFormat) and stateful:
+        raise CheckpointError(f"{path} is an {folder_format.name} checkpoint, which holds no stateful objects; pass "
+                              f"none.")
+    zero1 = zero1_optimizer_of(optimizer) if optimizer is not None and not isinstance(optimizer, Mapping) else None
+    targets = Targets(model=model, optimizer=zero1 or getattr(optimizer, "optimizer", optimizer), objects=objects,
+                      backend=backend, strict=strict)
+    read = folder_format.reader(location, targets, verify=verify_checksums)
+    return run(read, targets, what=str(path), progress=progress).extra
 
 
 def has_checkpoint(path: str | os.PathLike) -> bool:
@@ -372,18 +398,13 @@ def has_checkpoint(path: str | os.PathLike) -> bool:
     ``has_checkpoint``): ``path`` is one (an nxd_smp checkpoint, or an NxD tag folder with
     its ``done`` file), or a directory holding one. A directory of complete nxd_smp checkpoints
     among which ``load_checkpoint`` refuses to choose (none its record holds, or several and no
-    record: ``checkpointing.links.newest_checkpoint``) has one too: the load then says why,
+    record: ``checkpointing.versions.newest_checkpoint``) has one too: the load then says why,
     rather than a resume starting over. A link elsewhere than its own version is none."""
     path = _tagged(path, None)
     for folder_format in registered_formats():
         if folder_format.is_folder(path):
             return folder_format.is_complete(path)
-    try:
-        resolve(path)
-    except (FileNotFoundError, CheckpointError):
-        return path.is_dir() and not path.is_symlink() and (bool(checkpoint_links(path)) or any(
-            f.newest(path) is not None for f in registered_formats()))
-    return True
+    return entry_kind(path) == "directory" and any(f.newest(path) is not None for f in registered_formats())
 
 
 def last_tag_directory() -> Path | None:
@@ -406,11 +427,57 @@ def remove_checkpoint(path: str | os.PathLike) -> None:
     path = _tagged(path, None)
     if save_in_flight() == str(path):
         finish_save_in_flight(raise_error=False)
-    foreign = next((f for f in registered_formats() if f.is_folder(path)), None)
-    if path.is_symlink() and Path(os.readlink(path)).name.startswith(version_prefix(path)):
-        unpublish(path)
+    try:
+        with Folder.open(path.parent) as root:
+            target = root.readlink(path.name)
+            ours = target is not None and Path(target).name.startswith(version_prefix(path.name))
+            there = root.exists(path.name)
+    except FileNotFoundError:
+        return
+    foreign = next((f for f in registered_formats()[:-1] if f.is_folder(path)), None)
+    if ours:
+        SmpFormat().remove(path)
     elif foreign is not None:
         foreign.remove(path)
-    elif os.path.lexists(path):
+    elif there:
         raise CheckpointError(f"{path} is not a checkpoint (an nxd_smp checkpoint link or an NxD tag folder); "
                               f"nothing was removed.")
+
+
+def load_full_optimizer_state(
+    model: nn.Module,
+    optimizer: Zero1Optimizer,
+    state: Mapping[str, Mapping[str, torch.Tensor]],
+    hyperparameters: list[Mapping[str, Any]],
+    master_weights: Mapping[str, torch.Tensor] | None = None,
+    *,
+    source: str | os.PathLike | None = None,
+) -> None:
+    """Install unsharded, per-parameter optimizer state into ``optimizer`` at its own DP size; every
+    rank calls it with the same full tensors and keeps its own shard. It runs the one pipeline as a
+    checkpoint's load does: checked against the optimizer class and the hyperparameters installed,
+    agreed on by every rank (the ranks of a data-parallel group must pass the same hyperparameters
+    and step counts), installed as one transaction.
+
+    Args:
+        state: ``{parameter name: {key: tensor shaped like the parameter, or 0-dim}}`` (the layout
+            ``read_checkpoint`` returns; ``{}`` for a parameter without state yet, which then starts
+            from zero moments with its bucket's step count).
+        hyperparameters: one dict per param group (lr, betas, ...), in group order; kernel choices such
+            as ``fused`` are ignored.
+        master_weights: ``{parameter name: tensor shaped like the parameter}``, or None to rebuild the
+            masters from the current parameters (with a warning that precision below the parameter
+            dtype is lost).
+        source: the file(s) they were read from, named in errors.
+
+    Raises:
+        CheckpointError: names, shapes, keys or groups that do not fit, each named; nothing is
+            changed then.
+    """
+    zero1 = check_args(model, optimizer)
+    if zero1 is None:
+        raise TypeError("load_full_optimizer_state needs the optimizer to load into.")
+    where = str(source) if source is not None else "the optimizer state"
+    targets = Targets(model=model, optimizer=zero1, objects={}, backend=zero1.backend)
+    run(lambda request: Staged(source=where, optimizer=full_state(state, hyperparameters, master_weights,
+                                                                 source=where)), targets, what=where)

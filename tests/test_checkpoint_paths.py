@@ -25,8 +25,7 @@ from nxd_smp import (
     save_checkpoint,
 )
 from nxd_smp.checkpoint import has_checkpoint, remove_checkpoint
-from nxd_smp.checkpointing.format import COMPLETE_FILE
-from nxd_smp.checkpointing.links import SAVES_FILE
+from nxd_smp.checkpointing.versions import COMPLETE_FILE, SAVES_FILE
 from nxd_smp.cli import main
 from tests.test_checkpoint import build, train
 
@@ -85,7 +84,7 @@ def test_nxd_state_dicts_record_linked_out_or_a_fifo_is_refused(tmp_path):
     outside.write_bytes(record.read_bytes())
     record.unlink()
     record.symlink_to(outside)
-    with pytest.raises(CheckpointError, match="outside"):
+    with pytest.raises(CheckpointError, match="is a link; nxd_smp follows no link"):
         load_checkpoint(tmp_path / "run", "t1", model={}, optimizer={})
     record.unlink()
     os.mkfifo(record)
@@ -250,15 +249,19 @@ def test_a_directory_without_a_record_loads_its_only_checkpoint_and_refuses_to_g
 
 
 def test_a_save_cut_off_after_its_record_was_written_counts_for_nothing(tmp_path, monkeypatch):
-    from nxd_smp.checkpointing import links
+    from nxd_smp.checkpointing import versions
 
     run = tmp_path / "run"
     save(run / "a", "a")
 
-    def killed(*args, **kwargs):
-        raise OSError("killed before the swap")
+    rename = versions.Folder.rename
 
-    monkeypatch.setattr(links, "swap_link", killed)
+    def killed(folder, name, new_name, **kwargs):  # the link's swap, after the record was written
+        if ".link-" in name:
+            raise OSError("killed before the swap")
+        return rename(folder, name, new_name, **kwargs)
+
+    monkeypatch.setattr(versions.Folder, "rename", killed)
     with pytest.raises(CheckpointError, match="killed"):
         save(run / "b", "b")
     monkeypatch.undo()

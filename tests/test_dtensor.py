@@ -91,6 +91,10 @@ def test_checkpoints_per_tp_coordinate_reshard_over_dp_and_export_whole(four):
         with pytest.raises(nxd_smp.CheckpointError, match="pass the checkpoints of all 2 coordinates"):
             one_coordinate(root / "ckpt" / "tp1")
     whole = read_whole_checkpoint([root / "ckpt" / "tp0", root / "ckpt" / "tp1"])
+    with pytest.raises(nxd_smp.CheckpointError, match="parts of different saves.*tp1: save"):
+        read_whole_checkpoint([root / "ckpt" / "tp0", root / "ckpt" / "later" / "tp1"])
+    with pytest.raises(nxd_smp.CheckpointError, match="not tensor-parallel ranks 0..1.*in rank order"):
+        read_whole_checkpoint([root / "ckpt" / "tp1", root / "ckpt" / "tp0"])
     for name, value in saved[0]["masters"].items():
         assert torch.equal(whole["optimizer"]["master_weights"][name], value), name
     for got in run_ranks(2, w.checkpoint_load_rank, str(root / "ckpt"), str(export)):

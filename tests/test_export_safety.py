@@ -2,7 +2,7 @@
 Python and on the command line) never replace anything unasked and never write through a link:
 files, directories and links (dangling, or pointing outside) planted at the target and at the
 staging names earlier releases used; bad output paths a clean error; a failed or raced write
-leaves the target as it was (``nxd_smp.checkpointing.outputs`` alone).
+leaves the target as it was (``nxd_smp.checkpointing.files``' output writers alone).
 
 The oracle for "nothing changed" is a snapshot of the whole test directory, taken without
 following links, before and after.
@@ -21,7 +21,16 @@ import torch
 
 from nxd_smp import CheckpointError, MixedPrecisionConfig, Zero1Optimizer, save_checkpoint
 from nxd_smp.checkpoint import consolidate
-from nxd_smp.checkpointing.outputs import write_directory, write_file
+from nxd_smp.checkpointing.files import write_output_directory, write_output_file
+
+
+def write_file(out, write, *, overwrite):
+    return write_output_file(out, write, overwrite=overwrite)
+
+
+def write_directory(out, fill, *, overwrite):
+    """``write_output_directory`` with ``fill`` given the staging folder as a ``Path`` (its descriptor's)."""
+    return write_output_directory(out, lambda staging: fill(Path(staging)), overwrite=overwrite)
 from nxd_smp.cli import main
 from nxd_smp.interop.native_torch import export_safetensors, export_torch
 from nxd_smp.interop.torch_xla import export_xla

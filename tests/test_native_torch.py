@@ -26,7 +26,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from nxd_smp import CheckpointError, MixedPrecisionConfig, Zero1Optimizer, load_checkpoint, save_checkpoint
 from nxd_smp.checkpoint import read_checkpoint
-from nxd_smp.checkpointing.dcp_index import read_metadata
+from nxd_smp.checkpointing import dcp_index
+from nxd_smp.checkpointing.files import Folder
+
+
+def read_metadata(directory):
+    """The DCP index of ``directory``, read by nxd_smp's one DCP index reader."""
+    with Folder.open(directory) as folder:
+        return dcp_index.read_metadata(folder)
 from nxd_smp.interop.native_torch import export_safetensors, export_torch, import_torch
 from tests.distributed import run_ranks
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nxd_smp.core.layout import plan_buckets
-from nxd_smp.checkpointing.resharding import named_pieces, overlaps, saved_pieces
+from nxd_smp.checkpointing.staged import named_pieces, overlaps, saved_pieces
 
 
 def test_a_piece_straddling_a_boundary_is_copied_one_inside_is_read_whole():
@@ -18,10 +18,10 @@ def test_a_piece_straddling_a_boundary_is_copied_one_inside_is_read_whole():
     saved = saved_pieces([old], 2, ["w"])["w"]
     assert saved == [(0, 32), (32, 40)]
     rank1 = new.pieces(1)  # elements [16, 32) of the parameter
-    (part,) = overlaps(saved, rank1[0])
+    (part,) = overlaps(saved, rank1[0].param_start, rank1[0].param_end)
     assert (part.saved_start, part.src, part.dst, part.numel, part.whole) == (0, 16, 0, 16, False)
     rank2 = new.pieces(2)  # [32, 40), exactly the second saved piece
-    (part,) = overlaps(saved, rank2[0])
+    (part,) = overlaps(saved, rank2[0].param_start, rank2[0].param_end)
     assert (part.saved_start, part.src, part.dst, part.numel, part.whole) == (32, 0, 0, 8, True)
 
 
@@ -61,12 +61,12 @@ def test_every_element_comes_from_where_it_was_saved(numels, groups, old_world, 
     filled = {}
     for rank in range(new_world):
         for b, name, piece in named_pieces(new, rank, names):
-            for part in overlaps(saved[name], piece):
+            for part in overlaps(saved[name], piece.param_start, piece.param_end):
                 assert part.whole == (part.src == 0 and part.numel == part.saved_end - part.saved_start
                                       and piece.param_start <= part.saved_start and part.saved_end <= piece.param_end)
                 for k in range(part.numel):
                     element = part.saved_start + part.src + k
-                    assert (rank, b, part.dst + k) == lands_at[(name, element)]
+                    assert (rank, b, piece.shard_start + part.dst + k) == lands_at[(name, element)]
                     assert saved_at[(name, element)][0] == _owner(saved[name], element, old, old_world, names, name)
                     filled[(name, element)] = filled.get((name, element), 0) + 1
     assert filled == {key: 1 for key in lands_at}  # every element read exactly once

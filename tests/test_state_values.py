@@ -28,7 +28,7 @@ import nxd_smp
 from nxd_smp import CheckpointError, MixedPrecisionConfig, Zero1Optimizer, load_checkpoint, save_checkpoint
 from nxd_smp.backend.agreement import agree
 from nxd_smp.backend.coordination import Coordinator
-from nxd_smp.checkpointing.values import check_scheduler_state
+from nxd_smp.checkpointing.check import check_scheduler_state
 from nxd_smp.optim.loss_scaler import DynamicLossScaler, check_scaler_state
 from tests.distributed import run_ranks
 
@@ -227,7 +227,7 @@ def test_a_step_that_is_not_a_whole_count_is_refused(step):
     model, opt = trained()
     state = copy.deepcopy(opt.state_dict())
     state["inner"]["state"][0]["step"] = torch.tensor(step)
-    refused(model, opt, state, "inner state of shard 0/step")
+    refused(model, opt, state, "parameter 0/step")
 
 
 # ---------------------------------------------------------------- item 2: the loss scaler
@@ -246,12 +246,13 @@ def test_a_scaler_state_the_scaler_could_not_reach_is_refused(fault):
     assert check_scaler_state(state["loss_scaler"], opt.loss_scaler)
 
 
-def test_real_scaler_states_pass_including_a_hysteresis_below_zero():
-    """Overflows in a row take ``hysteresis_tracker`` below zero: a state the scaler reaches."""
+def test_real_scaler_states_pass_including_an_exhausted_allowance():
+    """Overflows in a row use up ``hysteresis_tracker``, which stays at zero (it never wraps): a state
+    the scaler reaches."""
     scaler = DynamicLossScaler(init_scale=8.0, hysteresis=2)
     for _ in range(5):
         scaler.update(torch.tensor(True))
-    assert int(scaler.hysteresis_tracker) < 0
+    assert int(scaler.hysteresis_tracker) == 0
     assert check_scaler_state(scaler.state_dict(), scaler) == []
     assert check_scaler_state({"scale": 4, "growth_tracker": 3, "hysteresis_tracker": 1.0}, scaler) == []
     fresh = DynamicLossScaler(init_scale=8.0, hysteresis=2)
@@ -401,7 +402,7 @@ def test_a_rank_that_stops_tells_the_others_before_it_goes():
 
     with pytest.raises(KeyboardInterrupt):
         agree(coordinator, interrupted)
-    assert len(coordinator.told) == 1 and "KeyboardInterrupt" in coordinator.told[0]
+    assert len(coordinator.told) == 1 and "KeyboardInterrupt" in coordinator.told[0]["error"]
 
 
 def _dp2_scaler_fault(rank: int, world: int) -> dict[str, Any]:

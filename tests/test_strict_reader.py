@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from nxd_smp import CheckpointError
-from nxd_smp.checkpointing.dcp_index import RawItem
+from nxd_smp.checkpointing.files import Folder
 from nxd_smp.checkpointing.reader import XserReference, load_bytes, load_file, load_pickle
 
 SOURCE = "hostile.pt"
@@ -198,7 +198,8 @@ def test_a_record_past_the_file_or_damaged_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="CRC"):
         load_bytes(bytes(flipped), SOURCE)
     (tmp_path / "x.pt").write_bytes(data)
-    assert torch.equal(load_file(tmp_path / "x.pt")["w"], torch.ones(64))
+    with Folder.open(tmp_path) as folder:
+        assert torch.equal(load_file(folder, "x.pt")["w"], torch.ones(64))
 
 
 # ---------------------------------------------------------------- metadata as a tree
@@ -313,8 +314,9 @@ def test_a_dcp_index_reads_as_pickle_reads_it(tmp_path):
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
     data = (tmp_path / ".metadata").read_bytes()
-    assert load_pickle(data, SOURCE, own=(RawItem,)) == pickle.loads(data)
-    assert load_file(tmp_path / ".metadata", kind="dcp_metadata") == pickle.loads(data)
+    assert load_pickle(data, SOURCE) == pickle.loads(data)
+    with Folder.open(tmp_path) as folder:
+        assert load_file(folder, ".metadata", kind="dcp_metadata") == pickle.loads(data)
 
 
 @pytest.mark.parametrize("op", [b"e", b"a", b"s", b"u", b"\x90"], ids=["APPENDS", "APPEND", "SETITEM", "SETITEMS",

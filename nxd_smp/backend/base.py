@@ -250,6 +250,12 @@ class Backend(ABC):
         """Host-side coordination of the data-parallel group (checkpoints)."""
 
     @property
+    @abstractmethod
+    def world_coordinator(self) -> Coordinator:
+        """Host-side coordination of every rank of the job (its tensor- and pipeline-parallel peers
+        too): a load's verdict is world-wide (``agreement.agree``)."""
+
+    @property
     def process_group(self) -> dist.ProcessGroup | None:
         """The torch.distributed group the collectives run on (None: none, or the default)."""
         return None

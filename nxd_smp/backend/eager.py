@@ -136,6 +136,7 @@ class EagerBackend(Backend):
         self._params: list[torch.Tensor] = []
         self._homes: dict[int, torch.Tensor] = {}  # parameter index -> its slice of a flat buffer
         self._coordinator: Coordinator | None = None
+        self._world_coordinator: Coordinator | None = None
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
@@ -260,3 +261,12 @@ class EagerBackend(Backend):
             else:
                 self._coordinator = ProcessGroupCoordinator(dist.get_process_group_ranks(self.group or dist.group.WORLD))
         return self._coordinator
+
+    @property
+    def world_coordinator(self) -> Coordinator:
+        if self._world_coordinator is None:
+            if not _dist_active() or dist.get_world_size() == 1:
+                self._world_coordinator = LocalCoordinator()
+            else:
+                self._world_coordinator = ProcessGroupCoordinator(range(dist.get_world_size()))
+        return self._world_coordinator

@@ -181,6 +181,7 @@ class XlaBackend(Backend):
         self._params: list[torch.Tensor] = []
         self._layouts: list[BucketLayout] = []
         self._coordinator: Coordinator | None = None
+        self._world_coordinator: Coordinator | None = None
 
     def device_dtype(self, dtype: torch.dtype) -> torch.dtype:
         if self._bf16_variable is None or not dtype.is_floating_point:
@@ -344,3 +345,17 @@ class XlaBackend(Backend):
             else:
                 self._coordinator = RendezvousCoordinator(self.members, self.rank)
         return self._coordinator
+
+    @property
+    def world_coordinator(self) -> Coordinator:
+        if self._world_coordinator is None:
+            world = sorted({r for g in self.groups for r in g})
+            if len(world) == 1:
+                self._world_coordinator = LocalCoordinator()
+            elif self._threads:
+                self._world_coordinator = ThreadCoordinator(world, world.index(self.ordinal))
+            elif dist.is_available() and dist.is_initialized():
+                self._world_coordinator = ProcessGroupCoordinator(world)
+            else:
+                self._world_coordinator = RendezvousCoordinator(world, world.index(self.ordinal))
+        return self._world_coordinator

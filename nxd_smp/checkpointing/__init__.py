@@ -1,12 +1,18 @@
-"""The parts behind ``nxd_smp.checkpoint``, the entry point users import:
+"""The parts behind ``nxd_smp.checkpoint``, the entry point users import. Every load, whatever its
+format and entry point, runs one pipeline of four stages; every file operation goes through one room;
+every parse is charged to a budget as it goes.
 
-* what a checkpoint is: ``format`` (files, keys, records), ``storage`` (raw tensor bytes and their
-  index), ``dcp_index`` (the one DCP index reader), ``resharding`` (which pieces a rank reads);
-* writing: ``save``, ``writer`` (asynchronous saves), ``publish`` (the ranks' write-and-publish
-  and the atomic moves), ``links`` (versions and retention), ``outputs`` (exports);
-* reading: ``load``, ``paths`` (the one safe open), ``reader`` (the strict pickled-file reader),
-  ``values`` (what a read value must be), ``formats`` (other tools' folders, registered);
-* ``tools`` (the offline tools) and ``progress`` (phases logged, a bar on long work).
+* the pipeline (``pipeline``): **read** (a format's reader, registered here by the layer that knows
+  it: ``smp_format`` for nxd_smp's own, NxD's by ``nxd_smp.interop``; each turns bytes into the
+  neutral staged state of ``staged``) -> **check** (``check``) -> **agree**
+  (``nxd_smp.backend.agreement``) -> **install** (``install``: one transaction);
+* saving (``save``): nxd_smp's format written by every rank and published by rank 0 (its versions and
+  retention: ``versions``), now or in the background (``writer``);
+* the bytes: ``files`` (the one filesystem room: directory descriptors, nothing followed below the
+  root), ``storage`` (raw tensor bytes and their JSON index), ``reader`` (the one strict reader of
+  pickled files), ``typed_json`` (the one JSON parse), ``dcp_index`` (DCP's index), ``budget`` (what
+  a parse may spend, linear in its input);
+* ``tools`` (the offline tools: the same reader, no communication) and ``progress``.
 
-Nothing here imports interop; interop registers what it adds (``formats.register_format``).
+Nothing here imports interop; interop registers what it adds (``pipeline.register_format``).
 """

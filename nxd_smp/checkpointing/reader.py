@@ -17,39 +17,133 @@ vouch for):
 - ``"dcp_metadata"`` (``load_pickle``): a plain pickle without persistent ids, of the classes
   ``torch.distributed.checkpoint`` writes into its ``.metadata`` and the classes the caller names.
 
-No call allocates by a number the file gives (``bytearray(n)``, ``torch.Tensor(n)``, a storage
-class), so a load allocates no more than the file holds. The value is then measured as a tree (a
-container reached twice counts twice): more than four nodes per byte of pickle (a few bytes of
-shared references can stand for 2**30, which a deepcopy or JSON dump would make), a cycle, or
-nesting deeper than ``MAX_DEPTH`` is refused. Every refusal is a ``CheckpointError`` naming the file,
-where in it, and what it asked for.
+A pickle may call only the reader's own checked functions (``REDUCE``), construct only those
+classes, without arguments (``NEWOBJ``, as ``pickle`` writes a dataclass), and set state (``BUILD``)
+only as those files do. No call allocates by a number the file gives (``bytearray(n)``,
+``torch.Tensor(n)``, a storage class).
+
+What the parse spends is bounded while it runs, not measured after (``budget.Budget``):
+
+- memory and work, linear in the pickle's size (``PARSE_BUDGET_PER_BYTE`` units a byte plus
+  ``PARSE_BUDGET_FLOOR``): every opcode is charged what it allocates (a container, an item put into
+  one, a string or bytes by length, a memo entry, a tensor), and what a call copies is charged by
+  its length before it copies (``set``, ``frozenset``, ``OrderedDict``, ``torch.Size``,
+  ``_codecs.encode`` or a DCP index's ``PosixPath`` of a memoised list or string: five or six bytes
+  of pickle each);
+- the bytes of the tensors rebuilt, each view of a storage counted whole, linear in the bytes of the
+  archive's storages (``TENSOR_BYTES_PER_STORAGE_BYTE`` plus ``TENSOR_BYTES_FLOOR``): tied weights and
+  slices are views of one storage, thousands of whole views are not a checkpoint;
+- a key put into a dict or an item into a set is checked before it is hashed (``_Unpickler.key``):
+  a string, bytes, a bool, None, a dtype or an integer of magnitude below 2**61 - 1, whose hashes a
+  file cannot make collide; a float or a DCP index's ``MetadataIndex`` (a name and a ``torch.Size``
+  of offsets, a tuple whose hash a file can choose), at most ``MAX_EQUAL_HASHES`` of one hash in one
+  container; nothing else (a tuple, a ``torch.Size``, a larger integer): a dict or set of n keys of
+  one hash takes time in n**2 to build, and ``hash`` of a tuple of shared tuples walks all of them.
+- a value in a message is written short (``_show``): ``repr`` of shared tuples is exponential too.
+
+The first overrun or refusal stops the parse. The value is then measured as a tree (a container
+reached twice counts twice; ``check_tree``): more than four nodes per byte of pickle (a few
+bytes of shared references can stand for 2**30, which a deepcopy or JSON dump would make), a cycle,
+or nesting deeper than ``MAX_DEPTH`` is refused. Every refusal is a ``CheckpointError`` naming the
+file, where in it, and what it asked for.
+
+What real files use of the budgets (torch 2.9, CPython 3.11; parse units a byte of pickle, of the
+80 allowed; bytes of tensors rebuilt a byte of storage, of the 8 allowed), measured on files
+``torch.save`` and ``dcp.save`` wrote:
+
+====================================================  ========  ==========  ==============
+file                                                  pickle    units/byte  tensor/storage
+====================================================  ========  ==========  ==============
+GPT-2 (6 layers) ``state_dict()``, tied ``lm_head``   12 KB     20.5        1.21
+Llama (8 layers, tied embeddings) ``state_dict()``    14 KB     18.7        1.18
+``nn.Transformer`` ``state_dict()``                   14 KB     20.2        1.00
+50 ``Linear(64, 64)`` ``state_dict()``                10 KB     28.4        1.00
+Llama AdamW ``state_dict()`` after 2 steps            17 KB     31.7        1.00
+{model, AdamW, OneCycleLR} of that Llama              34 KB     24.4        1.06
+SGD (momentum) and StepLR states                      9 KB      32.6        1.00
+AdamW and SequentialLR states                         23 KB     31.6        1.00
+AdamW of 2,000 parameters (0-dim steps)               448 KB    31.3        1.00
+NxD ZeRO-1 optimizer file (int keys, sizes)           24 KB     31.2        1.00
+a fused qkv weight, its 3 slices, a tied copy         0.4 KB    29.9        2.00
+DCP ``.metadata`` of that Llama and its AdamW         73 KB     31.4
+DCP ``Metadata`` of 32 ranks' 6,400 chunks            1.0 MB    32.0
+====================================================  ========  ==========  ==============
+
+(A pickle of nothing but empty containers uses more: ``torch.save`` of 20,000 empty dicts 56 a
+byte, of empty lists 34; ``pickle.dumps`` of empty dicts, memoised by one byte each, 168, and is
+refused. No checkpoint is that.)
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import functools
 import io
 import os
+import pathlib
 import pickle
+import reprlib
 import struct
+import sys
 import zipfile
+import zlib
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from ..core.errors import CheckpointError
-from .paths import inside, open_regular
+from .budget import Budget, BudgetError
+from .files import Folder
 from .typed_json import DTYPES
-from .values import check_tree
 
 KINDS = ("state_dict", "xser", "dcp_metadata")
 MAX_DEPTH = 64
 _NODES_PER_BYTE = 4
 _MIN_NODES = 10_000
 _CHUNK = 1 << 24  # a storage's record is copied into its tensor this many bytes at a time
+
+#: The parse budget, in units of about a byte of memory allocated (a step of work that allocates
+#: nothing, as hashing a key or passing an argument, is ``_STEP`` units), per byte of pickle: what
+#: torch and DCP write uses 19 to 34 (the module's table), a flood of one-byte empty containers 96 to
+#: 232, a memoised list copied by five bytes tens of thousands.
+PARSE_BUDGET_PER_BYTE = 80
+#: What the parse of any pickle may use, however small (a pickle of one tensor uses about 2,000).
+PARSE_BUDGET_FLOOR = 1 << 20
+_STEP = 8
+#: The bytes of all tensors rebuilt from an archive (each view counted whole), per byte of its
+#: storages' records: a real state dict's views (tied weights, the slices of a fused weight saved
+#: beside it) sum to one to three times its storages.
+TENSOR_BYTES_PER_STORAGE_BYTE = 8
+#: ...plus this many bytes whatever the storages: what a later copy of every tensor may cost.
+TENSOR_BYTES_FLOOR = 64 << 20
+#: At most this many keys of one hash in one dict or set (floats, a DCP ``MetadataIndex``): a
+#: chance collision of two 64-bit hashes never reaches it, a crafted run of them would be quadratic.
+MAX_EQUAL_HASHES = 8
+_HASH_MODULUS = sys.hash_info.modulus  # 2**61 - 1: an int's hash is itself modulo this
+_MAX_INT64 = 1 << 63
+
+# What an opcode allocates before it runs, in bytes (CPython 3.11, 64-bit), each with its stack
+# slot (8): a container as it is once it holds its first item (a list of four slots, a dict or set
+# of its first table: an empty one is less, and a file of a million empty ones is no checkpoint;
+# ``MARK`` makes the list its items are pushed onto), a tuple of its items, an int object, a
+# float, a memo entry (the dict's slot and its int key). Items added are charged by the opcodes that
+# add them (``_Unpickler``), strings, bytes and long integers by their size once read.
+_COSTS = {op[0]: cost for op, cost in {
+    pickle.MARK: 96, pickle.EMPTY_LIST: 96, pickle.EMPTY_DICT: 232, pickle.EMPTY_SET: 224,
+    pickle.TUPLE1: 56, pickle.TUPLE2: 64, pickle.TUPLE3: 72, pickle.BININT: 40, pickle.BININT2: 40,
+    pickle.BINFLOAT: 32, pickle.BINPUT: 96, pickle.LONG_BINPUT: 96, pickle.PUT: 96, pickle.MEMOIZE: 96,
+    pickle.NEWOBJ: 64, pickle.BUILD: 64, pickle.BINPERSID: 256,
+}.items()}
+_MEASURED = {op[0] for op in (pickle.BINUNICODE, pickle.SHORT_BINUNICODE, pickle.BINUNICODE8, pickle.UNICODE,
+                              pickle.STRING, pickle.BINSTRING, pickle.SHORT_BINSTRING, pickle.BINBYTES,
+                              pickle.SHORT_BINBYTES, pickle.BINBYTES8, pickle.LONG, pickle.LONG1, pickle.LONG4,
+                              pickle.INT, pickle.FLOAT)}
+_DICT_ITEM, _SET_ITEM, _LIST_ITEM = 48, 64, 8  # a set keeps its table at most half full, and grows it 4x
+_TENSOR, _PARAMETER = 400, 600  # a tensor's (a parameter's) Python object and TensorImpl: measured 330 (540)
 
 
 class UnsafeFileError(CheckpointError):
@@ -68,6 +162,40 @@ class _Refused(Exception):
     """What a file asked for that the reader does not build; the loader names the file."""
 
 
+class _Short(reprlib.Repr):
+    """A file's value in a message: a few items of a few levels (a value of shared references can
+    stand for 2**60 items, which ``repr`` would write out), no integer of more than 128 bits (whose
+    decimal form is quadratic to write), anything but plain values by its type."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother = 3, 60, 60
+        self.maxtuple = self.maxlist = self.maxdict = self.maxset = self.maxfrozenset = 4
+
+    def repr_int(self, x: int, level: int) -> str:
+        return repr(x) if x.bit_length() <= 128 else f"<an integer of {x.bit_length()} bits>"
+
+    def repr_instance(self, x: Any, level: int) -> str:
+        if isinstance(x, _StorageType):
+            return f"torch.{x.name}"
+        if isinstance(x, _Call):
+            return x.name
+        if isinstance(x, (torch.dtype, bool, float, type(None))):
+            return repr(x)
+        if isinstance(x, type):
+            return x.__qualname__
+        if isinstance(x, bytes):
+            return repr(x[:self.maxstring]) + ("..." if len(x) > self.maxstring else "")
+        if isinstance(x, torch.Size):
+            return f"torch.Size({self.repr_tuple(tuple(x[:self.maxtuple + 1]), level)})"
+        if isinstance(x, torch.Tensor):
+            return f"<{type(x).__name__} of {x.dtype} and size {tuple(x.shape)[:8]}>"
+        return f"<{type(x).__name__}>"
+
+
+_show = _Short().repr
+
+
 # ---------------------------------------------------------------------------- what a pickle may name
 @dataclasses.dataclass(frozen=True)
 class _StorageType:
@@ -82,14 +210,24 @@ class _StorageType:
 class _Storage:
     """One record's bytes, as the pickle's persistent id claimed them."""
 
-    untyped: torch.UntypedStorage
+    untyped: torch.UntypedStorage = dataclasses.field(repr=False)
     dtype: torch.dtype  # torch.uint8 for an untyped storage
     nbytes: int
 
 
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """A function a pickle may call (``REDUCE``), under the name it is pickled by: ``fn(unpickler,
+    *args)``, which checks its arguments and charges the unpickler's budget before it allocates."""
+
+    name: str
+    fn: Callable[..., Any] = dataclasses.field(repr=False)
+
+
 def _ints(value: Any, what: str) -> tuple[int, ...]:
-    if type(value) is not tuple or not all(type(v) is int and v >= 0 for v in value):
-        raise _Refused(f"asks for a tensor whose {what} is {value!r}, not a tuple of non-negative integers")
+    if type(value) is not tuple or not all(type(v) is int and 0 <= v < _MAX_INT64 for v in value):
+        raise _Refused(f"asks for a tensor whose {what} is {_show(value)}, not a tuple of non-negative 64-bit "
+                       f"integers")
     return value
 
 
@@ -109,58 +247,67 @@ def _hooks(backward_hooks: Any) -> None:
         raise _Refused("asks for a tensor with backward hooks (torch.save writes none)")
 
 
-def _tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, backward_hooks: Any,
-            dtype: torch.dtype, metadata: Any) -> torch.Tensor:
-    """A dense CPU tensor viewing ``storage``, checked: inside it and not overlapping itself."""
-    if not isinstance(storage, _Storage) or type(offset) is not int or offset < 0 or type(requires_grad) is not bool:
-        raise _Refused(f"asks for a tensor of {type(storage).__name__} at offset {offset!r}")
+def _tensor(u: _Unpickler, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any,
+            backward_hooks: Any, dtype: torch.dtype, metadata: Any) -> torch.Tensor:
+    """A dense CPU tensor viewing ``storage``, checked: inside it and not overlapping itself; its
+    object charged to the parse budget, its bytes to the tensor budget."""
+    if (not isinstance(storage, _Storage) or type(offset) is not int or not 0 <= offset < _MAX_INT64
+            or type(requires_grad) is not bool):
+        raise _Refused(f"asks for a tensor of {type(storage).__name__} at offset {_show(offset)}")
+    if type(size) is tuple and type(stride) is tuple:
+        u.charge(_TENSOR + 2 * _STEP * (len(size) + len(stride)))
     size, stride = _ints(size, "size"), _ints(stride, "stride")
     if len(size) != len(stride) or _overlaps_itself(size, stride):
-        raise _Refused(f"asks for an expanded tensor of size {size} and strides {stride} (elements shared: "
-                       f"more than its storage holds when copied)")
+        raise _Refused(f"asks for an expanded tensor of size {_show(size)} and strides {_show(stride)} (elements "
+                       f"shared: more than its storage holds when copied)")
     end = 0 if 0 in size else offset + 1 + sum((n - 1) * s for n, s in zip(size, stride))
     if max(end, offset) * dtype.itemsize > storage.nbytes:
-        raise _Refused(f"asks for a tensor of size {size}, strides {stride} at offset {offset} in a storage of "
-                       f"{storage.nbytes} bytes, past its end")
+        raise _Refused(f"asks for a tensor of size {_show(size)}, strides {_show(stride)} at offset {offset} in a "
+                       f"storage of {storage.nbytes} bytes, past its end")
     _hooks(backward_hooks)
-    if metadata is not None and (type(metadata) is not dict or not set(metadata) <= {"conj", "neg"}
+    if metadata is not None and (type(metadata) is not dict or len(metadata) > 2 or not set(metadata) <= {"conj", "neg"}
                                  or not all(type(v) is bool for v in metadata.values())):
-        raise _Refused(f"asks for a tensor with the metadata {metadata!r}")
+        raise _Refused(f"asks for a tensor with the metadata {_show(metadata)}")
+    if u.tensor_bytes is not None:  # (inside its storage and not overlapping itself: at most the storage)
+        u.tensor_bytes.charge(functools.reduce(int.__mul__, size, 1) * dtype.itemsize)
     tensor = torch.empty((0,), dtype=dtype).set_(storage.untyped, offset, size, stride)
     if metadata:
         torch._utils.set_tensor_metadata(tensor, metadata)
     return tensor.requires_grad_(requires_grad)
 
 
-def _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, backward_hooks, metadata=None):
+def _rebuild_tensor_v2(u, storage, offset, size, stride, requires_grad, backward_hooks, metadata=None):
     """``torch._utils._rebuild_tensor_v2``, checked: a tensor of its typed storage's dtype."""
     dtype = storage.dtype if isinstance(storage, _Storage) else torch.uint8
-    return _tensor(storage, offset, size, stride, requires_grad, backward_hooks, dtype, metadata)
+    return _tensor(u, storage, offset, size, stride, requires_grad, backward_hooks, dtype, metadata)
 
 
-def _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None):
+def _rebuild_tensor_v3(u, storage, offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None):
     """``torch._utils._rebuild_tensor_v3``, checked: the dtypes without a typed storage (float8,
     uint16...) over an untyped one."""
-    if not isinstance(storage, _Storage) or storage.dtype != torch.uint8 or dtype not in torch.storage._new_dtypes():
-        raise _Refused(f"asks for a {dtype!r} tensor over a typed storage")
-    return _tensor(storage, offset, size, stride, requires_grad, backward_hooks, dtype, metadata)
+    if (not isinstance(storage, _Storage) or storage.dtype != torch.uint8 or type(dtype) is not torch.dtype
+            or dtype not in torch.storage._new_dtypes()):
+        raise _Refused(f"asks for a {_show(dtype)} tensor over a typed storage")
+    return _tensor(u, storage, offset, size, stride, requires_grad, backward_hooks, dtype, metadata)
 
 
-def _rebuild_parameter(data, requires_grad, backward_hooks):
+def _rebuild_parameter(u, data, requires_grad, backward_hooks):
     """``torch._utils._rebuild_parameter`` (``nn.Parameter``), checked: over a tensor rebuilt here."""
     if type(data) is not torch.Tensor or type(requires_grad) is not bool:
         raise _Refused(f"asks for a parameter of {type(data).__name__}")
     _hooks(backward_hooks)
+    u.charge(_PARAMETER)
     return torch.nn.Parameter(data, requires_grad)
 
 
-def _rebuild_device_tensor_from_cpu_tensor(data, dtype, device, requires_grad):
+def _rebuild_device_tensor_from_cpu_tensor(u, data, dtype, device, requires_grad):
     """``torch._utils._rebuild_device_tensor_from_cpu_tensor``, which ``torch.save`` writes for an
     XLA tensor (torch_xla's optimizer state saved as it is), read on the CPU: ``data`` itself, a
     tensor rebuilt here (checked, so never the expanded view torch would copy to the device), of
     the dtype named; nothing is copied or converted."""
-    if type(data) is not torch.Tensor or data.dtype != dtype or type(device) is not str or type(requires_grad) is not bool:
-        raise _Refused(f"asks for a device tensor of {type(data).__name__} as {dtype!r}")
+    if (type(data) is not torch.Tensor or type(dtype) is not torch.dtype or data.dtype != dtype
+            or type(device) is not str or type(requires_grad) is not bool):
+        raise _Refused(f"asks for a device tensor of {type(data).__name__} as {_show(dtype)}")
     return data.requires_grad_(requires_grad)
 
 
@@ -176,29 +323,80 @@ def _module_versions(metadata: Any) -> Any:
     return metadata
 
 
-def _latin1(text, encoding):
-    """``_codecs.encode``, which protocol 2 pickles bytes as: ``encode(str, "latin1")`` only."""
-    if type(text) is not str or encoding != "latin1":
-        raise _Refused(f"asks for _codecs.encode({type(text).__name__}, {encoding!r})")
+def _sequence(items: Any, what: str) -> list | tuple:
+    if type(items) not in (list, tuple):
+        raise _Refused(f"asks for {what} of a {type(items).__name__} (a pickle passes a list or a tuple)")
+    return items
+
+
+def _set(u: _Unpickler, items: Any = ()) -> set:
+    """``set(items)``, which protocol 2 pickles a set as: charged by its length, each item checked
+    (``_Unpickler.key``) before it is hashed."""
+    items = _sequence(items, "set(...)")
+    u.charge(224 + _SET_ITEM * len(items))
+    out: set = set()
+    for item in items:
+        u.key(out, item, "an item of a set")
+        out.add(item)
+    return out
+
+
+def _frozenset(u: _Unpickler, items: Any = ()) -> frozenset:
+    """``frozenset(items)``: as ``_set``."""
+    built = _set(u, items)
+    u.charge(224 + _SET_ITEM * len(built))
+    return frozenset(built)
+
+
+def _ordered_dict(u: _Unpickler, items: Any = ()) -> OrderedDict:
+    """``OrderedDict(items)`` (``torch.save`` writes ``OrderedDict()`` and then its items): charged by
+    its length, each key checked (``_Unpickler.key``) before it is hashed."""
+    pairs = items.items() if type(items) in (dict, OrderedDict) else _sequence(items, "OrderedDict(...)")
+    u.charge(128 + 2 * _DICT_ITEM * len(pairs))  # (an OrderedDict keeps a linked node per key too)
+    out: OrderedDict = OrderedDict()
+    for pair in pairs:
+        if type(pair) not in (tuple, list) or len(pair) != 2:
+            raise _Refused(f"asks for OrderedDict(...) of {_show(pair)}, not a (key, value) pair")
+        u.key(out, pair[0], "a key of an OrderedDict")
+        out[pair[0]] = pair[1]
+    return out
+
+
+def _size(u: _Unpickler, items: Any = ()) -> torch.Size:
+    """``torch.Size(items)``: charged by its length, 64-bit integers only."""
+    items = _sequence(items, "torch.Size(...)")
+    u.charge(72 + _LIST_ITEM * len(items))
+    if not all(type(v) is int and -_MAX_INT64 <= v < _MAX_INT64 for v in items):
+        raise _Refused(f"asks for torch.Size({_show(items)}), not of 64-bit integers")
+    return torch.Size(items)
+
+
+def _latin1(u: _Unpickler, text: Any, encoding: Any) -> bytes:
+    """``_codecs.encode``, which protocol 2 pickles bytes as: ``encode(str, "latin1")`` only,
+    charged by its length."""
+    if type(text) is not str or type(encoding) is not str or encoding != "latin1":
+        raise _Refused(f"asks for _codecs.encode({type(text).__name__}, {_show(encoding)})")
+    u.charge(33 + len(text))
     return text.encode("latin1")
 
 
 @functools.cache
 def _state_dict_globals() -> dict[tuple[str, str], Any]:
     """What a ``torch.save`` state dict names: its rebuild functions, containers and dtypes."""
-    allowed: dict[tuple[str, str], Any] = {
+    calls = {
         ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
         ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
         ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
         ("torch._utils", "_rebuild_device_tensor_from_cpu_tensor"): _rebuild_device_tensor_from_cpu_tensor,
-        ("collections", "OrderedDict"): OrderedDict,
-        ("torch", "Size"): torch.Size,
-        ("builtins", "set"): set,
-        ("builtins", "frozenset"): frozenset,
+        ("collections", "OrderedDict"): _ordered_dict,
+        ("torch", "Size"): _size,
+        ("builtins", "set"): _set,
+        ("builtins", "frozenset"): _frozenset,
         ("_codecs", "encode"): _latin1,
-        ("torch", "UntypedStorage"): _StorageType("UntypedStorage", torch.uint8),
-        ("torch.storage", "UntypedStorage"): _StorageType("UntypedStorage", torch.uint8),
     }
+    allowed: dict[tuple[str, str], Any] = {key: _Call(f"{key[0]}.{key[1]}", fn) for key, fn in calls.items()}
+    allowed[("torch", "UntypedStorage")] = _StorageType("UntypedStorage", torch.uint8)
+    allowed[("torch.storage", "UntypedStorage")] = _StorageType("UntypedStorage", torch.uint8)
     for dtype, name in torch.storage._dtype_to_storage_type_map().items():
         if not name.startswith("Q"):  # (no quantized tensor is rebuilt)
             allowed[("torch", name)] = _StorageType(name, dtype)
@@ -206,25 +404,49 @@ def _state_dict_globals() -> dict[tuple[str, str], Any]:
     return allowed
 
 
+def _path(cls: type) -> Callable[..., Any]:
+    """``cls(*parts)`` (``StorageMeta.checkpoint_id``, pickled as its parts): strings only, charged by
+    their length (a path splits them at each ``/``, into lists of new strings: up to about 40 bytes a
+    character of ``"\u0101/\u0101/..."``; a real one is a hundred characters once a file)."""
+    def build(u: _Unpickler, *parts: Any) -> Any:
+        if not all(type(p) is str for p in parts):
+            raise _Refused(f"asks for a {cls.__name__} of {_show(parts)}, not of strings")
+        u.charge(64 + sum(64 * len(p) + 64 for p in parts))
+        return cls(*parts)
+    return build
+
+
 @functools.cache
 def _dcp_globals() -> dict[tuple[str, str], Any]:
-    """What a DCP ``.metadata`` names, besides nxd_smp's own classes the caller passes."""
-    import pathlib
-
+    """What a DCP ``.metadata`` names, besides nxd_smp's own classes the caller passes: DCP's
+    dataclasses (constructed without arguments, then given their state), and checked calls."""
     from torch.distributed.checkpoint import filesystem, metadata
     from torch.serialization import _get_layout
 
-    allowed = {("torch.distributed.checkpoint.metadata", name): getattr(metadata, name)
-               for name in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-                            "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING", "BytesStorageMetadata")}
-    allowed.update({
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,  # format 1, native
-        ("torch.serialization", "_get_layout"): _get_layout,  # a layout by its name
-        ("pathlib", "PosixPath"): pathlib.PosixPath,  # StorageMeta.checkpoint_id
-        ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
-        ("collections", "OrderedDict"): OrderedDict,
-        ("torch", "Size"): torch.Size,
-    })
+    def layout(u: _Unpickler, name: Any) -> torch.layout:
+        if type(name) is not str:
+            raise _Refused(f"asks for the layout {_show(name)}, not a layout's name")
+        return _get_layout(name)
+
+    def memory_format(u: _Unpickler, value: Any) -> metadata._MEM_FORMAT_ENCODING:
+        if type(value) is not int:
+            raise _Refused(f"asks for the memory format {_show(value)}, not a number")
+        return metadata._MEM_FORMAT_ENCODING(value)
+
+    allowed: dict[tuple[str, str], Any] = {
+        ("torch.distributed.checkpoint.metadata", name): getattr(metadata, name)
+        for name in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+                     "MetadataIndex", "StorageMeta", "BytesStorageMetadata")}
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo  # format 1
+    calls = {
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): memory_format,
+        ("torch.serialization", "_get_layout"): layout,  # a layout by its name
+        ("pathlib", "PosixPath"): _path(pathlib.PosixPath),  # StorageMeta.checkpoint_id
+        ("pathlib", "PurePosixPath"): _path(pathlib.PurePosixPath),
+        ("collections", "OrderedDict"): _ordered_dict,
+        ("torch", "Size"): _size,
+    }
+    allowed.update({key: _Call(f"{key[0]}.{key[1]}", fn) for key, fn in calls.items()})
     allowed.update({key: value for key, value in _state_dict_globals().items() if isinstance(value, torch.dtype)})
     return allowed
 
@@ -236,22 +458,44 @@ def _refuse_opcode(name: str):
     return refuse
 
 
+def _metered(load: Callable[[Any], None], code: int) -> Callable[[Any], None]:
+    """``load`` (one opcode's loader), charging the parse budget what it allocates: a fixed cost
+    before it runs (``_COSTS``; the stack slot alone for most), or, for a string, bytes or a long
+    integer, the size of what it pushed once read (no more than the bytes it read from the file)."""
+    if code in _MEASURED:
+        def run(self: _Unpickler) -> None:
+            load(self)
+            self.charge(8 + sys.getsizeof(self.stack[-1]))
+    else:
+        cost = _COSTS.get(code, 8)
+
+        def run(self: _Unpickler) -> None:
+            self.charge(cost)
+            load(self)
+    return run
+
+
 class _Unpickler(pickle._Unpickler):
     """Python's own unpickler (its memo a dict: the C one sizes its memo by an index the file gives,
-    so nine bytes can allocate a gigabyte), admitting one kind's globals, calling only its functions
-    and classes (``REDUCE``, ``NEWOBJ``), and setting state (``BUILD``) only as that kind's files do."""
+    so nine bytes can allocate a gigabyte), admitting one kind's globals, calling only the reader's
+    checked functions (``REDUCE``), constructing only that kind's classes (``NEWOBJ``), and setting
+    state (``BUILD``) only as that kind's files do; every opcode charged to ``budget``, every tensor
+    to ``tensor_bytes``, every key checked (``key``) before it is hashed."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)
-    for _name in ("INST", "OBJ", "EXT1", "EXT2", "EXT4", "PERSID", "NEWOBJ_EX", "NEXT_BUFFER", "READONLY_BUFFER",
-                  "BYTEARRAY8"):
-        dispatch[getattr(pickle, _name)[0]] = _refuse_opcode(_name)
-
-    def __init__(self, data: bytes, kind: str, allowed: dict[tuple[str, str], Any], storage: Any = None):
+    def __init__(self, data: bytes, source: str, kind: str, allowed: dict[tuple[str, str], Any],
+                 storage: Any = None, tensor_bytes: Budget | None = None):
         super().__init__(io.BytesIO(data))
         self._kind, self._allowed, self._storage = kind, allowed, storage
-        self._calls = {id(v) for v in allowed.values() if callable(v) and not isinstance(v, _StorageType)}
-        self._fields = {id(v): {f.name for f in dataclasses.fields(v)} for v in allowed.values()
-                        if isinstance(v, type) and dataclasses.is_dataclass(v)}
+        self.budget = Budget.linear(len(data), source, per_byte=PARSE_BUDGET_PER_BYTE, floor=PARSE_BUDGET_FLOOR,
+                                    what=f"bytes of memory (and steps of work, {_STEP} each)",
+                                    counted="its pickle")
+        self.charge = self.budget.charge
+        self.tensor_bytes = tensor_bytes
+        classes = [v for v in allowed.values() if isinstance(v, type)]
+        self._constructs = {id(v) for v in classes if dataclasses.is_dataclass(v) or v is XserReference}
+        self._fields = {id(v): {f.name for f in dataclasses.fields(v)} for v in classes if dataclasses.is_dataclass(v)}
+        self._index = allowed.get(("torch.distributed.checkpoint.metadata", "MetadataIndex"))
+        self._hashes: dict[int, tuple[Any, dict[int, int]]] = {}  # id(container): (container, {hash: keys})
 
     def where(self) -> str:
         """Where in the value the pickle stopped, as the keys being filled (the last string of
@@ -265,9 +509,9 @@ class _Unpickler(pickle._Unpickler):
         module = "builtins" if module == "__builtin__" else module
         found = self._allowed.get((module, name))
         if found is None:
-            raise UnsafeFileError(f"asks for {module}.{name}, which a {self._kind} file does not hold; refused "
-                                  f"(loading it could run code). nxd_smp's reader admits plain containers, numbers, "
-                                  f"strings and tensors, and does not extend that by "
+            raise UnsafeFileError(f"asks for {module[:200]}.{name[:200]}, which a {self._kind} file does not hold; "
+                                  f"refused (loading it could run code). nxd_smp's reader admits plain containers, "
+                                  f"numbers, strings and tensors, and does not extend that by "
                                   f"torch.serialization.add_safe_globals.")
         return found
 
@@ -276,55 +520,92 @@ class _Unpickler(pickle._Unpickler):
             raise _Refused("holds a persistent reference, which a plain pickle does not")
         return self._storage(pid)
 
-    def _call(self, func: Any, what: str) -> None:
-        if id(func) not in self._calls:
-            name = f"torch.{func.name}" if isinstance(func, _StorageType) else getattr(func, "__name__", repr(func)[:80])
-            raise _Refused(f"asks to {what} {name}(...), which it may not (it could allocate what the file names)")
+    # ---------------------------------------------------------------- keys
+    def key(self, container: Any, key: Any, what: str) -> None:
+        """Refuse ``key`` as ``what`` (a key of ``container``, a dict or a set, or an item of it)
+        unless a file cannot make many such keys share one hash: a string or bytes (their hashes
+        are salted per process), a bool, None, a dtype, an integer of magnitude below 2**61 - 1 (its
+        own hash: every multiple of 2**61 - 1 hashes to 0, and ``hash(-1) == hash(-2)``), or a float
+        or a DCP ``MetadataIndex`` (of a string and a ``torch.Size``: a tuple, whose hash a file can
+        choose) with at most ``MAX_EQUAL_HASHES`` of one hash in ``container``. A dict or set of n
+        keys of one hash takes time in n**2 to build."""
+        kind = type(key)
+        if kind is str or kind is bytes or kind is bool or key is None or kind is torch.dtype:
+            return
+        if kind is int:
+            if -_HASH_MODULUS < key < _HASH_MODULUS:
+                return
+            raise _Refused(f"uses the integer {_show(key)} as {what}: Python's integer hashes repeat from 2**61 - 1 "
+                           f"on (every multiple of it hashes to 0), so such keys can make building it quadratic; no "
+                           f"file nxd_smp reads keys by an integer that large")
+        if kind is float or (self._index is not None and kind is self._index and self._metadata_index(key)):
+            self.charge(_STEP * (2 + len(getattr(key, "offset", None) or ())))
+            if key in container:  # (given again: it replaces its value)
+                return
+            entry = self._hashes.get(id(container))
+            if entry is None:
+                entry = self._hashes[id(container)] = (container, {})
+                self.charge(_DICT_ITEM + 232)
+            counts, h = entry[1], hash(key)
+            counts[h] = counts.get(h, 0) + 1
+            if counts[h] > MAX_EQUAL_HASHES:
+                raise _Refused(f"holds more than {MAX_EQUAL_HASHES} {kind.__name__} keys of one hash in one "
+                               f"container ({_show(key)}): keys chosen to share a hash make building it quadratic")
+            self.charge(_DICT_ITEM)
+            return
+        raise _Refused(f"uses a {kind.__name__} ({_show(key)}) as {what}: the files nxd_smp reads key their dicts "
+                       f"and sets by strings, bytes, numbers, None and dtypes (and DCP's MetadataIndex); a tuple's "
+                       f"hash (or that of any value of several) can be chosen to collide, making building it quadratic")
 
+    def _metadata_index(self, key: Any) -> bool:
+        """Whether ``key``, a ``MetadataIndex``, is one DCP writes: ``fqn`` a string, ``offset`` None
+        or a ``torch.Size`` (made by ``_size``: integers); else it is refused as a key."""
+        state = vars(key)
+        offset = state.get("offset")
+        if type(state.get("fqn")) is not str or not (offset is None or type(offset) is torch.Size):
+            raise _Refused(f"uses a MetadataIndex of {_show(state.get('fqn'))} at {_show(offset)} as a key: DCP's "
+                           f"are of a name and a torch.Size")
+        return True
+
+    # ---------------------------------------------------------------- calls
     def load_reduce(self) -> None:
-        self._call(self.stack[-2], "call")
-        super().load_reduce()
+        stack = self.stack
+        func, args = stack[-2], stack[-1]
+        if type(func) is not _Call:
+            raise _Refused(f"asks to call {_show(func)}(...), which it may not (it could allocate what the file "
+                           f"names)")
+        if type(args) is not tuple:
+            raise _Refused(f"calls {func.name} with arguments of a {type(args).__name__}, not a tuple")
+        self.charge(_STEP * len(args))
+        stack.pop()
+        stack[-1] = func.fn(self, *args)
 
     def load_newobj(self) -> None:
-        self._call(self.stack[-2], "construct")
-        super().load_newobj()
-
-    def _into(self, target: Any, kinds: tuple[type, ...], op: str) -> None:
-        """The container opcodes call ``append``, ``add`` or ``__setitem__`` on whatever is below
-        their items: only on a container of exactly these kinds (on a tensor, ``add`` broadcasts and
-        ``__setitem__`` can too, allocating what the file never held)."""
-        if type(target) not in kinds:
-            raise _Refused(f"uses {op} on a {type(target).__name__}, which only a container takes")
-
-    def load_append(self) -> None:
-        self._into(self.stack[-2], (list,), "APPEND")
-        super().load_append()
-
-    def load_appends(self) -> None:
-        self._into(self.metastack[-1][-1] if self.metastack and self.metastack[-1] else None, (list,), "APPENDS")
-        super().load_appends()
-
-    def load_setitem(self) -> None:
-        self._into(self.stack[-3], (dict, OrderedDict), "SETITEM")
-        super().load_setitem()
-
-    def load_setitems(self) -> None:
-        self._into(self.metastack[-1][-1] if self.metastack and self.metastack[-1] else None, (dict, OrderedDict),
-                   "SETITEMS")
-        super().load_setitems()
-
-    def load_additems(self) -> None:
-        self._into(self.metastack[-1][-1] if self.metastack and self.metastack[-1] else None, (set,), "ADDITEMS")
-        super().load_additems()
+        stack = self.stack
+        cls, args = stack[-2], stack[-1]
+        if id(cls) not in self._constructs:
+            raise _Refused(f"asks to construct {_show(cls)}(...), which it may not (it could allocate what the file "
+                           f"names)")
+        if type(args) is not tuple or args:
+            raise _Refused(f"asks to construct {cls.__qualname__} with arguments ({_show(args)}); pickle writes "
+                           f"this class constructed without any and then sets its state")
+        stack.pop()
+        stack[-1] = cls.__new__(cls)
 
     def load_build(self) -> None:
         state, inst = self.stack[-1], self.stack[-2]
+        if type(state) is dict:
+            self.charge(_DICT_ITEM * len(state))
         if type(inst) is OrderedDict and type(state) is dict and set(state) == {"_metadata"}:
-            inst._metadata = _module_versions(state["_metadata"])  # a module state dict's versions, by module
+            metadata = state["_metadata"]
+            if type(metadata) in (dict, OrderedDict):  # (checked item by item below: charged first)
+                self.charge(_STEP * len(metadata))
+                self.charge(_STEP * sum(len(entry) for entry in metadata.values() if type(entry) is dict))
+            inst._metadata = _module_versions(metadata)  # a module state dict's versions, by module
         elif type(inst) is XserReference and type(state) is dict and set(state) == {"tid"}:
             tid = state["tid"]
             if type(tid) is not int or not 0 <= tid < 1 << 62:
-                raise _Refused(f"holds a tensor reference whose id is {tid!r}")
+                raise _Refused(f"holds a tensor reference whose id is {_show(tid)}")
             inst.tid = tid
         elif id(type(inst)) in self._fields and (set(state) <= self._fields[id(type(inst))] if type(state) is dict
                                                  else "__setstate__" in vars(type(inst))):
@@ -333,29 +614,135 @@ class _Unpickler(pickle._Unpickler):
             raise _Refused(f"asks to set the state of a {type(inst).__name__}, which it may not")
         self.stack.pop()
 
-    dispatch[pickle.APPEND[0]] = load_append
-    dispatch[pickle.APPENDS[0]] = load_appends
-    dispatch[pickle.SETITEM[0]] = load_setitem
-    dispatch[pickle.SETITEMS[0]] = load_setitems
-    dispatch[pickle.ADDITEMS[0]] = load_additems
-    dispatch[pickle.REDUCE[0]] = load_reduce
-    dispatch[pickle.NEWOBJ[0]] = load_newobj
-    dispatch[pickle.BUILD[0]] = load_build
+    # ---------------------------------------------------------------- containers
+    def _into(self, target: Any, kinds: tuple[type, ...], op: str) -> None:
+        """The container opcodes call ``append``, ``add`` or ``__setitem__`` on whatever is below
+        their items: only on a container of exactly these kinds (on a tensor, ``add`` broadcasts and
+        ``__setitem__`` can too, allocating what the file never held)."""
+        if type(target) not in kinds:
+            raise _Refused(f"uses {op} on a {type(target).__name__}, which only a container takes")
+
+    def _marked(self, kinds: tuple[type, ...], op: str) -> tuple[list, Any]:
+        """The items since the last ``MARK`` (popped) and the container below them, of ``kinds``."""
+        self._into(self.metastack[-1][-1] if self.metastack and self.metastack[-1] else None, kinds, op)
+        items = self.pop_mark()
+        return items, self.stack[-1]
+
+    def _pairs(self, items: list, target: Any, what: str) -> None:
+        """``target[key] = value`` for each pair of ``items``, each key checked before it is hashed."""
+        if len(items) % 2:
+            raise pickle.UnpicklingError(f"an odd number of items ({len(items)}) for a dict's keys and values")
+        self.charge(_DICT_ITEM * (len(items) // 2))
+        key = self.key
+        for i in range(0, len(items), 2):
+            key(target, items[i], what)
+            target[items[i]] = items[i + 1]
+
+    def _items(self, items: list, target: set) -> None:
+        self.charge(_SET_ITEM * len(items))
+        for item in items:
+            self.key(target, item, "an item of a set")
+            target.add(item)
+
+    def load_append(self) -> None:
+        self._into(self.stack[-2], (list,), "APPEND")
+        super().load_append()
+
+    def load_appends(self) -> None:
+        items, target = self._marked((list,), "APPENDS")
+        self.charge(_LIST_ITEM * len(items))
+        target.extend(items)
+
+    def load_setitem(self) -> None:
+        stack = self.stack
+        self._into(stack[-3], (dict, OrderedDict), "SETITEM")
+        self._pairs(stack[-2:], stack[-3], "a key of a dict")
+        del stack[-2:]
+
+    def load_setitems(self) -> None:
+        items, target = self._marked((dict, OrderedDict), "SETITEMS")
+        self._pairs(items, target, "a key of a dict")
+
+    def load_dict(self) -> None:
+        items = self.pop_mark()
+        self.charge(232)
+        target: dict = {}
+        self._pairs(items, target, "a key of a dict")
+        self.append(target)
+
+    def load_additems(self) -> None:
+        items, target = self._marked((set,), "ADDITEMS")
+        self._items(items, target)
+
+    def load_frozenset(self) -> None:
+        items = self.pop_mark()
+        target: set = set()
+        self._items(items, target)
+        self.charge(224 + _SET_ITEM * len(target))
+        self.append(frozenset(target))
+
+    def load_tuple(self) -> None:
+        self.charge(48 + _LIST_ITEM * len(self.stack))
+        super().load_tuple()
+
+    def load_list(self) -> None:
+        self.charge(56)  # (the items' list itself)
+        super().load_list()
+
+    # ---------------------------------------------------------------- the memo
+    def _memo_index(self) -> int:
+        """The memo index of a text ``PUT`` or ``GET``: as the binary ones, below 2**32 (a larger
+        integer key could share its hash with others)."""
+        text = self.readline()[:-1]
+        if not text.isdigit() or len(text) > 10 or int(text) >= 1 << 32:
+            raise _Refused(f"uses the memo index {_show(text[:40])}, not an integer below 2**32")
+        return int(text)
+
+    def load_put(self) -> None:
+        self.memo[self._memo_index()] = self.stack[-1]
+
+    def load_get(self) -> None:
+        i = self._memo_index()
+        if i not in self.memo:
+            raise pickle.UnpicklingError(f"Memo value not found at index {i}")
+        self.append(self.memo[i])
+
+    _loaders = dict(pickle._Unpickler.dispatch)
+    for _name in ("INST", "OBJ", "EXT1", "EXT2", "EXT4", "PERSID", "NEWOBJ_EX", "NEXT_BUFFER", "READONLY_BUFFER",
+                  "BYTEARRAY8"):
+        _loaders[getattr(pickle, _name)[0]] = _refuse_opcode(_name)
+    _loaders.update({op[0]: fn for op, fn in (
+        (pickle.APPEND, load_append), (pickle.APPENDS, load_appends), (pickle.SETITEM, load_setitem),
+        (pickle.SETITEMS, load_setitems), (pickle.DICT, load_dict), (pickle.ADDITEMS, load_additems),
+        (pickle.FROZENSET, load_frozenset), (pickle.TUPLE, load_tuple), (pickle.LIST, load_list),
+        (pickle.PUT, load_put), (pickle.GET, load_get), (pickle.REDUCE, load_reduce),
+        (pickle.NEWOBJ, load_newobj), (pickle.BUILD, load_build))})
+    dispatch = {code: _metered(load, code) for code, load in _loaders.items()}
+    del _loaders, _name
 
 
-def _unpickle(data: bytes, source: str, kind: str, allowed: dict, storage: Any = None) -> Any:
-    """``data`` unpickled by ``_Unpickler`` and measured (``values.check_tree``); every failure a
-    ``CheckpointError`` naming ``source`` and where in the value the pickle was."""
-    unpickler = _Unpickler(data, kind, allowed, storage)
+def _unpickle(data: bytes, source: str, kind: str, allowed: dict, storage: Any = None,
+              tensor_bytes: Budget | None = None) -> Any:
+    """``data`` unpickled by ``_Unpickler`` within its budgets, and measured (``check_tree``);
+    every failure a ``CheckpointError`` naming ``source`` and where in the value the pickle was."""
+    unpickler = _Unpickler(data, source, kind, allowed, storage, tensor_bytes)
+    error: CheckpointError | None = None
     try:
         value = unpickler.load()
+    except BudgetError as e:
+        where = unpickler.where()
+        error = UnsafeFileError(f"{e}{f' (It stopped{where}.)' if where else ''}")
     except (UnsafeFileError, _Refused) as e:
-        raise UnsafeFileError(f"{source}{unpickler.where()} {e}{'' if isinstance(e, UnsafeFileError) else '; refused.'}"
-                              ) from None
-    except CheckpointError:
-        raise
+        error = UnsafeFileError(f"{source}{unpickler.where()} {e}"
+                                f"{'' if isinstance(e, UnsafeFileError) else '; refused.'}")
+    except CheckpointError as e:
+        error = e.with_traceback(None)
     except Exception as e:  # noqa: BLE001 - any way a damaged pickle fails
-        raise CheckpointError(f"{source}{unpickler.where()} cannot be read (damaged): {type(e).__name__}: {e}") from None
+        error = CheckpointError(f"{source}{unpickler.where()} cannot be read (damaged): {type(e).__name__}: "
+                                f"{str(e)[:400]}")
+    if error is not None:  # raised outside the handler, the unpickler dropped: the error keeps no part of the parse
+        del unpickler
+        raise error
     check_tree(value, source, max(_NODES_PER_BYTE * len(data), _MIN_NODES), MAX_DEPTH)
     return value
 
@@ -363,37 +750,39 @@ def _unpickle(data: bytes, source: str, kind: str, allowed: dict, storage: Any =
 # ---------------------------------------------------------------------------- the archive
 class _Archive:
     """A ``torch.save`` zip archive, checked whole when opened; its storages then read through the
-    same ``ZipFile``."""
+    same ``ZipFile``. ``storage_bytes``: the bytes of its storages' records (``data/...``)."""
 
     def __init__(self, file: Any, size: int, source: str):
         self.source = source
         self.zip = zipfile.ZipFile(file)
         records = self.zip.infolist()
         names = [r.filename for r in records]
-        if len(set(names)) != len(names):
-            raise self._refuse(f"holds two records named {sorted(n for n in names if names.count(n) > 1)[0]!r}")
+        counts = collections.Counter(names)
+        if len(counts) != len(names):
+            raise self._refuse(f"holds two records named {_show(min(n for n, c in counts.items() if c > 1))}")
         spans = []
         for record in records:
             if record.compress_type != zipfile.ZIP_STORED or record.flag_bits & 1 or record.compress_size != record.file_size:
-                raise self._refuse(f"holds the record {record.filename!r} compressed or encrypted")
+                raise self._refuse(f"holds the record {_show(record.filename)} compressed or encrypted")
             file.seek(record.header_offset)
             header = file.read(30)
             if len(header) != 30 or header[:4] != b"PK\x03\x04":
-                raise self._refuse(f"has no local header for the record {record.filename!r}")
+                raise self._refuse(f"has no local header for the record {_show(record.filename)}")
             name_length, extra_length = struct.unpack("<HH", header[26:30])
             end = record.header_offset + 30 + name_length + extra_length + record.file_size
             if end > min(size, self.zip.start_dir):
-                raise self._refuse(f"holds the record {record.filename!r}, which reaches past the file's records")
+                raise self._refuse(f"holds the record {_show(record.filename)}, which reaches past the file's records")
             spans.append((record.header_offset, end, record.filename))
         spans.sort()
         for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
             if start < end:
-                raise self._refuse(f"holds the records {first!r} and {second!r}, which overlap")
+                raise self._refuse(f"holds the records {_show(first)} and {_show(second)}, which overlap")
         pickles = [n for n in names if n.endswith("data.pkl")]
         if len(pickles) != 1 or pickles[0].count("/") != 1:
             raise CheckpointError(f"{source} is not a torch.save archive (it holds {len(pickles)} data.pkl records).")
         self.prefix = pickles[0][: -len("data.pkl")]
         self.records = dict(zip(names, records))
+        self.storage_bytes = sum(r.file_size for r in records if r.filename.startswith(f"{self.prefix}data/"))
         order = self.records.get(f"{self.prefix}byteorder")
         if order is not None and (order.file_size > 8 or self.zip.read(order) != b"little"):
             raise CheckpointError(f"{source} was written big-endian; nxd_smp reads little-endian files.")
@@ -406,20 +795,21 @@ class _Archive:
     def storage(self, pid: Any) -> _Storage:
         """The persistent id ``("storage", type, key, location, numel)``: the record ``data/<key>``,
         which must hold exactly ``numel`` elements of the type's dtype, read on the CPU."""
-        if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)
-                and type(pid[2]) is str and type(pid[3]) is str and type(pid[4]) is int and pid[4] >= 0):
-            raise _Refused(f"holds the persistent reference {str(pid)[:200]}, which is no torch.save storage")
+        if not (type(pid) is tuple and len(pid) == 5 and type(pid[0]) is str and pid[0] == "storage"
+                and isinstance(pid[1], _StorageType) and type(pid[2]) is str and type(pid[3]) is str
+                and type(pid[4]) is int and 0 <= pid[4] < _MAX_INT64):
+            raise _Refused(f"holds the persistent reference {_show(pid)}, which is no torch.save storage")
         _, kind, key, _, numel = pid
         nbytes = numel * kind.dtype.itemsize
         found = self.loaded.get(key)
         if found is not None:
             if (found.dtype, found.nbytes) != (kind.dtype, nbytes):
-                raise _Refused(f"refers to the storage data/{key} as {found.dtype} and as {kind.dtype}")
+                raise _Refused(f"refers to the storage data/{_show(key)} as {found.dtype} and as {kind.dtype}")
             return found
         record = self.records.get(f"{self.prefix}data/{key}")
         if record is None or record.file_size != nbytes:
             held = "no record" if record is None else f"a record of {record.file_size} bytes"
-            raise _Refused(f"claims {nbytes} bytes ({numel} x {kind.name}) from data/{key}, which is {held}")
+            raise _Refused(f"claims {nbytes} bytes ({numel} x {kind.name}) from data/{_show(key)}, which is {held}")
         return self.loaded.setdefault(key, _Storage(self._read(record), kind.dtype, nbytes))
 
     def _read(self, record: zipfile.ZipInfo) -> torch.UntypedStorage:
@@ -440,7 +830,7 @@ class _Archive:
         return out.untyped_storage()
 
 
-def _load_archive(file: Any, size: int, source: str, kind: str) -> Any:
+def _load_archive(file: Any, size: int, source: str, kind: str, checksums: list[int] | None = None) -> Any:
     if kind not in ("state_dict", "xser"):
         raise ValueError(f"a torch.save file is read as 'state_dict' or 'xser', not {kind!r}")
     allowed = _state_dict_globals()
@@ -448,7 +838,13 @@ def _load_archive(file: Any, size: int, source: str, kind: str) -> Any:
         allowed = {**allowed, ("torch_xla.utils.serialization", "TensorReference"): XserReference}
     try:
         archive = _Archive(file, size, source)
-        return _unpickle(archive.pickle, source, kind, allowed, archive.storage)
+        if checksums is not None:  # the zip's own CRC-32s of its records, in order: the file's checksum, free
+            checksums.append(zlib.crc32(b"".join(r.CRC.to_bytes(4, "little") + r.file_size.to_bytes(8, "little")
+                                                  for r in archive.records.values())))
+        tensor_bytes = Budget.linear(archive.storage_bytes, source, per_byte=TENSOR_BYTES_PER_STORAGE_BYTE,
+                                     floor=TENSOR_BYTES_FLOOR, counted="its storages",
+                                     what="bytes of tensors (each view of a storage counted whole)")
+        return _unpickle(archive.pickle, source, kind, allowed, archive.storage, tensor_bytes)
     except CheckpointError:
         raise
     except zipfile.BadZipFile as e:
@@ -459,24 +855,27 @@ def _load_archive(file: Any, size: int, source: str, kind: str) -> Any:
 
 
 # ---------------------------------------------------------------------------- entry points
-def load_file(path: str | os.PathLike, *, folder: str | os.PathLike | None = None, name: Any = None,
-              kind: str = "state_dict") -> Any:
-    """A ``torch.save`` file (or, with ``kind="dcp_metadata"``, a DCP index) read on the CPU by the
-    strict reader (see the module's docstring), without running code from it and without allocating
-    more than it holds. With ``folder`` and ``name``: the file ``name`` inside the checkpoint
-    ``folder`` (``inside``); else ``path`` itself, which must be a regular file.
+def load_file(folder: Folder, name: str, *, kind: str = "state_dict", checksums: list[int] | None = None) -> Any:
+    """The ``torch.save`` file ``name`` of ``folder`` (or, with ``kind="dcp_metadata"``, a DCP index) read
+    on the CPU by the strict reader (see the module's docstring), without running code from it and
+    without allocating more than it holds. The file is opened below ``folder`` without following a link,
+    as a regular file, never blocking (``files.Folder.open_file``). ``checksums``: a list the file's
+    checksum is appended to (from the CRC-32s its zip records carry, which the read checks: what the
+    ranks compare of a replicated file without reading it twice).
 
     Raises:
-        CheckpointError: the file is outside the folder, not a regular file, not a torch.save archive,
-            or holds anything the kind does not admit; naming the file and what it asked for.
+        CheckpointError: the file is a link, not a regular file, not a torch.save archive, or holds
+            anything the kind does not admit; naming the file and what it asked for.
     """
-    if folder is not None:
-        path = inside(folder, name, source=str(path))
-    with open_regular(path) as f:
+    source = str(folder.where(name))
+    with folder.open_file(name) as f:
         size = os.fstat(f.fileno()).st_size
         if kind == "dcp_metadata":
-            return load_pickle(f.read(size), str(path), kind=kind)
-        return _load_archive(f, size, str(path), kind)
+            data = f.read(size)
+            if checksums is not None:
+                checksums.append(zlib.crc32(data))
+            return load_pickle(data, source, kind=kind)
+        return _load_archive(f, size, source, kind, checksums)
 
 
 def load_bytes(data: bytes | bytearray | memoryview, source: str, *, kind: str = "state_dict") -> Any:
@@ -498,3 +897,49 @@ def load_pickle(data: bytes, source: str, *, kind: str = "dcp_metadata", own: tu
     allowed = {**_dcp_globals(), **{(cls.__module__, cls.__qualname__): cls for cls in own}}
     return _unpickle(bytes(data), source, kind, allowed)
 
+
+def check_tree(value: Any, source: str, bound: int, max_depth: int) -> None:
+    """``value``'s size as a tree (a container reached twice counts each time; strings and bytes
+    by their length too) is at most ``bound`` nodes, it nests no deeper than ``max_depth`` and holds
+    no cycle (a pickle can make a few bytes stand for 2**30 values, which a deep copy or a JSON dump
+    of the value would then write out). Each object is measured once (its size and height kept), so this is linear in the
+    objects, not in the tree."""
+    measured: dict[int, tuple[int, int]] = {}
+    open_: set[int] = set()
+
+    def measure(x: Any, depth: int) -> tuple[int, int]:
+        if isinstance(x, (str, bytes)):
+            return 1 + len(x) // 16, 0
+        if isinstance(x, Mapping):
+            children = [item for pair in x.items() for item in pair] + list(getattr(x, "__dict__", {}).values())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            children = list(x)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            children = [getattr(x, f.name, None) for f in dataclasses.fields(x)]
+        else:
+            return 1, 0
+        if id(x) in measured:
+            size, height = measured[id(x)]
+        else:
+            if id(x) in open_:
+                raise CheckpointError(f"{source} holds a container that contains itself; refused.")
+            open_.add(id(x))
+            size, height = 1, 0
+            for child in children:
+                if depth >= max_depth:
+                    raise CheckpointError(f"{source} nests containers more than {max_depth} deep; refused.")
+                child_size, child_height = measure(child, depth + 1)
+                size, height = size + child_size, max(height, child_height + 1)
+                if size > bound:
+                    break
+            open_.discard(id(x))
+            measured[id(x)] = size, height
+        if depth + height > max_depth:
+            raise CheckpointError(f"{source} nests containers more than {max_depth} deep; refused.")
+        if size > bound:
+            raise CheckpointError(f"{source} refers to its containers so often that, written out, it holds more "
+                                  f"than {bound} values (the bound its file's size gives); refused (a few "
+                                  f"bytes of shared references can stand for 2**30 values).")
+        return size, height
+
+    measure(value, 0)

@@ -1,23 +1,25 @@
-"""Saving: this rank's tensors of a checkpoint, the small files, and how they are written
-and published.
+"""Saving: this rank's tensors of a checkpoint, the small files, and how every rank writes and rank 0
+publishes.
 
-Every rank writes the pieces of the state it owns and its share of the (replicated) model
-tensors, straight from memory (``storage``); then, through the ranks' one write-and-publish
-(``publish.write_and_publish``), rank 0 writes the index, the small files and the completion
-record, swaps the link and applies the retention (``links``). A failure anywhere is a
-``CheckpointError`` on every rank. With ``async_save`` the tensors are staged into host buffers
-and the rest happens on the background writer (``writer``).
+Rank 0 decides (``agreement.decide``): it encodes the small files (a value nxd_smp's format cannot
+hold is refused on every rank with nothing on disk touched), creates the new version folder in the
+root (``files.Folder.mkdir``) and tells every rank its name and identity; every other rank opens it
+below the root without following a link and checks it is that folder (device and inode), so a
+folder swapped in meanwhile is refused, not written into. Then every rank writes the pieces of the
+state it owns and its share of the (replicated) model tensors into files it creates there
+(``storage``), and through the ranks' write-and-publish (``write_and_publish``) rank 0 writes the
+index, the small files and the completion record, checks the version is still its own, swaps the
+link and applies the retention (``versions``). A failure anywhere is a ``CheckpointError`` on every
+rank. With ``async_save`` the tensors are staged into host buffers and the rest happens on the
+background writer (``writer``), which owns duplicated descriptors of the root and the version.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import time
-import uuid
+import secrets
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,95 +27,105 @@ import torch
 import torch.nn as nn
 
 from ..backend import Backend
+from ..backend.agreement import decide, error_text
 from ..backend.coordination import Coordinator
-from ..core.dtensors import local_shape, local_state_dict, tensor_parallel_layout
+from ..core.dtensors import tensor_parallel_layout
 from ..core.errors import CheckpointError
 from ..zero1_optimizer import Zero1Optimizer
-from .format import (
-    COMPLETE_FILE,
-    FORMAT,
-    group_records,
-    managed_param_names,
-    master_key,
-    model_key,
-    scaler_key,
-    small_files,
-    state_key,
-)
-from .links import clear_folder, is_link_name, publish_version, replaceable_folder, retain, version_prefix
+from .files import Folder
 from .progress import phases
-from .publish import fsync_dir, write_and_publish
-from .resharding import named_pieces, saved_pieces
-from .storage import INDEX_FILE, IO_THREADS, write_bytes, write_index, write_tensors
+from .smp_format import completion_bytes, entries_to_save, small_files
+from .storage import INDEX_FILE, IO_THREADS, write_index, write_tensors
+from .versions import (
+    COMPLETE_FILE,
+    clear_folder,
+    is_link_name,
+    publish_version,
+    replaceable_folder,
+    retain,
+    version_prefix,
+)
 from .writer import stage, start_save
 
 log = logging.getLogger("nxd_smp.checkpoint")
 
 
-def save(
-    path: Path,
-    model: nn.Module,
-    optimizer: Zero1Optimizer | None,
-    backend: Backend,
-    *,
-    objects: Mapping[str, Any],
-    extra: Any,
-    save_master_weights: bool,
-    async_save: bool,
-    num_kept_ckpts: int | None,
-    progress: bool | None,
-) -> Path:
-    """``save_checkpoint`` once its arguments are checked and no save of this rank is in
-    flight: agree on a new version, write this rank's part (now, or staged and in the
-    background), publish. Returns the version directory."""
+def save(path: Path, model: nn.Module, optimizer: Zero1Optimizer | None, backend: Backend, *,
+         objects: Mapping[str, Any], extra: Any, save_master_weights: bool, async_save: bool,
+         num_kept_ckpts: int | None, progress: bool | None) -> Path:
+    """``save_checkpoint`` once its arguments are checked and no save of this rank is in flight:
+    decide a new version, write this rank's part (now, or staged and in the background), publish.
+    Returns the version directory."""
     coordinator = backend.coordinator
     if async_save:
         check_async_save(coordinator)
     if not is_link_name(path.name):
-        raise CheckpointError(f"{path}: a checkpoint's name must be a plain name, not hidden (names starting "
-                              f"with '.' are its versions' and the record of saves'); pick another.")
-    rank = coordinator.rank
+        raise CheckpointError(f"{path}: a checkpoint's name must be a plain name, not hidden (names starting with '.' "
+                              f"are its versions' and the record of saves'); pick another.")
+    layout = tensor_parallel_layout(model)
+    if layout is not None:  # one id for every tensor-parallel coordinate of this save: the join checks it
+        layout["save"] = decide(backend.world_coordinator, lambda: secrets.token_hex(16))
+    state, meta, copied = entries_to_save(model, optimizer, bool(save_master_weights), backend, layout)
+    small: dict[str, bytes] = {}
+    root: Folder | None = None
 
-    # The state first, and the small files encoded on rank 0, before anything is written: a value
-    # nxd_smp's format cannot hold is refused on every rank with nothing on disk touched.
-    state, meta, copied = state_to_save(model, optimizer, bool(save_master_weights), backend)
-    small, refused = {}, None
-    if rank == 0:
+    def begin() -> list:
+        """Rank 0: the small files encoded, the new version made; its name and identity for all."""
+        nonlocal small, root
         try:
             small, tensors = small_files(meta, extra, objects)
-            state.update(tensors)
-        except Exception as e:  # noqa: BLE001 - every rank learns why the save cannot be made
-            refused = f"{type(e).__name__}: {e}"
-    refused = coordinator.broadcast(refused)
-    if refused is not None:
-        raise (TypeError if refused.startswith("TypeError: ") else CheckpointError)(
-            f"nothing was saved to {path}: {refused.removeprefix('TypeError: ')}")
+        except TypeError as e:
+            raise TypeError(f"nothing was saved to {path}: {e}") from None
+        state.update(tensors)
+        root = Folder.open(path.parent, create=True)
+        if root.exists(path.name) and not root.is_link(path.name):
+            if not replaceable_folder(root, path.name):
+                raise CheckpointError(f"{path} exists and is not an nxd_smp checkpoint link; pass a new path (or tag) or "
+                                      f"remove it.")
+            clear_folder(root, path.name)  # an empty folder made for us (or NxD's markers only): the link takes its place
+        name = f"{version_prefix(path.name)}{secrets.token_hex(6)}"
+        with root.mkdir(name) as version:
+            return [name, *version.identity()]
 
-    version = coordinator.broadcast(f"{version_prefix(path)}{uuid.uuid4().hex[:12]}")
-    target = path.parent / version
-    if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if replaceable_folder(path):
-            clear_folder(path)  # an empty folder made for us (or with NxD's markers only): the link takes its place
-        target.mkdir()
-    coordinator.barrier()
-    job = dict(path=path, target=target, version=version, num_kept=num_kept_ckpts)
+    try:
+        name, *identity = decide(coordinator, begin)
+    except (CheckpointError, FileNotFoundError) as e:
+        raise CheckpointError(f"nothing was saved to {path}: {e}") from None
+    if root is None:
+        root = Folder.open(path.parent)
+    version = root.sub(name)
+    if version.identity() != tuple(identity):
+        version.close()
+        raise CheckpointError(f"{root.where(name)} is not the version rank 0 made for this save (it was replaced); "
+                              f"nothing was written.")
+    job = dict(root=root, version=version, path=path, name=name, identity=identity, num_kept=num_kept_ckpts)
     if not async_save:
-        with phases(progress, rank, ["write", "publish"], f"save {path.name}", log) as advance:
-            _write_and_publish(state, small, coordinator, advance=advance, **job)
-        return target
+        try:
+            with phases(progress, coordinator.rank, ["write", "publish"], f"save {path.name}", log) as advance:
+                _write_and_publish(state, small, coordinator, advance=advance, **job)
+        finally:
+            version.close()
+            root.close()
+        return root.where(name)
 
-    with phases(progress, rank, ["stage"], f"stage {path.name}", log) as advance:
+    with phases(progress, coordinator.rank, ["stage"], f"stage {path.name}", log) as advance:
         if not copied:  # the live tensors may change while they are written
             state = stage(state)
         advance("stage")
+    job.update(root=root.dup(), version=version.dup())  # the writer thread's own descriptors
+    version.close()
+    root.close()
 
     def work() -> None:
-        _write_and_publish(state, small, coordinator,
-                           advance=lambda name: log.info("save %s: %s", path.name, name), **job)
+        try:
+            _write_and_publish(state, small, coordinator, advance=lambda phase: log.info("save %s: %s", path.name, phase),
+                               **job)
+        finally:
+            job["version"].close()
+            job["root"].close()
 
     start_save(str(path), work)
-    return target
+    return path.parent / name
 
 
 def check_async_save(coordinator: Coordinator) -> None:
@@ -124,148 +136,65 @@ def check_async_save(coordinator: Coordinator) -> None:
     """
     if not coordinator.works_off_thread:
         raise CheckpointError(
-            "async_save=True needs a coordination that a background thread can use, and these XLA "
-            "replicas coordinate through xm.rendezvous, which only their own threads may call. Launch "
-            "with torchrun and init_process_group('xla') (a gloo group then coordinates), or save "
-            "with async_save=False."
-        )
+            "async_save=True needs a coordination that a background thread can use, and these XLA replicas "
+            "coordinate through xm.rendezvous, which only their own threads may call. Launch with torchrun and "
+            "init_process_group('xla') (a gloo group then coordinates), or save with async_save=False.")
 
 
-def _write_and_publish(
-    state: Mapping[str, torch.Tensor],
-    small_files: Mapping[str, bytes],
-    coordinator: Coordinator,
-    *,
-    path: Path,
-    target: Path,
-    version: str,
-    num_kept: int | None,
-    advance,
-) -> None:
-    """Every rank writes its tensors; then rank 0 writes the index, the small files, the
-    completion record, swaps ``path`` and applies the retention (``publish.write_and_publish``)."""
+def _write_and_publish(state: Mapping[str, torch.Tensor], small: Mapping[str, bytes], coordinator: Coordinator, *,
+                       root: Folder, version: Folder, path: Path, name: str, identity: list[int],
+                       num_kept: int | None, advance: Callable[[str], None]) -> None:
+    """Every rank writes its tensors into ``version``; then rank 0 writes the index, the small files and
+    the completion record, swaps the link and applies the retention."""
 
     def publish(written: list) -> None:
         entries = {}
         for part_entries, _ in written:  # replicated scalars (a bucket's step) come from several ranks
             for key, entry in part_entries.items():
                 entries.setdefault(key, entry)
-        files = {name: v for _, part_files in written for name, v in part_files.items()}
-        files[INDEX_FILE] = write_index(target, entries)
-        complete_and_publish(path, target, version, files, small_files, num_kept)
+        files = {file: v for _, part_files in written for file, v in part_files.items()}
+        files[INDEX_FILE] = write_index(version, entries)
+        for file, data in small.items():
+            version.write_bytes(file, data)
+            files[file] = [len(data), zlib.crc32(data)]
+        version.write_bytes(COMPLETE_FILE, completion_bytes(files))
+        version.fsync()
+        publish_version(root, path.name, name, tuple(identity))
+        if num_kept is not None:
+            retain(root, num_kept, newest=path.name)
 
-    write_and_publish(coordinator, lambda: write_tensors(target, f"__{coordinator.rank}_", state, threads=IO_THREADS),
+    write_and_publish(coordinator, lambda: write_tensors(version, f"__{coordinator.rank}_", state, threads=IO_THREADS),
                       publish, what=str(path), advance=advance)
 
 
-def complete_and_publish(
-    path: Path, target: Path, version: str, files: dict[str, list[int]], small_files: Mapping[str, bytes],
-    num_kept: int | None,
-) -> None:
-    for name, data in small_files.items():
-        write_bytes(target / name, data)
-        files[name] = [len(data), zlib.crc32(data)]
-    with open(target / COMPLETE_FILE, "w") as f:
-        json.dump({"format": FORMAT, "files": files, "saved_at_ns": time.time_ns()}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(target)
-    publish_version(path, version)
-    if num_kept is not None:
-        retain(path.parent, num_kept, newest=path)
+def write_and_publish(coordinator: Coordinator, write: Callable[[], Any], publish: Callable[[list[Any]], None], *,
+                      what: str, discard: Callable[[], None] | None = None,
+                      advance: Callable[[str], None] = lambda phase: None) -> None:
+    """Every rank of ``coordinator``'s group runs ``write()`` (its own files; a JSON value back), and all
+    learn every rank's outcome; then rank 0 decides: ``publish(results)`` (in rank order: what completes
+    the save and puts it in place), or ``discard()`` if a rank failed. Every rank ends with the same
+    outcome: a failure anywhere, of any kind, is a ``CheckpointError`` naming ``what`` on every rank.
+    nxd_smp's format and NxD's state-dict tags are both saved through it. ``advance``: told ``"write"``
+    and ``"publish"`` as they end."""
+    mine: dict[str, Any] = {"result": None, "error": None}
+    try:
+        mine["result"] = write()
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below
+        mine["error"] = f"rank {coordinator.rank}: {error_text(e)}"
+    gathered = coordinator.all_gather(mine)
+    failures = [part["error"] for part in gathered if part["error"]]
+    if not failures:
+        advance("write")
 
+    def finish() -> None:
+        if failures:
+            if discard is not None:
+                discard()
+            raise CheckpointError("; ".join(failures))
+        publish([part["result"] for part in gathered])
 
-def model_keys_of(rank: int, world_size: int, model_state: Mapping[str, torch.Tensor]) -> list[str]:
-    """The model tensors ``rank`` writes: each one by one rank (they are replicated), the
-    largest first to the rank with the fewest bytes so far, the same split on every rank."""
-    load = [0] * world_size
-    mine = []
-    for key in sorted(model_state, key=lambda k: (-model_state[k].numel() * model_state[k].element_size(), k)):
-        r = load.index(min(load))
-        load[r] += model_state[key].numel() * model_state[key].element_size()
-        if r == rank:
-            mine.append(key)
-    return mine
-
-
-def state_to_save(
-    model: nn.Module, optimizer: Zero1Optimizer | None, with_masters: bool, backend: Backend
-) -> tuple[dict[str, torch.Tensor], dict[str, Any], bool]:
-    """This rank's tensors of the checkpoint (on the host), the metadata, and whether the
-    tensors are copies (False: some are the live ones, which an asynchronous save stages)."""
-    model_state = local_state_dict(model)  # (a DTensor's part on this rank: one checkpoint per TP coordinate)
-    model_keys = {}
-    for key, value in model_state.items():
-        if not isinstance(value, torch.Tensor):
-            raise CheckpointError(f"model state '{key}' is not a tensor; nxd_smp saves tensors only.")
-        model_keys[key] = {"shape": tuple(value.shape), "dtype": str(backend.device_dtype(value.dtype))}
-    mine = model_keys_of(backend.rank, backend.world_size, model_state)
-    host, copied = backend.to_host([model_state[key] for key in mine])
-    state: dict[str, torch.Tensor] = {model_key(key): value for key, value in zip(mine, host)}
-    meta: dict[str, Any] = {"format": FORMAT, "model": model_keys, "optimizer": None}
-    layout = tensor_parallel_layout(model)
-    if layout is not None:
-        meta["tensor_parallel"] = layout
-    if optimizer is None:
-        return state, meta, copied
-
-    optimizer.adopt_param_changes()  # weights changed in place since the last step are the truth
-    names = managed_param_names(model, optimizer)
-    inner = optimizer.inner_optimizer
-    layouts, shards = optimizer.bucket_layouts, optimizer.inner_shards
-    tensor_keys: set[str] = set()
-    scalar_keys: set[str] = set()
-    for layout, shard in zip(layouts, shards):
-        for key, value in inner.state.get(shard, {}).items():
-            if not isinstance(value, torch.Tensor):
-                raise CheckpointError(f"inner optimizer state '{key}' is not a tensor; it cannot be sharded.")
-            if value.dim() == 0:
-                scalar_keys.add(key)
-            elif tuple(value.shape) == (layout.shard_numel,):
-                tensor_keys.add(key)
-            else:
-                raise CheckpointError(
-                    f"inner optimizer state '{key}' has shape {tuple(value.shape)}, neither a "
-                    f"scalar nor the shard's ({layout.shard_numel},); it cannot be resharded."
-                )
-    # Whole shards to the host at once (one transfer each on XLA), cut into pieces there.
-    live = [(b, key, value) for b, shard in enumerate(shards) for key, value in inner.state.get(shard, {}).items()]
-    live += [(b, None, master) for b, master in enumerate(optimizer.master_shards)] if with_masters else []
-    host, copied_shards = backend.to_host([value for _, _, value in live])
-    shard_state: list[dict[Any, torch.Tensor]] = [{} for _ in shards]
-    for (b, key, _), value in zip(live, host):
-        shard_state[b][key] = value
-    for b, name, piece in named_pieces(layouts, optimizer.rank, names):
-        span = slice(piece.shard_start, piece.shard_start + piece.numel)
-        for key, value in shard_state[b].items():
-            if key is None:
-                state[master_key(name, piece.param_start)] = value[span]
-            elif value.dim() == 0:
-                state[state_key(name, key)] = value
-            else:
-                state[state_key(name, key, piece.param_start)] = value[span]
-
-    scaler = optimizer.loss_scaler
-    if scaler is not None:
-        scaler_state = scaler.state_dict()
-        values, copied_scaler = backend.to_host(list(scaler_state.values()))
-        copied_shards = copied_shards and copied_scaler
-        state.update({scaler_key(key): value for key, value in zip(scaler_state, values)})
-
-    params = {
-        name: {"shape": tuple(local_shape(p)), "dtype": str(backend.device_dtype(p.dtype))}
-        for name, p in zip(names, optimizer.managed_params)
-    }
-    meta["optimizer"] = {
-        "world_size": optimizer.world_size,
-        "mixed_precision": optimizer.mixed_precision.to_dict(),
-        "master_weights": with_masters,
-        "params": params,
-        "pieces": saved_pieces(layouts, optimizer.world_size, names),
-        "groups": group_records(optimizer, names),
-        "tensor_keys": sorted(tensor_keys),
-        "scalar_keys": sorted(scalar_keys),
-        "inner_class": type(inner).__name__,
-        "loss_scaler": scaler is not None,
-    }
-    return state, meta, copied and copied_shards
+    try:
+        decide(coordinator, finish)
+    except (CheckpointError, FileNotFoundError, TypeError) as e:
+        raise CheckpointError(f"the save of {what} failed: {e}") from None
+    advance("publish")

@@ -25,6 +25,14 @@ bytes                          ``{"$bytes": base64}``
 Anything else is refused when it is saved (``encode``), naming where it is and what to do. A file
 decodes into a tree: every tensor entry is referred to once, nesting is bounded, and a tag, key or
 dtype outside this table is a ``CheckpointError`` naming the file and the place (``decode``).
+
+Reading costs time and memory linear in the file: ``json.loads`` (C) builds at most one object per
+byte of input, and ``decode`` charges every node it builds to a budget linear in the file's size
+(``budget.Budget``), stopping at the first overrun. A key of a ``$dict`` is one whose hash an
+attacker cannot make collide (Python's int hashes are not randomised: ``hash(k * (2**61 - 1)) == 0``,
+so colliding keys would make building the dict quadratic): a string, bytes, bool, None, a float, a
+dtype, or an int below ``2**61 - 1`` in size (``hash_safe_key``); of any other key (a tuple) one dict
+holds at most ``MAX_COLLIDABLE_KEYS``, when it is written and when it is read.
 """
 
 from __future__ import annotations
@@ -40,8 +48,33 @@ from typing import Any
 import torch
 
 from ..core.errors import CheckpointError
+from .budget import Budget
 
 MAX_DEPTH = 100
+#: Budget units (about bytes of memory) ``decode`` may spend per byte of its file: a node of the parsed
+#: JSON is at least 2 bytes of it and becomes one Python object of at most ~100 bytes.
+_DECODE_PER_BYTE = 64
+_DECODE_FLOOR = 1 << 16
+_INT_HASH_LIMIT = (1 << 61) - 1
+
+
+#: The most keys of one dict whose hashes an attacker could make collide (tuples, ints of 2**61 and
+#: more): a few keys of a user's own are such, and their dict costs at most this many squared steps.
+MAX_COLLIDABLE_KEYS = 1024
+
+
+def hash_safe_key(key: Any) -> bool:
+    """Whether ``key`` is a dict key whose hash an attacker cannot make collide with others': strings and
+    bytes (hashed with a random seed), ints below ``2**61 - 1`` in size (they hash to themselves, so
+    distinct ones differ), floats (they collide only in a handful of classes), bools, None, dtypes (hashed
+    by identity). Other keys (tuples, bigger ints) count against ``MAX_COLLIDABLE_KEYS`` per dict."""
+    if isinstance(key, (str, bytes, float, torch.dtype)) or key is None or isinstance(key, bool):
+        return True
+    return type(key) is int and -_INT_HASH_LIMIT < key < _INT_HASH_LIMIT
+
+
+def _collidable(keys: Any) -> int:
+    return sum(1 for key in keys if not hash_safe_key(key))
 _FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _TAGS = frozenset({"$float", "$tuple", "$dict", "$odict", "$bytes", "$dtype", "$size", "$tensor"})
 
@@ -83,6 +116,10 @@ def encode(value: Any, tensor: Callable[[torch.Tensor], str], *, what: str = "ex
         if type(item) is dict and all(isinstance(k, str) and not k.startswith("$") for k in item):
             return {k: walk(v, (*at, k)) for k, v in item.items()}
         if type(item) in (dict, collections.OrderedDict):
+            if _collidable(item) > MAX_COLLIDABLE_KEYS:
+                raise TypeError(f"{what}{_where(at)} has more than {MAX_COLLIDABLE_KEYS} keys that are tuples or ints "
+                                f"of 2**61 and more, whose hashes a file could make collide; checkpoints keep at most "
+                                f"that many in one dict. Use string keys.")
             tag = "$dict" if type(item) is dict else "$odict"
             return {tag: [[walk(k, (*at, "<key>")), walk(v, (*at, k))] for k, v in item.items()]}
         if type(item) is bytes:
@@ -106,7 +143,7 @@ def encode(value: Any, tensor: Callable[[torch.Tensor], str], *, what: str = "ex
     return walk(value, ())
 
 
-def decode(value: Any, tensor: Callable[[str], torch.Tensor], source: str) -> Any:
+def decode(value: Any, tensor: Callable[[str], torch.Tensor], source: str, *, size: int = 0) -> Any:
     """The value ``encode`` wrote as ``value`` (parsed JSON), each ``{"$tensor": key}`` replaced by
     ``tensor(key)``, which reads that raw entry. ``source`` names the file in errors.
 
@@ -115,6 +152,8 @@ def decode(value: Any, tensor: Callable[[str], torch.Tensor], source: str) -> An
             deeper than ``MAX_DEPTH``; naming ``source`` and the place.
     """
     used: set[str] = set()
+    budget = Budget.linear(size, source, per_byte=_DECODE_PER_BYTE, floor=_DECODE_FLOOR,
+                           what="bytes of memory to decode", counted="the file")
 
     def refuse(at: tuple, what: str) -> CheckpointError:
         return CheckpointError(f"{source}{_where(at)}: {what}; refused (nxd_smp writes no such value).")
@@ -122,17 +161,23 @@ def decode(value: Any, tensor: Callable[[str], torch.Tensor], source: str) -> An
     def pairs(payload: Any, at: tuple) -> list[tuple[Any, Any]]:
         if not isinstance(payload, list) or not all(isinstance(p, list) and len(p) == 2 for p in payload):
             raise refuse(at, "a dict that is not a list of [key, value] pairs")
-        out = []
+        out, collidable = [], 0
         for k, v in payload:
             key = walk(k, (*at, "<key>"))
             try:
                 hash(key)
             except TypeError:
                 raise refuse(at, f"a key of type {type(key).__name__}, which cannot be a key") from None
+            collidable += not hash_safe_key(key)
+            if collidable > MAX_COLLIDABLE_KEYS:
+                raise refuse(at, f"more than {MAX_COLLIDABLE_KEYS} keys that are tuples or ints of 2**61 and more "
+                                 f"(their hashes can be made to collide, and the dict built in quadratic time)")
             out.append((key, walk(v, (*at, key))))
         return out
 
     def walk(item: Any, at: tuple) -> Any:
+        budget.charge(64 + (len(item) if isinstance(item, str) else 8 * len(item) if isinstance(item, (list, dict))
+                            else 0))
         if len(at) > MAX_DEPTH:
             raise refuse(at[:4], f"containers nested more than {MAX_DEPTH} deep")
         if item is None or isinstance(item, (bool, int, str)):

@@ -44,7 +44,7 @@ from transformers import TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..checkpointing.outputs import write_file
+from ..checkpointing.files import write_output_file
 from ..optim.clip_watch import silence
 from ..zero1_optimizer import STATE_LOADED, Zero1Optimizer, zero1_optimizer_of
 from .loop_checkpoints import checkpoint_reference, is_reference, load_beside, save_beside
@@ -204,7 +204,7 @@ class Zero1TrainerCallback(TrainerCallback):
         file = self._checkpoint_folder(args, state.global_step) / OPTIMIZER_NAME
         if args.should_save and file.exists():
             reference = self._trainer.optimizer.state_dict()
-            write_file(file, lambda f: torch.save(reference, f), overwrite=True)
+            write_output_file(file, lambda f: torch.save(reference, f), overwrite=True)
 
     def _load_beside(self, optimizer: Zero1Optimizer, state_dict: Any) -> Any:
         """The optimizer's load pre-hook: the Trainer hands every rank ``optimizer.pt``; a

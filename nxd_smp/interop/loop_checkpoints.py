@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import uuid
 import weakref
 from collections.abc import Mapping
@@ -31,8 +32,9 @@ from typing import Any
 import torch.nn as nn
 
 from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpointing.check import is_size
+from ..checkpointing.files import Folder
 from ..checkpointing.reader import load_file
-from ..checkpointing.values import is_size
 from ..core.errors import CheckpointError
 from ..optim.rank_state import add_hint
 from ..optim.state_fit import describe
@@ -242,7 +244,13 @@ def read_reference(file: str | os.PathLike) -> dict[str, Any] | None:
             reference.
     """
     file = Path(file)
-    if not file.is_file() or file.stat().st_size > _REFERENCE_MAX_BYTES:
+    try:
+        folder = Folder.open(file.parent)
+    except (FileNotFoundError, CheckpointError):
         return None
-    value = load_file(file, folder=file.parent, name=file.name)
+    with folder:
+        found = folder.lstat(file.name)
+        if found is None or not stat.S_ISREG(found.st_mode) or found.st_size > _REFERENCE_MAX_BYTES:
+            return None
+        value = load_file(folder, file.name)
     return check_reference(value, str(file)) if is_reference(value) else None

@@ -41,16 +41,15 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta, TensorStorageMetadata
 
-from ..backend.agreement import agree
-from ..checkpointing.dcp_index import DcpEntry, read_dcp_index
-from ..checkpointing.storage import INDEX_FILE
-from ..checkpointing.format import check_args, group_hyperparameters, managed_param_names, param_group_names
-from ..checkpointing.load import check_full_optimizer_state, install_full_optimizer_state, name_differences
-from ..checkpointing.outputs import check_target, write_directory, write_file
+from ..checkpoint import check_args
+from ..checkpointing.check import group_hyperparameters, is_shape, name_differences
+from ..checkpointing.dcp_index import METADATA_FILE, DcpEntry, read_dcp_index
+from ..checkpointing.files import Folder, check_output, write_output_directory, write_output_file
+from ..checkpointing.pipeline import full_state, run
 from ..checkpointing.reader import UnsafeFileError
-from ..checkpointing.storage import read_record
+from ..checkpointing.staged import Request, Staged, Targets
+from ..checkpointing.storage import INDEX_FILE, read_record
 from ..checkpointing.tools import read_whole_checkpoint
-from ..checkpointing.values import check_cast, is_shape
 from ..core.dtensors import is_dtensor
 from ..core.errors import CheckpointError
 from ..zero1_optimizer import Zero1Optimizer
@@ -105,7 +104,7 @@ def export_torch(path: str | os.PathLike | Sequence[str | os.PathLike], out_dir:
             ``torch.optim`` class.
         TypeError: ``out_dir`` is not a path or ``overwrite`` not a bool.
     """
-    out = check_target(out_dir, overwrite=overwrite, directory=True)
+    out = check_output(out_dir, overwrite=overwrite, directory=True)
     full = read_whole_checkpoint(path)
     opt = full["optimizer"]
     masters = None if opt is None else opt["master_weights"]
@@ -131,7 +130,7 @@ def export_torch(path: str | os.PathLike | Sequence[str | os.PathLike], out_dir:
     state: dict[str, Any] = {MODEL: model_sd}
     if opt is not None:
         state[OPTIM] = _torch_optim_state_dict(opt, opt["inner_class"])
-    return write_directory(out, lambda staging: _save_dcp(state, staging, out), overwrite=overwrite)
+    return write_output_directory(out, lambda staging: _save_dcp(state, staging, out), overwrite=overwrite)
 
 
 def _torch_optim_state_dict(opt: Mapping[str, Any], inner_class: str) -> dict[str, Any]:
@@ -168,7 +167,7 @@ class _Writer(torch.distributed.checkpoint.FileSystemWriter):
     """DCP's file writer, recording the final directory (not the temporary one it writes
     into) as the checkpoint id in the index."""
 
-    def __init__(self, path: Path, final: Path):
+    def __init__(self, path: str, final: Path):
         super().__init__(path)
         self._final = final
 
@@ -176,9 +175,9 @@ class _Writer(torch.distributed.checkpoint.FileSystemWriter):
         return StorageMeta(checkpoint_id=self._final, save_id=self.save_id)
 
 
-def _save_dcp(state: dict[str, Any], staging: Path, out: Path) -> None:
-    """``dcp.save(state)`` in this process only, into the fresh directory ``staging`` that
-    will become ``out`` (the checkpoint id the index records)."""
+def _save_dcp(state: dict[str, Any], staging: str, out: Path) -> None:
+    """``dcp.save(state)`` in this process only, into the new directory ``staging`` (a path through its
+    descriptor) that will become ``out`` (the checkpoint id the index records)."""
     with warnings.catch_warnings():
         # no_dist=True is the point here, not a fallback; storage() is DCP's own call.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -216,7 +215,7 @@ def export_safetensors(
         from safetensors.torch import save
     except ImportError:
         raise ImportError("export_safetensors needs the safetensors package: pip install safetensors") from None
-    out = check_target(out_file, overwrite=overwrite, directory=False)
+    out = check_output(out_file, overwrite=overwrite, directory=False)
     full = read_whole_checkpoint(path)
     tensors = dict(full["model"])
     if masters:
@@ -228,110 +227,93 @@ def export_safetensors(
             )
         tensors.update(opt["master_weights"])
     tensors = {key: value.contiguous() for key, value in tensors.items()}
-    return write_file(out, lambda f: f.write(save(tensors, metadata={"format": "pt"})), overwrite=overwrite)
+    return write_output_file(out, lambda f: f.write(save(tensors, metadata={"format": "pt"})), overwrite=overwrite)
 
 
 # ---------------------------------------------------------------------------- import
-def _native_index(directory: Path) -> dict[tuple, tuple[str, DcpEntry]]:
-    """Every entry of the DCP checkpoint in ``directory`` by its path in the saved state dict
+def _native_index(folder: Folder) -> dict[tuple, tuple[str, DcpEntry]]:
+    """Every entry of the DCP checkpoint in ``folder`` by its path in the saved state dict
     (``("optim", "state", fqn, "exp_avg")``), with its flat key: the one DCP index reader's
     (``dcp_index.read_dcp_index``), nothing else, each record a DCP ``FileSystemWriter`` record.
 
     Raises:
         CheckpointError: a missing, refused or damaged index, or one this reader cannot follow.
     """
-    if not (directory / ".metadata").is_file():
-        ours = (directory / INDEX_FILE).is_file()
-        raise CheckpointError(f"{directory} has no .metadata: it is not a torch.distributed.checkpoint directory"
+    if not folder.is_file(METADATA_FILE):
+        ours = folder.is_file(INDEX_FILE)
+        raise CheckpointError(f"{folder.where()} has no .metadata: it is not a torch.distributed.checkpoint directory"
                               + ("; it is an nxd_smp checkpoint, which loads with nxd_smp.load_checkpoint." if ours
                                  else "."))
     try:
-        entries = read_dcp_index(directory)
+        entries = read_dcp_index(folder)
     except UnsafeFileError as e:
-        raise CheckpointError(f"the checkpoint at {directory} was refused: {e}") from None
+        raise CheckpointError(f"the checkpoint at {folder.where()} was refused: {e}") from None
     out: dict[tuple, tuple[str, DcpEntry]] = {}
     for key, entry in entries.items():
-        raw = [type(info).__name__ for info, _ in entry.records.values() if type(info).__name__ != "_StorageInfo"]
-        if raw:
-            raise CheckpointError(
-                f"{directory} is not a DCP FileSystemWriter checkpoint (entry {key!r} is stored as {raw[0]}); an "
-                f"nxd_smp checkpoint loads with nxd_smp.load_checkpoint."
-            )
         if entry.path is None:
-            raise CheckpointError(
-                f"{directory}: entry {key!r} has no path in the index's planner data; save with DCP's "
-                f"default planner (it flattens the state dict and records each entry's path)."
-            )
+            raise CheckpointError(f"{folder.where()}: entry {key!r} has no path in the index's planner data; save with "
+                                  f"DCP's default planner (it flattens the state dict and records each entry's path).")
         out[entry.path] = (key, entry)
     return out
 
 
-def _read_entry(directory: Path, key: str, entry: DcpEntry) -> Any:
-    """An entry's value: a tensor assembled from its chunks, or a non-tensor object; each
-    record through the strict reader (``checkpointing.reader``)."""
+def _read_entry(folder: Folder, key: str, entry: DcpEntry) -> Any:
+    """An entry's value: a tensor assembled from its chunks, or a non-tensor object; each record through
+    the strict reader (``checkpointing.reader``)."""
+    where = folder.where()
     try:
         if isinstance(entry.meta, BytesStorageMetadata):
             info = entry.records.get(None)
             if info is None:
-                raise CheckpointError(f"{directory}: no record for {key!r}.")
-            return read_record(directory, info[0].relative_path, info[0].offset, info[0].length, key)
+                raise CheckpointError(f"{where}: no record for {key!r}.")
+            return read_record(folder, info.relative_path, info.offset, info.length, key)
         size, dtype = tuple(entry.meta.size), entry.meta.properties.dtype
         if not isinstance(dtype, torch.dtype) or not is_shape(size):
-            raise CheckpointError(f"{directory}: the index gives {key!r} the shape {size} and dtype {dtype!r}.")
+            raise CheckpointError(f"{where}: the index gives {key!r} the shape {size} and dtype {dtype!r}.")
         whole = torch.empty(size, dtype=dtype)
         covered = torch.zeros(size, dtype=torch.bool)
         for chunk in entry.meta.chunks:
             offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-            record = entry.records.get(offsets)
-            if record is None or len(offsets) != len(size) or any(
-                o < 0 or o + s > n for o, s, n in zip(offsets, sizes, size)
-            ):
-                raise CheckpointError(f"{directory}: chunk {offsets} of {key!r} is missing or out of bounds.")
-            info = record[0]
-            piece = read_record(directory, info.relative_path, info.offset, info.length, key)
+            info = entry.records.get(offsets)
+            if info is None or len(offsets) != len(size) or len(sizes) != len(size) or any(
+                    o < 0 or o + s > n for o, s, n in zip(offsets, sizes, size)):
+                raise CheckpointError(f"{where}: chunk {offsets} of {key!r} is missing or out of bounds.")
+            piece = read_record(folder, info.relative_path, info.offset, info.length, key)
             if not isinstance(piece, torch.Tensor) or tuple(piece.shape) != sizes or piece.dtype != dtype:
-                raise CheckpointError(f"{directory}: the record of {key!r} at {offsets} is not the {sizes} "
-                                      f"{dtype} tensor its index says.")
+                raise CheckpointError(f"{where}: the record of {key!r} at {offsets} is not the {sizes} {dtype} tensor "
+                                      f"its index says.")
             span = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
             if bool(covered[span].any()):
-                raise CheckpointError(f"{directory}: the chunks of {key!r} overlap at {offsets}.")
+                raise CheckpointError(f"{where}: the chunks of {key!r} overlap at {offsets}.")
             whole[span].copy_(piece)
             covered[span] = True
         if not bool(covered.all()):
-            raise CheckpointError(f"{directory}: the chunks of {key!r} cover {int(covered.sum())} of its "
-                                  f"{whole.numel()} elements.")
+            raise CheckpointError(f"{where}: the chunks of {key!r} cover {int(covered.sum())} of its {whole.numel()} "
+                                  f"elements.")
         return whole
     except UnsafeFileError as e:
-        raise CheckpointError(f"the checkpoint at {directory} was refused: {e}") from None
+        raise CheckpointError(f"the checkpoint at {where} was refused: {e}") from None
     except (CheckpointError, OSError) as e:
-        raise CheckpointError(f"the checkpoint at {directory} is damaged or refused: {e}") from e
-
-
-def _named(problems: list[str], what: str, names) -> None:
-    names = sorted(names)
-    if names:
-        problems.append(f"{what}: {names[:8]}" + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
+        raise CheckpointError(f"the checkpoint at {where} is damaged or refused: {e}") from e
 
 
 def import_torch(path: str | os.PathLike, *, model: nn.Module, optimizer: Zero1Optimizer) -> None:
-    """Load a native DCP checkpoint ``{"model": model_sd, "optim": optim_sd}`` (what a torch
-    run saves with ``dcp.save`` after ``get_state_dict(model, optimizer)``, under DDP, FSDP2
-    or in one process) into ``model`` and ``optimizer`` at the optimizer's own DP size.
-    Every rank calls it and reads everything itself; the reading communicates with no one
-    (the install publishes the masters into the parameters, as a step does).
+    """Load a native DCP checkpoint ``{"model": model_sd, "optim": optim_sd}`` (what a torch run saves
+    with ``dcp.save`` after ``get_state_dict(model, optimizer)``, under DDP, FSDP2 or in one process) into
+    ``model`` and ``optimizer`` at the optimizer's own DP size. Every rank calls it and reads everything
+    itself; the reading communicates with no one.
 
-    The native parameters (fp32) become the master weights and the model's parameters
-    those masters rounded to its dtype; buffers and other non-managed entries are cast to
-    the model's dtypes. The optimizer state is taken by parameter FQN, the
-    hyperparameters from the native group holding each of ``optimizer``'s groups (other
-    top-level entries, such as a scheduler's, are not read; a loss scaler keeps its state).
-    Everything is read and checked before anything changes. Nothing read can run code: the
-    index is unpickled by the strict reader's DCP-metadata allow-list, every record loaded by its
-    state-dict allow-list (``checkpointing.reader``).
+    The native parameters (fp32) become the master weights and the model's parameters those masters
+    rounded to its dtype; buffers and other non-managed entries are cast to the model's dtypes (each must
+    convert exactly). The optimizer state is taken by parameter FQN, the hyperparameters from the native
+    group holding each of ``optimizer``'s groups (other top-level entries, such as a scheduler's, are not
+    read; a loss scaler keeps its state). It runs nxd_smp's one load pipeline: read (the index unpickled
+    by the strict reader's DCP-metadata allow-list, every record by its state-dict allow-list), check,
+    the ranks' agreement, install; nothing changes unless every rank's check passed.
 
     Raises:
-        CheckpointError: no or a refused/damaged index or record; missing or surplus names,
-            shapes that differ, groups that do not fit; each named.
+        CheckpointError: no or a refused/damaged index or record; missing or surplus names, shapes that
+            differ, groups that do not fit; each named.
     """
     optimizer = check_args(model, optimizer)  # (a torch optimizer loads with dcp.load and set_state_dict)
     if optimizer is None:
@@ -341,118 +323,90 @@ def import_torch(path: str | os.PathLike, *, model: nn.Module, optimizer: Zero1O
             "import_torch installs whole tensors into a model without DTensors; this model's parameters are "
             "DTensors. Load the weights with dcp.load into model.state_dict() and model.load_state_dict(...), then "
             "build the Zero1Optimizer (its masters from those weights; the optimizer state starts afresh).")
-    # all ranks commit, or none
-    native_model, state, hypers, masters = agree(
-        optimizer.backend.coordinator, lambda: (_read_and_check(Path(path), model, optimizer), None))
-    live = model.state_dict()
-    with torch.no_grad():
-        model.load_state_dict({key: native_model[key].to(value.dtype) for key, value in live.items()}, strict=True)
-    install_full_optimizer_state(model, optimizer, state, hypers, masters)
+    targets = Targets(model=model, optimizer=optimizer, objects={}, backend=optimizer.backend)
+    run(lambda request: _read(Path(path), model, optimizer, request), targets, what=str(path))
 
 
-def _read_and_check(directory: Path, model: nn.Module, optimizer: Zero1Optimizer):
-    """``import_torch``'s reading on this rank: everything read and checked against the live
-    objects, nothing changed. Returns (model state, optimizer state by name, hyperparameters
-    per group, masters or None)."""
-    index = _native_index(directory)
-    tops = sorted({str(where[0]) for where in index})
-    model_entries: dict[str, tuple[str, DcpEntry]] = {}
-    state_entries: dict[tuple, tuple[str, DcpEntry]] = {}
-    group_entries: dict[tuple, tuple[str, DcpEntry]] = {}
-    odd = []
-    for where, found in index.items():
-        if where[0] == MODEL and len(where) == 2:
-            model_entries[where[1]] = found
-        elif where[:2] == (OPTIM, "state") and len(where) == 4:
-            state_entries[where[2:]] = found
-        elif where[:2] == (OPTIM, "param_groups") and len(where) == 4:
-            group_entries[where[2:]] = found
-        elif where[0] in (MODEL, OPTIM):
-            odd.append(found[0])
-    if odd:
-        raise CheckpointError(f"{directory} holds entries outside get_state_dict's layout: {sorted(odd)[:8]}.")
-    if not model_entries or not group_entries:
-        raise CheckpointError(
-            f"{directory} holds top-level entries {tops}; import_torch needs 'model' and 'optim' as "
-            f"get_state_dict(model, optimizer) returns them (load the weights alone with "
-            f"dcp.load and model.load_state_dict)."
-        )
-
-    # Names, checked before any tensor is read.
-    live = model.state_dict()
-    names = managed_param_names(model, optimizer)
-    problems = name_differences(live, model_entries, "missing from the checkpoint",
-                                "in the checkpoint but not in the model")
-    for key in sorted(set(live) & set(model_entries)):
-        meta = model_entries[key][1].meta
-        if not isinstance(meta, TensorStorageMetadata):
-            problems.append(f"{key}: not a tensor in the checkpoint")
-        elif tuple(meta.size) != tuple(live[key].shape):
-            problems.append(f"{key}: shape {tuple(meta.size)} in the checkpoint, {tuple(live[key].shape)} in the model")
-    if problems:
-        raise CheckpointError(f"the checkpoint at {directory} does not fit the model: " + "; ".join(problems) + ".")
-
-    groups: dict[int, dict[str, Any]] = {}
-    for (number, key), (flat, entry) in group_entries.items():
-        if isinstance(entry.meta, TensorStorageMetadata) and math.prod(entry.meta.size) > 64:
-            files = sorted({str(info.relative_path) for info, _ in entry.records.values()})
-            raise CheckpointError(f"{directory}: param group {number}'s {key!r} (in {files}) is a tensor of shape "
-                                  f"{tuple(entry.meta.size)}; a hyperparameter is a number. Refused.")
-        groups.setdefault(number, {})[key] = _read_entry(directory, flat, entry)
-    if sorted(groups) != list(range(len(groups))) or not all(
-        isinstance(g.get("params"), list) and all(isinstance(n, str) for n in g["params"]) for g in groups.values()
-    ):
-        raise CheckpointError(f"{directory}: the param groups are not get_state_dict's (a list, each with "
-                              f"its parameters' FQNs under 'params').")
-    native_group = {fqn: number for number, g in groups.items() for fqn in g["params"]}
-    state_names = {fqn for fqn, _ in state_entries}
-    problems += name_differences(names, native_group, "parameters the native optimizer lacks",
-                                 "native optimizer parameters the optimizer does not manage")
-    _named(problems, "state for parameters the optimizer does not manage", state_names - set(names))
-    if state_names & set(names):  # all or none: a step updates every parameter's state
-        _named(problems, "parameters without native optimizer state", set(names) - state_names)
-    hypers = []
-    for mine, group in zip(param_group_names(model, optimizer), optimizer.param_groups):
-        found = sorted({native_group[n] for n in mine if n in native_group})
-        if len(found) > 1:
-            problems.append(f"the optimizer's group of {mine[:4]} spans the native groups {found}")
-        if not found:  # no parameters (or all missing, named above)
-            hypers.append(group_hyperparameters(group))
-            continue
-        native = {k: v for k, v in groups[found[0]].items() if k != "params"}
-        _named(problems, f"hyperparameters native group {found[0]} lacks (another optimizer class?)",
-               set(group_hyperparameters(group)) - set(native))
-        hypers.append(native)
-    managed = set(names)
-    keys_of: dict[str, set[str]] = {}
-    for fqn, key in state_entries:
-        keys_of.setdefault(fqn, set()).add(key)
-    kinds = {frozenset(keys) for fqn, keys in keys_of.items() if fqn in managed}
-    if len(kinds) > 1:
-        problems.append(f"the parameters' native state keys differ: {sorted(sorted(k) for k in kinds)}")
-    for (fqn, key), (_, entry) in state_entries.items():
-        if fqn in managed and isinstance(entry.meta, TensorStorageMetadata):
-            shape, param = tuple(entry.meta.size), tuple(live[fqn].shape)
-            if shape and shape != param:
-                problems.append(f"state {fqn}/{key}: shape {shape}, the parameter is {param}")
-        elif fqn in managed:
-            problems.append(f"state {fqn}/{key} is not a tensor; Zero1Optimizer shards tensor state only")
-    if problems:
-        raise CheckpointError(f"the checkpoint at {directory} does not fit the optimizer: " + "; ".join(problems) + ".")
-
-    # Read everything, then install.
-    native_model = {key: _read_entry(directory, flat, entry) for key, (flat, entry) in model_entries.items()}
-    state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in names}
-    for (fqn, key), (flat, entry) in state_entries.items():
-        state[fqn][key] = _read_entry(directory, flat, entry)
-    problems = []
-    for key, value in live.items():
-        try:
-            check_cast(native_model[key], value.dtype, f"{directory}: {key}")
-        except CheckpointError as e:
-            problems.append(str(e))
-    if problems:
-        raise CheckpointError("; ".join(problems) + ".")
-    masters = {name: native_model[name] for name in names} if optimizer.mixed_precision.use_master_weights else None
-    check_full_optimizer_state(model, optimizer, state, hypers, masters, source=directory / ".metadata")
-    return native_model, state, hypers, masters
+def _read(directory: Path, model: nn.Module, optimizer: Zero1Optimizer, request: Request) -> Staged:
+    """``import_torch``'s reader: the model's entries the live model has, the native optimizer state of
+    the managed parameters, each live group's hyperparameters from its native group, the native fp32
+    parameters as the masters."""
+    with Folder.open(directory) as folder:
+        index = _native_index(folder)
+        tops = sorted({str(where[0]) for where in index})
+        model_entries: dict[str, tuple[str, DcpEntry]] = {}
+        state_entries: dict[tuple, tuple[str, DcpEntry]] = {}
+        group_entries: dict[tuple, tuple[str, DcpEntry]] = {}
+        odd = []
+        for where, found in index.items():
+            if where[0] == MODEL and len(where) == 2 and isinstance(where[1], str):
+                model_entries[where[1]] = found
+            elif where[:2] == (OPTIM, "state") and len(where) == 4 and all(isinstance(w, str) for w in where[2:]):
+                state_entries[where[2:]] = found
+            elif where[:2] == (OPTIM, "param_groups") and len(where) == 4 and type(where[2]) is int \
+                    and isinstance(where[3], str):
+                group_entries[where[2:]] = found
+            elif where[0] in (MODEL, OPTIM):
+                odd.append(found[0])
+        if odd:
+            raise CheckpointError(f"{directory} holds entries outside get_state_dict's layout: {sorted(odd)[:8]}.")
+        if not model_entries or not group_entries:
+            raise CheckpointError(f"{directory} holds top-level entries {tops}; import_torch needs 'model' and 'optim' "
+                                  f"as get_state_dict(model, optimizer) returns them (load the weights alone with "
+                                  f"dcp.load and model.load_state_dict).")
+        problems: list[str] = []
+        groups: dict[int, dict[str, Any]] = {}
+        for (number, key), (flat, entry) in group_entries.items():
+            if isinstance(entry.meta, TensorStorageMetadata) and math.prod(entry.meta.size) > 64:
+                files = sorted({str(info.relative_path) for info in entry.records.values()})
+                raise CheckpointError(f"{directory}: param group {number}'s {key!r} (in {files}) is a tensor of shape "
+                                      f"{tuple(entry.meta.size)}; a hyperparameter is a number. Refused.")
+            if number > len(group_entries):
+                raise CheckpointError(f"{directory}: param group {number} of {len(group_entries)} entries; refused.")
+            groups.setdefault(number, {})[key] = _read_entry(folder, flat, entry)
+        if sorted(groups) != list(range(len(groups))) or not all(
+                isinstance(g.get("params"), list) and all(isinstance(n, str) for n in g["params"]) for g in groups.values()):
+            raise CheckpointError(f"{directory}: the param groups are not get_state_dict's (a list, each with its "
+                                  f"parameters' FQNs under 'params').")
+        names = request.optimizer.names
+        native_group = {fqn: number for number, g in groups.items() for fqn in g["params"]}
+        problems += name_differences(names, native_group, "parameters the native optimizer lacks",
+                                     "native optimizer parameters the optimizer does not manage")
+        hypers = []
+        for mine, group in zip(request.optimizer.groups, optimizer.param_groups):
+            found = sorted({native_group[n] for n in mine if n in native_group})
+            if len(found) > 1:
+                problems.append(f"the optimizer's group of {mine[:4]} spans the native groups {found}")
+            if not found:  # no parameters (or all missing, named above)
+                hypers.append(group_hyperparameters(group))
+                continue
+            native = {k: v for k, v in groups[found[0]].items() if k != "params"}
+            lacking = sorted(set(group_hyperparameters(group)) - set(native))
+            if lacking:
+                problems.append(f"hyperparameters native group {found[0]} lacks (another optimizer class?): {lacking}")
+            hypers.append(native)
+        managed = set(names)
+        state_names = {fqn for fqn, _ in state_entries}
+        surplus = sorted(state_names - managed)
+        if surplus:
+            problems.append(f"state for parameters the optimizer does not manage: {surplus[:8]}")
+        if state_names & managed and managed - state_names:  # all or none: a step updates every parameter's state
+            problems.append(f"parameters without native optimizer state: {sorted(managed - state_names)[:8]}")
+        if problems:
+            raise CheckpointError(f"the checkpoint at {directory} does not fit the optimizer: " + "; ".join(problems)
+                                  + ".")
+        wanted = request.model_keys or set()
+        staged = Staged(source=str(directory), source_of={"model": str(folder.where(METADATA_FILE))})
+        staged.model_shapes = {key: (tuple(entry.meta.size), entry.meta.properties.dtype)
+                               for key, (_, entry) in model_entries.items()
+                               if isinstance(entry.meta, TensorStorageMetadata)}
+        staged.model = {key: _read_entry(folder, flat, entry) for key, (flat, entry) in model_entries.items()
+                        if key in wanted and key in staged.model_shapes}
+        state: dict[str, dict[str, Any]] = {name: {} for name in names}
+        for (fqn, key), (flat, entry) in state_entries.items():
+            if fqn in managed:
+                state[fqn][key] = _read_entry(folder, flat, entry)
+        masters = ({name: staged.model[name] for name in names if name in staged.model}
+                   if optimizer.mixed_precision.use_master_weights else None)
+        staged.optimizer = full_state(state, hypers, masters, source=str(folder.where(METADATA_FILE)))
+    return staged

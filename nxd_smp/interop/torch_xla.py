@@ -10,8 +10,9 @@ exp_avg, ...}}`` of padded chunks), ``shape_info`` and, if saved, ``sharded_mast
 * ``import_xla(files, model=, optimizer=)`` loads them into a ``Zero1Optimizer`` at its own
   DP size.
 
-Both go through nxd_smp's checkpointing (``read_checkpoint``, ``param_group_names``,
-``load_full_optimizer_state``: the one state-fit check, then every rank's shard installed).
+Both go through nxd_smp's checkpointing: the export through the offline tools' reader
+(``read_checkpoint``), the import through the one load pipeline (its files read by the strict reader
+into whole per-parameter state, then the check, the ranks' agreement and the install).
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..checkpointing.format import check_args, param_group_names
-from ..checkpointing.load import load_full_optimizer_state
-from ..checkpointing.outputs import check_target, write_directory
+from ..checkpoint import check_args
+from ..checkpointing.check import is_shape
+from ..checkpointing.files import Folder, check_output, write_output_directory
+from ..checkpointing.pipeline import full_state, run
 from ..checkpointing.reader import load_file
+from ..checkpointing.staged import Request, Staged, Targets
 from ..checkpointing.tools import read_checkpoint
-from ..checkpointing.values import is_shape
 from ..core.errors import CheckpointError
 from ..optim.param_groups import index_groups
 from ..zero1_optimizer import Zero1Optimizer
@@ -69,7 +71,7 @@ def export_xla(path: str | os.PathLike, out_dir: str | os.PathLike, dp_size: int
     """
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise ValueError(f"dp_size must be a positive int, got {dp_size!r}.")
-    out = check_target(out_dir, overwrite=overwrite, directory=True)
+    out = check_output(out_dir, overwrite=overwrite, directory=True)
     full = read_checkpoint(path)
     opt = full["optimizer"]
     if opt is None:
@@ -85,7 +87,7 @@ def export_xla(path: str | os.PathLike, out_dir: str | os.PathLike, dp_size: int
     groups = [{**g["hyper"], "params": i} for g, i in zip(opt["groups"], ids)]
     files = [f"dp_rank_{rank:02d}_tp_rank_00_pp_rank_00.pt" for rank in range(dp_size)]
 
-    def fill(staging: Path) -> None:
+    def fill(staging: str) -> None:
         for rank, file in enumerate(files):
             base_state, shape_info, masters = {}, {}, {}
             for index, name in enumerate(names):
@@ -101,37 +103,49 @@ def export_xla(path: str | os.PathLike, out_dir: str | os.PathLike, dp_size: int
             record = {"state": {}, "param_groups": groups, "base_state": base_state, "shape_info": shape_info}
             if opt["master_weights"] is not None:
                 record["sharded_master_weights"] = masters
-            torch.save(record, staging / file)  # a fresh directory only this user can enter
+            torch.save(record, f"{staging}/{file}")  # a new directory only this user can enter
 
-    write_directory(out, fill, overwrite=overwrite)
+    write_output_directory(out, fill, overwrite=overwrite)
     return [out / file for file in files]
 
 
 def import_xla(files: Sequence[str | os.PathLike], *, model: nn.Module, optimizer: Zero1Optimizer) -> None:
-    """Load torch_xla / NxD ZeRO-1 optimizer files (one per DP rank, in rank order) into
-    ``optimizer`` at its own DP size; every rank calls it with all the files. The files'
-    parameters must be the optimizer's, in the same group order; the model's weights are not
-    in these files (load them first). Without ``sharded_master_weights`` the masters are
-    rebuilt from the parameters, with a warning.
+    """Load torch_xla / NxD ZeRO-1 optimizer files (one per DP rank, in rank order) into ``optimizer`` at
+    its own DP size; every rank calls it with all the files. The files' parameters must be the
+    optimizer's, in the same group order; the model's weights are not in these files (load them first).
+    Without ``sharded_master_weights`` the masters are rebuilt from the parameters, with a warning. Each
+    file is read by the strict reader; the state then runs the one load pipeline (check, agreement,
+    install), as a checkpoint's does.
 
     Raises:
-        CheckpointError: the files do not fit the optimizer (count, shapes, groups), named.
+        CheckpointError: the files do not fit the optimizer (count, shapes, groups, state keys), named.
     """
     optimizer = check_args(model, optimizer)
     if optimizer is None:
         raise TypeError("import_xla needs the optimizer to load into.")
-    if not files:
-        raise ValueError("import_xla needs the per-rank files (one per DP rank, in rank order).")
-    records = [load_file(Path(f)) for f in files]
-    order = [name for names in param_group_names(model, optimizer) for name in names]
-    groups = records[0].get("param_groups") if isinstance(records[0], Mapping) else None
-    if not isinstance(groups, list) or not all(isinstance(g, Mapping) and isinstance(g.get("params"), list)
-                                               for g in groups):
-        raise CheckpointError(f"{files[0]} is not a torch_xla optimizer state dict (no param_groups of parameters).")
-    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
-        raise CheckpointError("the torch_xla optimizer files' param groups differ from the optimizer's.")
-    load_full_optimizer_state(model, optimizer, *full_state(records, order, [Path(f) for f in files]),
-                              source=_files_text([Path(f) for f in files]))
+    if isinstance(files, (str, os.PathLike)) or not files:
+        raise ValueError("import_xla needs the per-rank files (a list: one per DP rank, in rank order).")
+    paths = [Path(f) for f in files]
+    targets = Targets(model=model, optimizer=optimizer, objects={}, backend=optimizer.backend)
+
+    def read(request: Request) -> Staged:
+        records, checksums = [], []
+        for path in paths:
+            with Folder.open(path.parent) as folder:
+                records.append(load_file(folder, path.name, checksums=checksums))
+        groups = records[0].get("param_groups") if isinstance(records[0], Mapping) else None
+        if not isinstance(groups, list) or not all(isinstance(g, Mapping) and isinstance(g.get("params"), list)
+                                                   for g in groups):
+            raise CheckpointError(f"{paths[0]} is not a torch_xla optimizer state dict (no param_groups of parameters).")
+        if [len(g["params"]) for g in groups] != [len(g) for g in request.optimizer.groups]:
+            raise CheckpointError(f"{paths[0]}: the torch_xla optimizer files' param groups differ from the "
+                                  f"optimizer's.")
+        source = _files_text(paths)
+        state, hypers, masters = full_state_of(records, request.optimizer.names, paths)
+        return Staged(source=source, optimizer=full_state(state, hypers, masters, source=source),
+                      replicated={f"rank file {i}": crc for i, crc in enumerate(checksums)})
+
+    run(read, targets, what=_files_text(paths))
 
 
 def _files_text(files: Sequence[Path]) -> str:
@@ -139,7 +153,7 @@ def _files_text(files: Sequence[Path]) -> str:
     return str(files[0]) + (f" (and {len(files) - 1} more rank files)" if len(files) > 1 else "")
 
 
-def full_state(
+def full_state_of(
     records: Sequence[Mapping[str, Any]], order: Sequence[str], files: Sequence[Path]
 ) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, Any]], dict[str, torch.Tensor] | None]:
     """Whole per-parameter state from the DP ranks' records (rank order) of torch_xla's

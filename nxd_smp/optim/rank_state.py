@@ -1,33 +1,30 @@
-"""The rank-local state dict of a ``Zero1Optimizer``: what ``state_dict()`` returns on one rank, what
-``load_state_dict`` checks before anything changes, and how a checked state is installed
-(``RankLocalState``, which the optimizer inherits these methods from).
+"""The rank-local state dict of a ``Zero1Optimizer``: what ``state_dict()`` returns on one rank, and
+the optimizer's two halves of installing a checked state (``RankLocalState``, which the optimizer
+inherits these methods from).
 
 It holds this rank's inner optimizer state (over its flat shards), the param groups'
 hyperparameters, the layout it was written with, the DP size and rank, and, with
 ``use_master_weights_in_ckpt``, the master shards. It loads only on the same rank of the same
 layout at the same DP size; nxd_smp's checkpoints move across DP sizes.
 
-The state itself is checked by the one state-fit check (``state_fit``), against the
-hyperparameters being installed. What a refusal advises beyond that (how a training loop that keeps
-one rank's optimizer file loads every rank's state) is the loops' to say: the parts that write
-such files register a hint here (``add_hint``), so this layer names no training loop.
+``load_state_dict`` runs the checkpoint layer's one pipeline (read, check, agree, install), which
+registers itself here (``register_loader``): a state dict is one more format it reads. What a refusal
+advises beyond that (how a training loop that keeps one rank's optimizer file loads every rank's
+state) is the loops' to say: the parts that write such files register a hint here (``add_hint``), so
+this layer names no training loop.
 """
 
 from __future__ import annotations
 
-import copy
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ..backend.agreement import agree
-from ..core.errors import CheckpointError
 from ..core.layout import BucketLayout
-from .loss_scaler import check_scaler_state
 from .param_groups import index_groups
-from .state_fit import StateFit, describe, torch_group_problems, torch_state_dict
+from .state_fit import torch_state_dict
 
 #: The ``format`` of a rank-local state dict.
 STATE_DICT_FORMAT = "nxd_smp.zero1.rank_local/1"
@@ -87,79 +84,6 @@ def rank_state(optimizer: Any) -> dict[str, Any]:
     return state
 
 
-def check_rank_state(optimizer: Any, state_dict: Any) -> None:
-    """Raise unless ``state_dict`` is what ``rank_state(optimizer)`` returns on this rank (same
-    model, layout, DP size and rank), its state fitting the hyperparameters it installs; change
-    nothing.
-
-    Raises:
-        CheckpointError: naming every way it does not fit, and the fix.
-    """
-    if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_DICT_FORMAT:
-        found = state_dict.get("format") if isinstance(state_dict, dict) else None
-        raise CheckpointError(
-            f"not a Zero1Optimizer state dict (missing format {STATE_DICT_FORMAT!r}); pass what "
-            f"Zero1Optimizer.state_dict() returned." + (_hint(f"format:{found}") if isinstance(found, str) else "")
-        )
-    layouts = optimizer.bucket_layouts
-    problems = []
-    for key, mine in (("world_size", optimizer.world_size), ("rank", optimizer.rank)):
-        if state_dict.get(key) != mine:
-            problems.append(f"{key} {state_dict.get(key)} (this optimizer: {mine})")
-    if state_dict.get("layout") != layout_signature(layouts):
-        problems.append("bucket layout (parameters, shapes, dtypes, groups or bucket size differ)")
-    masters = state_dict.get("master_weights")
-    if masters is not None and (
-        not isinstance(masters, (list, tuple)) or len(masters) != len(layouts) or any(
-            not isinstance(a, torch.Tensor) or not a.dtype.is_floating_point or tuple(a.shape) != (layout.shard_numel,)
-            for a, layout in zip(masters, layouts))):
-        problems.append("master weight shard shapes")
-    problems += _inner_state_problems(optimizer, state_dict.get("inner"), state_dict.get("param_groups"))
-    if optimizer.loss_scaler is not None and "loss_scaler" in state_dict:
-        problems += [f"loss_scaler{p}" for p in check_scaler_state(state_dict["loss_scaler"], optimizer.loss_scaler)]
-    if problems:
-        raise CheckpointError(
-            "this state dict does not fit the optimizer: " + "; ".join(problems) + ". Rank-local state dicts load "
-            "only into the same model, DP size and rank; use nxd_smp.checkpoint to change the DP size."
-            + (_hint("another rank") if state_dict.get("rank") != optimizer.rank else "")
-        )
-
-
-def _inner_state_problems(optimizer: Any, inner: Any, groups: Any) -> list[str]:
-    """What in a state dict's ``inner`` (the inner optimizer's own state dict) and ``param_groups``
-    does not fit: both lists of groups as torch's ``load_state_dict`` checks them and as the
-    optimizer numbers its parameters and shards (``torch_group_problems``), their hyperparameters,
-    and per shard, by the id the checked groups give it, the state its installed group keeps."""
-    if not isinstance(inner, dict) or not isinstance(inner.get("state"), dict) \
-            or not isinstance(inner.get("param_groups"), list) or not isinstance(groups, list):
-        return ["the inner optimizer's state (not a torch.optim state dict)"]
-    live_inner = optimizer.inner_optimizer
-    problems = (torch_group_problems(groups, optimizer.param_groups, "param_groups")
-                + torch_group_problems(inner["param_groups"], live_inner.param_groups, "inner param_groups"))
-    if problems:
-        return problems
-    # each id the inner groups list is one shard of the inner optimizer, in its order: each
-    # group's buckets (the ids were checked to be the inner optimizer's own numbering)
-    shard_of = {i: (g, tuple(p.shape)) for g, (saved, live) in enumerate(zip(inner["param_groups"],
-                                                                             live_inner.param_groups))
-                for i, p in zip(saved["params"], live["params"])}
-    inner_fit = StateFit(type(live_inner), live_inner.param_groups, [_without_params(g) for g in inner["param_groups"]])
-    problems += [f"inner {p}" for p in inner_fit.group_problems()]
-    fit = StateFit(type(live_inner), live_inner.param_groups, [_without_params(g) for g in groups])
-    entries = []
-    for index, entry in inner["state"].items():
-        if isinstance(index, bool) or index not in shard_of:
-            problems.append(f"inner state for shard {describe(index)}, which this optimizer does not have")
-        else:
-            entries.append((shard_of[index][0], f"inner state of shard {index}", entry, shard_of[index][1]))
-    return problems + fit.problems(entries)
-
-
-def _without_params(group: Any) -> Any:
-    """A saved param group's hyperparameters: all but the parameters' numbers."""
-    return {k: v for k, v in group.items() if k != "params"} if isinstance(group, dict) else group
-
-
 class _StateLoaded:
     def __repr__(self) -> str:
         return "nxd_smp.zero1_optimizer.STATE_LOADED"
@@ -170,9 +94,32 @@ class _StateLoaded:
 STATE_LOADED = _StateLoaded()
 
 
+#: How a rank-local state is read, checked, agreed on and installed: the checkpoint layer's one
+#: pipeline (``nxd_smp.checkpointing.pipeline``), which registers itself here when it is imported
+#: (a lower layer cannot import it; ``import nxd_smp`` imports it).
+_loader: Callable[..., None] | None = None
+
+
+def register_loader(loader: Callable[..., None]) -> None:
+    """Make ``load_state_dict`` and ``check_state_dict`` run ``loader(optimizer, state_dict, install=...)``."""
+    global _loader
+    _loader = loader
+
+
+def _load(optimizer: Any, state_dict: Any, install: bool) -> None:
+    if _loader is None:
+        raise RuntimeError("nxd_smp's checkpoint layer is not imported: import nxd_smp before loading a state dict.")
+    _loader(optimizer, state_dict, install=install)
+
+
+def hint(situation: str) -> str:
+    """The advice registered for ``situation`` (``add_hint``), with a leading space; empty if none."""
+    return _hint(situation)
+
+
 class RankLocalState:
-    """``state_dict``, ``load_state_dict`` and ``install_state`` of a ``Zero1Optimizer``, with
-    torch's optimizer state-dict hooks around the first two."""
+    """``state_dict``, ``load_state_dict`` and the two halves of an install of a ``Zero1Optimizer``,
+    with torch's optimizer state-dict hooks around the first two."""
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: the inner optimizer's state over its shards, the hyperparameters, the
@@ -197,20 +144,23 @@ class RankLocalState:
     def check_state_dict(self, state_dict: Any) -> None:
         """Raise if ``state_dict`` is not what ``state_dict()`` returns on this rank (same model,
         layout, DP size and rank, a state the hyperparameters it installs keep); change nothing.
+        Every rank of the job calls it (the ranks agree, as a load does).
 
         Raises:
             CheckpointError (a ``ValueError``): naming every way it does not fit, and the fix.
         """
         self._require_initialized()
-        check_rank_state(self, state_dict)
+        _load(self, state_dict, install=False)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what ``state_dict()`` returned on the same rank at the same DP size; every rank calls
-        it. Everything is checked first, on every rank: if one rank's state dict does not fit, every
-        rank refuses and nothing changes. With master weights in it the parameters become
-        ``master.to(param dtype)``; without, the masters are rebuilt at the next step from the
-        parameters loaded by then (a warning says precision was lost). torch's load-state-dict hooks
-        run around it; a pre-hook that installs the state itself returns ``STATE_LOADED``.
+        it. It is read, checked, agreed on and installed as every checkpoint is (the checkpoint
+        layer's pipeline): if one rank's state dict does not fit, or the ranks of the data-parallel
+        group would install different hyperparameters or step counts, every rank refuses and nothing
+        changes. With master weights in it the parameters become ``master.to(param dtype)``; without,
+        the masters are rebuilt at the next step from the parameters loaded by then (a warning says
+        precision was lost). torch's load-state-dict hooks run around it; a pre-hook that installs the
+        state itself returns ``STATE_LOADED``.
 
         Raises:
             CheckpointError (a ``ValueError``): the state dict does not fit, naming how.
@@ -220,56 +170,20 @@ class RankLocalState:
             result = hook(self, state_dict)
             state_dict = state_dict if result is None else result
         if state_dict is not STATE_LOADED:
-            # every rank loads (the masters are published to all): one refusing means all refuse.
-            # Everything that could refuse is checked here, the scaler's state and torch's own
-            # group checks included, so that what follows cannot fail on one rank alone.
-            agree(self.backend.coordinator, lambda: (self.check_state_dict(state_dict), None), what="its state dict")
-            scaler_state = state_dict.get("loss_scaler") if self.loss_scaler is not None else None
-            # (copied: torch.optim keeps given tensors where dtype and device match, and training
-            # would write into the caller's state dict)
-            self.install_state(copy.deepcopy(state_dict["inner"]["state"]),
-                               [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]],
-                               state_dict.get("master_weights"), rebuild=False, discard_gradients=False,
-                               scaler_state=scaler_state)
+            _load(self, state_dict, install=True)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
-    def install_state(self, state: Mapping[int, Mapping[str, torch.Tensor]],
-                      hyperparameters: Sequence[Mapping[str, Any]], masters: Sequence[torch.Tensor] | None, *,
-                      rebuild: bool = True, discard_gradients: bool = True, scaler_state: Any = None) -> None:
-        """Install a checked state: the inner optimizer's state by shard index (its tensors become
-        the optimizer's own), each param group's ``hyperparameters`` (over the live group; kernel
-        options stay the live ones), and the master shards, published into the parameters. Without
-        masters (under master weights) they are rebuilt from the current parameters now
-        (``rebuild``), or else at the next step from those loaded by then, with a warning that
-        precision below the parameter dtype was lost. ``discard_gradients``: drop the gradients
-        accumulated since the last step (a checkpoint's load does; ``load_state_dict`` keeps them, as
-        torch's optimizers do). ``scaler_state``: the loss scaler's, checked (``check_scaler_state``).
-        Every rank calls it, once the ranks agreed (the masters' publication is a collective).
-
-        What is local (torch's ``load_state_dict`` of the inner optimizer, the groups, the scaler)
-        runs first, under a second agreement: the checks made it unable to fail, and should it fail
-        all the same on one rank (an optimizer class that could not be probed), every rank puts its
-        own back and raises a ``CheckpointError``, rather than the others waiting in the masters'
-        collective."""
+    def install_local(self, state: Mapping[int, Mapping[str, Any]], hyperparameters: Sequence[Mapping[str, Any]],
+                      scaler_state: Any = None) -> Callable[[], None]:
+        """The first half of an install, of a state the checkpoint layer's check passed: the inner
+        optimizer's state by bucket (its tensors become the optimizer's own), each param group's
+        ``hyperparameters`` (over the live group; kernel options stay the live ones), the loss scaler's
+        state. Local to this rank; returns the undo (the old objects put back: torch's
+        ``load_state_dict`` replaces ``state`` and ``param_groups`` with new ones)."""
         inner = self.inner_optimizer
         before = (inner.state, inner.param_groups, [dict(g) for g in self.param_groups],
                   None if self.loss_scaler is None else self.loss_scaler.state_dict())
-
-        def install_locally() -> tuple[None, Any]:
-            try:
-                # (torch's load_state_dict replaces ``state`` and ``param_groups`` with new objects:
-                # the old ones, kept above, are what the undo puts back)
-                loaded = torch_state_dict(inner.param_groups, hyperparameters, state)
-                inner.load_state_dict(loaded)
-                for group, installed in zip(self.param_groups, loaded["param_groups"]):
-                    group.update({k: v for k, v in installed.items() if k != "params"})
-                if scaler_state is not None:
-                    self.loss_scaler.load_state_dict(scaler_state)
-            except BaseException:
-                undo()
-                raise
-            return None, undo
 
         def undo() -> None:
             inner.__dict__.update(state=before[0], param_groups=before[1])
@@ -279,7 +193,30 @@ class RankLocalState:
             if before[3] is not None:
                 self.loss_scaler.load_state_dict(before[3])
 
-        agree(self.backend.coordinator, install_locally, what="the checked state")
+        try:
+            bucket_of = {id(shard): b for b, shard in enumerate(self.inner_shards)}
+            ids = index_groups([len(g["params"]) for g in inner.param_groups])
+            by_id = {i: state[bucket_of[id(p)]] for g, numbers in zip(inner.param_groups, ids)
+                     for i, p in zip(numbers, g["params"]) if bucket_of[id(p)] in state}
+            loaded = torch_state_dict(inner.param_groups, hyperparameters, by_id)
+            inner.load_state_dict(loaded)
+            for group, installed in zip(self.param_groups, loaded["param_groups"]):
+                group.update({k: v for k, v in installed.items() if k != "params"})
+            if scaler_state is not None:
+                self.loss_scaler.load_state_dict(scaler_state)
+        except BaseException:
+            undo()
+            raise
+        return undo
+
+    def finish_install(self, masters: Sequence[torch.Tensor] | None, *, rebuild: bool = True,
+                       discard_gradients: bool = True) -> None:
+        """The second half, once every rank agreed (the masters' publication is a collective): the
+        master shards published into the parameters; without them (under master weights) the masters
+        are rebuilt from the current parameters now (``rebuild``), or else at the next step from those
+        loaded by then, with a warning that precision below the parameter dtype was lost.
+        ``discard_gradients``: drop the gradients accumulated since the last step (a checkpoint's load
+        does; ``load_state_dict`` keeps them, as torch's optimizers do)."""
         if discard_gradients:
             self.zero_grad()
         self._state_changed()
@@ -287,11 +224,11 @@ class RankLocalState:
             return
         if masters is not None:
             self.load_master_shards(masters)
-        elif rebuild or state:
-            if rebuild:
-                self.rebuild_master_from_params()
-            warnings.warn(
-                "the loaded state has no master weights: they were rebuilt from the parameters "
-                + ("loaded" if rebuild else "you load into the model (before or after this call), at the next step")
-                + ", so precision below the parameter dtype is lost. Save with use_master_weights_in_ckpt=True to "
-                "keep it.", stacklevel=3)
+            return
+        if rebuild:
+            self.rebuild_master_from_params()
+        warnings.warn(
+            "the loaded state has no master weights: they were rebuilt from the parameters "
+            + ("loaded" if rebuild else "you load into the model (before or after this call), at the next step")
+            + ", so precision below the parameter dtype is lost. Save with use_master_weights_in_ckpt=True to "
+            "keep it.", stacklevel=4)

@@ -1,7 +1,7 @@
-"""NxD's tag folders as a checkpoint format nxd_smp's entry points take: ``load_checkpoint``,
-``has_checkpoint``, ``remove_checkpoint`` and ``save_checkpoint`` with state dicts (NxD Training's
-call shape) reach ``folders`` and ``state_dicts`` through it. Registered when this module is
-imported (``nxd_smp.interop`` imports it)."""
+"""NxD's tag folders as a checkpoint format of nxd_smp's load pipeline: ``load_checkpoint``,
+``has_checkpoint``, ``remove_checkpoint`` and ``save_checkpoint`` with state dicts (NxD Training's call
+shape) reach ``folders`` and ``state_dicts`` through it. Registered when this module is imported
+(``nxd_smp.interop`` imports it)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from ...backend import Backend
-from ...backend.coordination import Coordinator
-from ...checkpointing.formats import FolderFormat, register_format
-from ...checkpointing.links import DONE_FILE
-from .folders import STATE_DICTS_FILE, is_nxd_checkpoint, load_nxd, nxd_tags, remove_tag
-from .state_dicts import load_state_dicts, save_state_dicts
+from ...checkpointing.files import Folder, user_path
+from ...checkpointing.pipeline import FolderFormat, Reader, register_format
+from ...checkpointing.staged import Request, Staged, Targets
+from .folders import STATE_DICTS_FILE, here, is_complete, is_nxd_checkpoint, nxd_tags, read_tag, remove_tag
+from .state_dicts import read_state_dicts, save_state_dicts
 
 
 class NxdTagFolders(FolderFormat):
@@ -26,25 +26,34 @@ class NxdTagFolders(FolderFormat):
     def is_folder(self, path: Path) -> bool:
         return is_nxd_checkpoint(path)
 
-    def is_complete(self, folder: Path) -> bool:
-        return (folder / DONE_FILE).is_file()
+    def is_complete(self, path: Path) -> bool:
+        return is_complete(path)
 
     def newest(self, directory: Path) -> Path | None:
         tags = nxd_tags(directory)
         return tags[-1] if tags else None
 
-    def remove(self, folder: Path) -> None:
-        remove_tag(folder)
+    def remove(self, path: Path) -> None:
+        remove_tag(path)
 
-    def load(self, folder: Path, *, model: Any, optimizer: Any, scheduler: Any, strict: bool,
-             coordinator: Coordinator) -> Any:
-        # state dicts to fill, or a tag saved from state dicts (rank-local, loaded as saved)
-        if isinstance(model, MutableMapping) or isinstance(optimizer, MutableMapping) \
-                or (folder / STATE_DICTS_FILE).is_file():
-            return load_state_dicts(folder, model=model, optimizer=optimizer, scheduler=scheduler, strict=strict,
-                                    coordinator=coordinator)
-        return load_nxd(folder, model=model, optimizer=optimizer, scheduler=scheduler, strict=strict,
-                        coordinator=coordinator)
+    def locate(self, path: Path) -> Any:
+        return user_path(path)
+
+    def reader(self, location: Any, targets: Targets, *, verify: bool) -> Reader:
+        # the data-parallel group the agreement compares digests within: this rank's (TP, PP) coordinate
+        coordinate = here(targets)
+        targets.coordinate = (coordinate.data, coordinate.data_size, coordinate.tensor, coordinate.pipeline)
+        state_dicts = isinstance(targets.model, MutableMapping) or isinstance(targets.optimizer, MutableMapping)
+
+        def read_nxd(request: Request) -> Staged:
+            with Folder.open(location) as tag:
+                saved_from_state_dicts = tag.is_file(STATE_DICTS_FILE)
+            # state dicts to fill, or a tag saved from state dicts (rank-local, loaded as saved)
+            if state_dicts or saved_from_state_dicts:
+                return read_state_dicts(location, targets, request)
+            return read_tag(location, targets, request)
+
+        return read_nxd
 
     def save_state_dicts(self, folder: Path, *, model: Any, optimizer: Any, scheduler: Any, user_content: Any,
                          backend: Backend, async_save: bool, num_kept: int | None) -> Path:

@@ -1,0 +1,187 @@
+"""The install: one transaction over the model, the optimizer, the loss scaler, the scheduler and the
+caller's stateful objects, of a state the check passed (``check.Plan``).
+
+It runs in two parts around the ranks' agreement (``pipeline``):
+
+* ``install`` (before it, on every rank): what can be put back cheaply: each stateful object's state
+  (its ``state_dict()`` copied first; a refusal puts back every object loaded so far, the refusing
+  one included), the optimizer's hyperparameters, its inner state over the new shards and the loss
+  scaler's state (the old objects kept, not copied). It returns the undo, which the agreement runs
+  on every rank if any rank refused.
+* ``commit`` (after it): what the check left nothing to fail on and what would cost a copy of the
+  model to undo: the model's weights copied in place, the dicts NxD Training passes filled, the
+  master weights published into the parameters (a collective) or rebuilt from them.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..core.dtensors import like_live
+from ..core.errors import CheckpointError
+from ..optim.state_fit import torch_state_dict
+from .check import Plan
+from .staged import Pieces, Staged, StagedOptimizer, Targets, Whole, named_pieces
+
+
+def install(staged: Staged, plan: Plan, targets: Targets) -> Callable[[], None]:
+    """The reversible part of the install; returns its undo.
+
+    Raises:
+        CheckpointError: an object refused its state (every object is put back first).
+    """
+    undos: list[Callable[[], None]] = []
+
+    def undo() -> None:
+        for step in reversed(undos):
+            step()
+
+    try:
+        undos.append(load_objects(targets.objects, staged.objects, staged.where("objects")))
+        if targets.zero1 is not None:
+            undos.append(targets.zero1.install_local(
+                _bucket_state(staged.optimizer, plan, targets), [g for g in staged.optimizer.groups],
+                staged.optimizer.scaler if targets.zero1.loss_scaler is not None else None))
+        elif isinstance(targets.optimizer, torch.optim.Optimizer) and staged.torch_optimizer is not None:
+            undos.append(_install_torch_optimizer(targets.optimizer, staged.torch_optimizer))
+    except BaseException:
+        undo()
+        raise
+    return undo
+
+
+def commit(staged: Staged, plan: Plan, targets: Targets) -> None:
+    """The part after the agreement: the model's weights, the dicts to fill, the master weights."""
+    model = targets.model
+    if isinstance(model, nn.Module) and plan.model_state is not None:
+        live = model.state_dict()  # (DTensors take their parts back as DTensors)
+        state = {key: like_live(value if value.dtype == live[key].dtype else value.to(live[key].dtype), live[key])
+                 for key, value in plan.model_state.items()}
+        with torch.no_grad():
+            model.load_state_dict(state, strict=targets.strict)  # copies in place: views stay views
+    if staged.fill is not None:
+        for target, name in ((model, "model"), (targets.optimizer, "optimizer")):
+            if isinstance(target, MutableMapping) and staged.fill.get(name) is not None:
+                target.update(staged.fill[name])  # NxD's way: every saved entry set, in place
+    zero1 = targets.zero1
+    if zero1 is not None:
+        zero1.finish_install(_masters(staged.optimizer, targets), rebuild=targets.rebuild_masters,
+                             discard_gradients=targets.discard_gradients)
+
+
+# ---------------------------------------------------------------------------- stateful objects
+def load_objects(objects: Mapping[str, Any], states: Mapping[str, Any], source: str) -> Callable[[], None]:
+    """Load ``states[name]`` into each of ``objects`` (a scheduler, a sampler, ...), each one's state
+    copied before; if one refuses, every object loaded so far and the refusing one are put back, and a
+    ``CheckpointError`` names it. Returns the undo (put every object back)."""
+    done: list[tuple[str, Any, Any]] = []
+
+    def undo() -> None:
+        failed = []
+        for name, obj, before in reversed(done):
+            try:
+                obj.load_state_dict(before)
+            except Exception as e:  # noqa: BLE001 - each object is put back, whatever one of them says
+                failed.append(f"{name} ({type(e).__name__}: {e})")
+        if failed:
+            raise CheckpointError(f"{source}: putting back the state of {', '.join(failed)} failed; those objects "
+                                  f"are in an unknown state.")
+
+    for name, obj in objects.items():
+        before = copy.deepcopy(obj.state_dict())
+        done.append((name, obj, before))  # (before its load: a refusing object is put back too)
+        try:
+            obj.load_state_dict(copy.deepcopy(states[name]))
+        except Exception as e:  # noqa: BLE001 - any refusal of the object's own
+            undo()
+            raise CheckpointError(f"{source}: {name} refused its saved state: {type(e).__name__}: {e}") from e
+    return undo
+
+
+# ---------------------------------------------------------------------------- the optimizer
+def _shard(staged: StagedOptimizer, key: str | None, values: Mapping[str, Any], targets: Targets, b: int,
+           dtype: torch.dtype, numel: int, pieces: list) -> torch.Tensor:
+    """Bucket ``b``'s shard of ``key`` (None: the master weights) on this rank: the staging buffer the
+    reader filled where there is one, else a new one with each parameter's pieces copied in (zeros
+    for padding and for parameters without state)."""
+    if key in staged.staging:
+        return staged.staging[key][b]
+    buffer = torch.zeros(numel, dtype=dtype)
+    for name, piece in pieces:
+        value = values.get(name)
+        if isinstance(value, Pieces):
+            source = value.parts[piece.param_start]
+        elif isinstance(value, Whole):
+            source = value.tensor.reshape(-1)[piece.param_start:piece.param_end]
+        else:
+            continue
+        buffer[piece.shard_start:piece.shard_start + piece.numel].copy_(source)
+    return buffer
+
+
+def _bucket_state(staged: StagedOptimizer, plan: Plan, targets: Targets) -> dict[int, dict[str, Any]]:
+    """The inner optimizer's state per bucket shard: each moment a shard built from the parameters'
+    pieces, each counter from the bucket's first parameter with state (a parameter without state,
+    which got no gradient in the saved run, starts from zero moments with its bucket's count; a
+    bucket none of whose parameters has state takes its group's, or any parameter's, count)."""
+    zero1 = targets.zero1
+    names = targets.names()
+    layouts = zero1.bucket_layouts
+    pieces: list[list[tuple[str, Any]]] = [[] for _ in layouts]
+    for b, name, piece in named_pieces(layouts, zero1.rank, names):
+        pieces[b].append((name, piece))
+    group_of_param = {id(p): g for g, group in enumerate(zero1.param_groups) for p in group["params"]}
+    group_of = {name: group_of_param[id(p)] for name, p in zip(names, zero1.managed_params)}
+    with_state = [name for name in names if staged.state.get(name)]
+    shard_dtypes = [targets.backend.device_dtype(shard.dtype) for shard in zero1.inner_shards]
+    state: dict[int, dict[str, Any]] = {}
+    for b, layout in enumerate(layouts):
+        mine = [names[i] for i in layout.param_indices]
+        source = next((n for n in mine if staged.state.get(n)), None) \
+            or next((n for n in with_state if group_of[n] == group_of[mine[0]]), None) \
+            or (with_state[0] if with_state else None)
+        if source is None:
+            continue
+        entry: dict[str, Any] = {}
+        for key in plan.counters.get(source, []):
+            value = staged.state[source][key]
+            value = value.tensor if isinstance(value, Whole) else value
+            entry[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+        for key in plan.moments.get(source, []):
+            values = {name: staged.state[name].get(key) for name, _ in pieces[b] if staged.state.get(name)}
+            entry[key] = _shard(staged, key, values, targets, b, shard_dtypes[b], layout.shard_numel, pieces[b])
+        state[b] = entry
+    return state
+
+
+def _masters(staged: StagedOptimizer | None, targets: Targets) -> list[torch.Tensor] | None:
+    """The master shards per bucket from the staged master weights, or None (rebuilt from the
+    parameters) where none were read or the optimizer keeps none."""
+    zero1 = targets.zero1
+    if staged is None or staged.masters is None or not zero1.mixed_precision.use_master_weights:
+        return None
+    names = targets.names()
+    layouts = zero1.bucket_layouts
+    pieces: list[list[tuple[str, Any]]] = [[] for _ in layouts]
+    for b, name, piece in named_pieces(layouts, zero1.rank, names):
+        pieces[b].append((name, piece))
+    return [_shard(staged, None, staged.masters, targets, b, torch.float32, layout.shard_numel, pieces[b])
+            for b, layout in enumerate(layouts)]
+
+
+def _install_torch_optimizer(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> Callable[[], None]:
+    """A plain torch optimizer's checked state installed (the live kernel options kept); returns the undo
+    (torch's ``load_state_dict`` replaces ``state`` and ``param_groups`` with new objects: the old ones
+    are put back)."""
+    before = (optimizer.state, optimizer.param_groups)
+    optimizer.load_state_dict(torch_state_dict(optimizer.param_groups, saved["param_groups"], saved["state"]))
+
+    def undo() -> None:
+        optimizer.__dict__.update(state=before[0], param_groups=before[1])
+
+    return undo

@@ -1,0 +1,323 @@
+"""Version directories and the links that name them: the atomic swap, the record of a directory's
+saves, retention, and which complete checkpoint a name means. Everything here works in one
+directory, the root (a ``files.Folder``): the link ``<name>`` and its versions ``.<name>.v-<id>``
+beside it.
+
+A save writes a new version, fsyncs it, then swaps the link with one ``rename(2)`` and removes the
+old version, so the name always means a complete checkpoint (one with ``COMPLETE.json``). A save
+cut off before the swap leaves a version without it, which loading reports and the next save of
+that name removes.
+
+A link is read (``readlink``), never followed: it names a checkpoint only if its target is a plain
+name ``.<name>.v-<id>`` (no ``/``) of a real directory in the same root. A link anywhere else
+(another run's version, ``..``, an absolute path) is never loaded, and nothing behind it is ever
+removed; removing such a checkpoint name removes the link only.
+
+Which checkpoint of a directory is the newest, and which ones retention may remove, comes from the
+writer's own record, ``.nxd_smp_saves.json`` in the directory (``SAVES_FILE``), never from a time,
+step or name that a checkpoint's files claim: a planted folder dated in the far future neither
+becomes the newest nor makes retention remove the run's own saves. Before each swap rank 0 rewrites
+the record atomically (``{"format", "sequence", "saves": [[link name, version name], ...]}``, oldest
+first): the saves still in place, then the new one. A save counts while its link names the recorded
+version. A directory without a record loads its only complete checkpoint, and one holding several is
+refused with their names (load one by name); retention there removes nothing it has not recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import stat
+from typing import Any
+
+from ..core.errors import CheckpointError
+from .files import Folder, replace_file
+from .typed_json import loads
+
+#: The record of a directory's saves, written by the saving run itself (the module's docstring).
+SAVES_FILE = ".nxd_smp_saves.json"
+SAVES_FORMAT = "nxd_smp.saves/1"
+_SAVES_LIMIT = 16 << 20  # a save is ~60 bytes of the record; removed saves leave it at the next save
+_VERSION_ID = r"[A-Za-z0-9_]+"  # (nxd_smp writes 12 hex digits)
+#: The completion record of a version: written last, so a version without it is incomplete.
+COMPLETE_FILE = "COMPLETE.json"
+
+#: NxD's marker files: ``checkpoint`` when a tag folder's save begins, ``done`` when it is
+#: complete. A folder holding only these, empty (optimum-neuron touches ``done`` in the tag folder
+#: before each asynchronous save), holds nothing a save may not replace.
+MARKER_FILE, DONE_FILE = "checkpoint", "done"
+NXD_MARKERS = (MARKER_FILE, DONE_FILE)
+
+
+def version_prefix(name: str) -> str:
+    """The prefix of the versions of the checkpoint ``name`` (siblings of its link)."""
+    return f".{name}.v-"
+
+
+def is_version_name(link_name: str, version: Any) -> bool:
+    """Whether ``version`` is the plain name of a version directory of the link ``link_name``."""
+    return isinstance(version, str) and re.fullmatch(re.escape(version_prefix(link_name)) + _VERSION_ID,
+                                                     version) is not None
+
+
+def is_link_name(name: Any) -> bool:
+    """Whether ``name`` may name a checkpoint in a directory: a plain name (no ``/`` or NUL), not
+    hidden (hidden names are its versions' and its record's)."""
+    return isinstance(name, str) and bool(name) and "/" not in name and "\0" not in name and not name.startswith(".")
+
+
+def version_of(root: Folder, name: str) -> str | None:
+    """The version the checkpoint link ``name`` of ``root`` names, if it is one of its own: a plain name
+    ``.<name>.v-<id>`` of a real directory of ``root``. None for anything else (not a link, a link
+    elsewhere, to a link, to nothing)."""
+    target = root.readlink(name)
+    return target if target is not None and is_version_name(name, target) and root.is_dir(target) else None
+
+
+def is_complete(root: Folder, version: str) -> bool:
+    return root.is_dir(version) and root.exists(f"{version}/{COMPLETE_FILE}")
+
+
+def replaceable_folder(root: Folder, name: str) -> bool:
+    """Whether ``name`` is a folder a new checkpoint link may take the place of: empty, or holding
+    nothing but NxD's empty marker files."""
+    if not root.is_dir(name):
+        return False
+    with root.sub(name) as folder:
+        for entry in folder.names():
+            st = folder.lstat(entry)
+            if entry not in NXD_MARKERS or st is None or not _regular(st) or st.st_size > 2:
+                return False
+    return True
+
+
+def _regular(st: Any) -> bool:
+    return stat.S_ISREG(st.st_mode)
+
+
+def clear_folder(root: Folder, name: str) -> None:
+    """Remove the ``replaceable_folder`` ``name`` of ``root`` (its markers, then itself)."""
+    with root.sub(name) as folder:
+        for entry in folder.names():
+            folder.unlink(entry)
+    root.rmdir(name)
+
+
+def _adopt_folder(root: Folder, name: str, version: Folder) -> None:
+    """A folder made at ``name`` while its save was in flight (optimum-neuron writes its consolidation
+    metadata into the tag folder as soon as ``save_checkpoint`` returns) joins the new version: its
+    files move there, so the link can take its place. A name the checkpoint holds itself is refused,
+    never overwritten."""
+    with root.sub(name) as folder:
+        entries = folder.names()
+        clashes = sorted(entry for entry in entries if version.exists(entry))
+        if clashes:
+            raise CheckpointError(f"{root.where(name)} was made while the checkpoint was being written, holding "
+                                  f"{clashes}, which the checkpoint writes too; move them away and save again.")
+        for entry in entries:
+            folder.rename(entry, entry, into=version)
+    root.rmdir(name)
+
+
+# ---------------------------------------------------------------------------- the record of saves
+def read_record(root: Folder) -> tuple[int, list[tuple[str, str]]] | None:
+    """The record of ``root``'s saves: its sequence counter (saves recorded so far) and the saves it
+    lists, oldest first, as (link name, version name); None if it has none.
+
+    Raises:
+        CheckpointError: the record is unsafe (a link, a FIFO, too large) or damaged, naming it.
+    """
+    if not root.exists(SAVES_FILE):
+        return None
+    value = loads(root.read_bytes(SAVES_FILE, limit=_SAVES_LIMIT), str(root.where(SAVES_FILE)))
+    if not _is_record(value):
+        raise CheckpointError(
+            f"{root.where(SAVES_FILE)}, the record of the saves in {root.where()}, is damaged or crafted (nxd_smp "
+            f"writes {{'format': {SAVES_FORMAT!r}, 'sequence': n, 'saves': [[link name, '.<name>.v-<id>'], ...]}}); "
+            f"it is not trusted. Load a checkpoint by name, or remove the record (retention then removes nothing "
+            f"saved before the next save).")
+    return value["sequence"], [(name, version) for name, version in value["saves"]]
+
+
+def _is_record(value: Any) -> bool:
+    """Whether ``value`` is a record of saves as nxd_smp writes it: its three fields, a sequence counter
+    no smaller than the saves listed, each save a plain link name and that link's version name."""
+    if not isinstance(value, dict) or set(value) != {"format", "sequence", "saves"} or value["format"] != SAVES_FORMAT:
+        return False
+    sequence, saves = value["sequence"], value["saves"]
+    if isinstance(sequence, bool) or not isinstance(sequence, int) or not isinstance(saves, list) \
+            or len(saves) > sequence:
+        return False
+    return all(isinstance(s, list) and len(s) == 2 and is_link_name(s[0]) and is_version_name(s[0], s[1])
+               for s in saves)
+
+
+def _in_place(root: Folder, saves: list[tuple[str, str]]) -> list[str]:
+    """The links of ``saves`` that still name the recorded version, oldest first."""
+    links: list[str] = []
+    for name, version in saves:
+        if version_of(root, name) == version and name not in links:
+            links.append(name)
+    return links
+
+
+def recorded_checkpoints(root: Folder) -> list[str] | None:
+    """The links of ``root`` that its record holds and that still name the recorded version, oldest
+    first; None without a record."""
+    record = read_record(root)
+    return None if record is None else _in_place(root, record[1])
+
+
+def _record_save(root: Folder, name: str, version: str) -> None:
+    """Rewrite the record before ``name`` is swapped to ``version``: the saves still in place, then this
+    one. Cut off before the swap, the new entry names a version its link does not: it counts for nothing."""
+    sequence, saves = read_record(root) or (0, [])
+    kept = [[link, version_of(root, link)] for link in _in_place(root, saves)]
+    record = {"format": SAVES_FORMAT, "sequence": sequence + 1, "saves": kept + [[name, version]]}
+    replace_file(root, SAVES_FILE, json.dumps(record).encode())
+
+
+# ---------------------------------------------------------------------------- publish, remove, retain
+def publish_version(root: Folder, name: str, version: str, identity: tuple[int, int]) -> None:
+    """Record the save, point ``name`` at ``version`` atomically, and remove the version it replaced
+    and versions of ``name`` left by saves cut off before their swap. ``identity``: the (device, inode)
+    of the version this save wrote: if ``version`` names anything else now (someone renamed it away
+    and put another folder there), nothing is published.
+
+    Raises:
+        CheckpointError: the record is damaged, or the version was swapped (before anything is swapped).
+    """
+    if root.lstat(version) is None or root.identity(version) != tuple(identity):
+        raise CheckpointError(f"{root.where(version)}, the version this save wrote, was moved or replaced while it was "
+                              f"being written; nothing was published (the files written stay in the folder that was "
+                              f"moved).")
+    old = version_of(root, name)
+    _record_save(root, name, version)
+    link = f".{name}.link-{version.rsplit('-', 1)[-1]}"
+    root.unlink(link)
+    root.symlink(version, link)
+    try:
+        for attempt in range(100):
+            if root.is_dir(name):
+                with root.sub(version) as target:
+                    try:
+                        _adopt_folder(root, name, target)
+                    except OSError:  # (it gained a file after the listing: again)
+                        continue
+            try:
+                root.rename(link, name)
+                break
+            except OSError:  # (a folder was made at ``name`` after the adoption: again)
+                if attempt == 99 or not root.is_dir(name):
+                    raise
+    except BaseException:
+        root.unlink(link)
+        raise
+    root.fsync()
+    if old is not None and old != version:
+        root.remove_tree(old)
+    for stale in root.names():
+        if stale.startswith(version_prefix(name)) and stale != version and root.is_dir(stale) \
+                and not is_complete(root, stale):
+            root.remove_tree(stale)
+
+
+def checkpoint_links(root: Folder) -> list[str]:
+    """The complete checkpoints in ``root``: links to a version of their own beside them that has a
+    completion record; by name (recorded or not)."""
+    found = []
+    for entry in root.names():
+        if entry.startswith(".") or not root.is_link(entry):
+            continue
+        version = version_of(root, entry)
+        if version is not None and is_complete(root, version):
+            found.append(entry)
+    return found
+
+
+def unpublish(root: Folder, name: str) -> None:
+    """Remove the checkpoint ``name``: the link first (the name then means no checkpoint, never a
+    half-removed one), then its version if it is the link's own beside it; a link elsewhere goes alone."""
+    version = version_of(root, name)
+    root.unlink(name)
+    root.fsync()
+    if version is not None:
+        root.remove_tree(version)
+
+
+def retain(root: Folder, keep: int, newest: str) -> None:
+    """Remove all but the newest ``keep`` checkpoints the record of ``root`` holds, oldest first by the
+    record (never ``newest``, the one just written), then every version no link points to: those of
+    saves killed before their swap, or after an unlink here. A checkpoint the record does not hold is
+    never removed. Only this save is in flight."""
+    recorded = recorded_checkpoints(root) or []
+    for name in recorded[:max(0, len(recorded) - keep)]:
+        if name != newest:
+            unpublish(root, name)
+    pointed = {root.readlink(entry) for entry in root.names() if root.is_link(entry)}
+    for entry in root.names():
+        if entry.startswith(".") and ".v-" in entry and root.is_dir(entry) and entry not in pointed:
+            root.remove_tree(entry)
+    root.fsync()
+
+
+# ---------------------------------------------------------------------------- which checkpoint
+def newest_checkpoint(root: Folder) -> str:
+    """The link of the newest complete checkpoint of ``root``: the last its record holds; in a directory
+    without a record, its only complete checkpoint.
+
+    Raises:
+        CheckpointError: none; or, without a record (or with one that holds none of them), several,
+            which it names: load one by name.
+    """
+    recorded = recorded_checkpoints(root)
+    for name in reversed(recorded or []):
+        if is_complete(root, version_of(root, name)):
+            return name
+    found = checkpoint_links(root)
+    if not found:
+        raise CheckpointError(f"{root.where()} is a directory without a complete checkpoint in it.")
+    if recorded is None and len(found) == 1:
+        return found[0]
+    names = ", ".join(found)
+    why = (f"no record of which was saved last ({SAVES_FILE})" if recorded is None
+           else f"none of them is a save its record {SAVES_FILE} holds (copied in?)")
+    raise CheckpointError(f"{root.where()} holds the checkpoints {names} and {why}; nxd_smp does not guess the newest "
+                          f"from what their files claim. Load one by name: {root.where(found[-1])}.")
+
+
+def locate(root: Folder, name: str) -> tuple[str, str]:
+    """The complete version behind ``name`` of ``root`` (a checkpoint link, a version directory, or a
+    directory of checkpoints: its newest complete one), as (folder holding it relative to ``root``: ``""``
+    or ``name``, version name), or an error that says why not. A link is read, never followed.
+
+    Raises:
+        FileNotFoundError: nothing at ``name``.
+        CheckpointError: not a complete checkpoint, naming why.
+    """
+    if not root.exists(name):
+        partial = [v for v in root.names() if v.startswith(version_prefix(name)) and root.is_dir(v)
+                   and not is_complete(root, v)]
+        if partial:
+            raise CheckpointError(f"no complete checkpoint at {root.where(name)}: the save into {root.where(partial[0])} "
+                                  f"was cut off before it finished (incomplete: it has no {COMPLETE_FILE}). Resume from "
+                                  f"an earlier checkpoint.")
+        raise FileNotFoundError(f"no checkpoint at {root.where(name)}: the path does not exist.")
+    if root.is_link(name):
+        version = version_of(root, name)
+        if version is None:
+            raise CheckpointError(f"{root.where(name)} is a link to {root.readlink(name)!r}, which is not a version of "
+                                  f"this checkpoint beside it (a directory {version_prefix(name)}<id>); nxd_smp reads a "
+                                  f"checkpoint's link to its own version only. Refused.")
+        where, version = "", version
+    elif not root.is_dir(name):
+        raise CheckpointError(f"{root.where(name)} is not a checkpoint directory.")
+    elif not root.exists(f"{name}/{COMPLETE_FILE}") and not name.startswith("."):
+        with root.sub(name) as directory:
+            where, version = name, version_of(directory, newest_checkpoint(directory))
+    else:
+        where, version = "", name
+    if not root.exists(f"{where}/{version}/{COMPLETE_FILE}" if where else f"{version}/{COMPLETE_FILE}"):
+        raise CheckpointError(f"the checkpoint at {root.where(version)} is incomplete (no {COMPLETE_FILE}): its save "
+                              f"was cut off. Resume from an earlier checkpoint.")
+    return where, version
