@@ -2,17 +2,16 @@
 one name, the snapshot that tells whether a refused load changed anything, and the child
 process for the loads that could crash, hang or take gigabytes.
 
-``python -m tests.hostile_worker crash|memory SPEC RESULTS`` runs the cases that SPEC (JSON:
-``{"warmup": [case], "cases": [case]}``, a case ``{"name", "loader", "path", "limit_s"}``)
-lists, one after the other, and appends one JSON line per event to RESULTS, flushed as it
-happens, so that the parent learns which case was running when the process died:
-
-* ``crash``: the load; if it is accepted, a backward and ``optimizer.step()`` (where 0-dim
-  AdamW moments corrupt memory). Events: ``started``, then ``refused`` or ``accepted`` and
-  ``stepped``; a case past its ``limit_s`` is ``hung`` (the process then exits with 124).
-* ``memory``: the load (after healthy loads of every loader, so that what the libraries
-  allocate once is not counted), its peak resident memory over the resident memory before it,
-  less the library pages it read back (``_PeakGrowth``).
+``python -m tests.hostile_worker SPEC RESULTS`` runs the cases that SPEC (JSON: ``{"warmup":
+[case], "cases": [case]}``, a case ``{"name", "loader", "path", "limit_s", "step"}``) lists, one
+after the other, and appends one JSON line per event to RESULTS, flushed as it happens, so that
+the parent learns which case was running when the process died. Each case is the load (after the
+warm-up's healthy loads of every loader, so that what the libraries allocate once is not counted)
+and its peak resident memory over the resident memory before it, less the library pages it read
+back (``_PeakGrowth``); with ``step``, an accepted load is followed by a backward and
+``optimizer.step()`` (where 0-dim AdamW moments corrupt memory). Events: ``started``, then
+``refused`` or ``accepted`` (and ``stepped`` or ``step_failed``); a case past its ``limit_s`` is
+``hung`` (the process then exits with 124).
 """
 
 from __future__ import annotations
@@ -39,18 +38,18 @@ from tests.nxd_layout import HYPER, backward, grads, scheduler_of
 from tests.nxd_layout import param_groups as nxd_param_groups
 from tests.xla_export_worker import make_model
 
-#: The loaders by name: nxd_smp's formats 2 and 1 and NxD's tag folders load with
+#: The loaders by name: nxd_smp's own format (3) and NxD's tag folders (plain and xser) load with
 #: ``load_checkpoint``; ``torch`` is ``import_torch``, ``xla`` is ``import_xla`` (of the files in
 #: a folder), ``read`` is the offline ``read_checkpoint``; ``ballast`` loads nothing and takes
 #: 256 MiB (the memory meter's control).
-LOADERS = ("nxd_smp", "nxd_smp3", "format1", "nxd", "torch", "xla", "read", "ballast")
+LOADERS = ("nxd_smp", "nxd", "torch", "xla", "read", "ballast")
 
 
 # ---------------------------------------------------------------- the live objects
 def live_sequential(seed: int = 5):
-    """The bf16 Linear(7, 13) - Tanh - Linear(13, 6) every folder but format 1's fits, its
-    Zero1Optimizer (AdamW, two groups, several buckets, masters kept) and a StepLR, after one
-    step of their own: state, masters and scheduler all differ from any checkpoint's."""
+    """The bf16 Linear(7, 13) - Tanh - Linear(13, 6) every healthy folder fits, its Zero1Optimizer
+    (AdamW, two groups, several buckets, masters kept) and a StepLR, after one step of their own:
+    state, masters and scheduler all differ from any checkpoint's."""
     model = make_model()
     with torch.no_grad():
         for p in model.parameters():
@@ -63,28 +62,14 @@ def live_sequential(seed: int = 5):
     return model, opt, scheduler
 
 
-def live_odd(seed: int = 5):
-    """The model and optimizer tests/fixtures/format1 was saved from (test_checkpoint.build),
-    after one step of their own; no scheduler (format 1 saved none)."""
-    from tests.oracle import batch, loss_fn
-    from tests.oracle import make_model as odd_model
-    from tests.oracle import param_groups as odd_groups
-
-    model = odd_model(seed)
-    opt = Zero1Optimizer(odd_groups(model, lr_a=1e-2, lr_b=3e-2), torch.optim.AdamW, compile_update=False,
-                         bucket_cap_mb=0.0004, mixed_precision=MixedPrecisionConfig(use_master_weights_in_ckpt=True))
-    loss_fn(model, *batch(0, 0, 0, 0)).backward()
-    opt.step()
-    opt.zero_grad()
-    return model, opt, None
-
-
 def live(loader: str):
     """Fresh live objects for ``loader``'s folders: (model, optimizer, scheduler), or Nones
     for ``read`` (an offline tool, no live objects)."""
+    if loader not in LOADERS:
+        raise ValueError(f"unknown loader {loader!r}")
     if loader in ("read", "ballast"):
         return None, None, None
-    return live_odd() if loader == "format1" else live_sequential()
+    return live_sequential()
 
 
 def step(model, opt, seed: int = 9) -> None:
@@ -97,7 +82,7 @@ def step(model, opt, seed: int = 9) -> None:
 def load(loader: str, path: str | os.PathLike, model, opt, scheduler) -> Any:
     """Load the folder ``path`` with ``loader`` (``LOADERS``)."""
     path = Path(path)
-    if loader in ("nxd_smp", "nxd_smp3", "format1", "nxd"):
+    if loader in ("nxd_smp", "nxd"):
         return load_checkpoint(path, model=model, optimizer=opt, scheduler=scheduler)
     if loader == "torch":
         from nxd_smp.interop.native_torch import import_torch
@@ -257,7 +242,7 @@ def _attempt(case: dict[str, Any]):
     return model, opt, scheduler, {"event": "accepted"}
 
 
-def main(mode: str, spec_file: str, results_file: str) -> None:
+def main(spec_file: str, results_file: str) -> None:
     spec = json.loads(Path(spec_file).read_text())
     results = open(results_file, "a", buffering=1)
 
@@ -290,7 +275,7 @@ def main(mode: str, spec_file: str, results_file: str) -> None:
         outcome["peak_reset"] = meter.exact
         outcome["seconds"] = time.monotonic() - start
         report(name, outcome.pop("event"), **outcome)
-        if mode == "crash" and model is not None and outcome.get("type") is None:
+        if case.get("step") and model is not None and outcome.get("type") is None:
             try:  # the accepted state in use: where 0-dim moments corrupt memory
                 step(model, opt)
                 report(name, "stepped")
@@ -304,9 +289,10 @@ def main(mode: str, spec_file: str, results_file: str) -> None:
 # ---------------------------------------------------------------- DP 2 on gloo
 def one_rank_fails_unexpectedly(rank: int, world: int, folders: list[tuple[str, str]]) -> list[dict[str, Any]]:
     """Each folder (healthy) loads at DP 2 while rank 1's ``os.fstat`` (which the one safe open of
-    every file a loader reads calls) raises a RuntimeError, an error no check expects. Returns per folder what this rank raised, how long the load took,
-    what it changed, and how often the sabotage fired. Stops at the first error that is not a
-    CheckpointError (the ranks no longer agree on what comes next)."""
+    every file a loader reads calls) raises a RuntimeError, an error no check expects. Returns per
+    folder what this rank raised, how long the load took, what it changed, and how often the
+    sabotage fired. Stops at the first error that is not a CheckpointError (the ranks no longer
+    agree on what comes next)."""
     import faulthandler
 
     faulthandler.dump_traceback_later(120, exit=True)  # a hung collective ends the test, not the suite
@@ -347,4 +333,4 @@ def one_rank_fails_unexpectedly(rank: int, world: int, folders: list[tuple[str, 
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:3])

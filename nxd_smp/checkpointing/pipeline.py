@@ -338,19 +338,15 @@ def _pieces(shard: torch.Tensor, shape: tuple[int, ...], mine: Mapping[int, tupl
 
 
 def load_rank_state(optimizer: Zero1Optimizer, state_dict: Any, *, install: bool) -> None:
-    """``Zero1Optimizer.load_state_dict`` (``install``) and ``check_state_dict`` (not: read and checked,
-    agreed on, nothing installed): the one pipeline with the rank-local reader."""
+    """``Zero1Optimizer.load_state_dict`` (``install``: the one pipeline with the rank-local reader; every
+    rank calls it) and ``check_state_dict`` (not: read and checked on this rank alone, nothing installed,
+    no communication)."""
     targets = Targets(model=None, optimizer=optimizer, objects={}, backend=optimizer.backend,
                       rebuild_masters=False, discard_gradients=False)
     if install:
         run(lambda request: read_rank_state(optimizer, state_dict, request), targets, what="its state dict")
-        return
-
-    def prepare() -> tuple[None, None, dict[str, str]]:
-        staged = read_rank_state(optimizer, state_dict, targets.request())
-        return None, None, digest(staged, check(staged, targets))
-
-    agree(optimizer.backend.world_coordinator, prepare, what="its state dict", group=targets.group())
+    else:
+        check(read_rank_state(optimizer, state_dict, targets.request()), targets)
 
 
 rank_state.register_loader(load_rank_state)

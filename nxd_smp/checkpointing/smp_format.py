@@ -242,7 +242,9 @@ def read_completion(version: Folder) -> Completion:
     if found in _EARLIER:
         raise CheckpointError(f"{version.where()} is an nxd_smp checkpoint of format {found}, from before the first "
                               f"release; this nxd_smp reads {FORMAT} only (the earlier formats held pickles, and every "
-                              f"reader of them is attack surface). Save it again with the nxd_smp that wrote it.")
+                              f"reader of them is attack surface). Load it with the nxd_smp that wrote it and export "
+                              f"it (export_torch, or consolidate), then import_torch here; or resume from a checkpoint "
+                              f"this release saved.")
     if not isinstance(record, dict) or found != FORMAT or not set(record) <= {"format", "files", "saved_at_ns"}:
         raise CheckpointError(f"{version.where()} has format {describe(found)}; this nxd_smp reads {FORMAT}.")
     files = record.get("files")
@@ -382,7 +384,8 @@ def read(opened: Opened, request: Request, *, verify: bool = True) -> Staged:
         staged.replicated[model_key(key)] = index[model_key(key)].crc32
     copies: list[tuple[torch.Tensor, str, int, int]] = []
     if request.optimizer is not None and meta.optimizer is not None:
-        staged.optimizer = _stage_optimizer(meta.optimizer, request, index, targets, copies, str(version.where()))
+        source = f"{version.where(META_FILE)} (its tensors in {INDEX_FILE})"
+        staged.optimizer = _stage_optimizer(meta.optimizer, request, index, targets, copies, source)
     read_tensors(version, index, targets, verify=verify, threads=IO_THREADS)
     for view, entry, src, numel in copies:  # saved pieces that straddle this rank's ranges
         view.copy_(targets[entry][src:src + numel])

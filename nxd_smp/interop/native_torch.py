@@ -239,7 +239,7 @@ def _native_index(folder: Folder) -> dict[tuple, tuple[str, DcpEntry]]:
     Raises:
         CheckpointError: a missing, refused or damaged index, or one this reader cannot follow.
     """
-    if not folder.is_file(METADATA_FILE):
+    if not folder.exists(METADATA_FILE):
         ours = folder.is_file(INDEX_FILE)
         raise CheckpointError(f"{folder.where()} has no .metadata: it is not a torch.distributed.checkpoint directory"
                               + ("; it is an nxd_smp checkpoint, which loads with nxd_smp.load_checkpoint." if ours
@@ -260,7 +260,7 @@ def _native_index(folder: Folder) -> dict[tuple, tuple[str, DcpEntry]]:
 def _read_entry(folder: Folder, key: str, entry: DcpEntry) -> Any:
     """An entry's value: a tensor assembled from its chunks, or a non-tensor object; each record through
     the strict reader (``checkpointing.reader``)."""
-    where = folder.where()
+    where = folder.where(METADATA_FILE)
     try:
         if isinstance(entry.meta, BytesStorageMetadata):
             info = entry.records.get(None)
@@ -270,6 +270,7 @@ def _read_entry(folder: Folder, key: str, entry: DcpEntry) -> Any:
         size, dtype = tuple(entry.meta.size), entry.meta.properties.dtype
         if not isinstance(dtype, torch.dtype) or not is_shape(size):
             raise CheckpointError(f"{where}: the index gives {key!r} the shape {size} and dtype {dtype!r}.")
+        _check_chunks(entry, key, size, dtype, where)
         whole = torch.empty(size, dtype=dtype)
         covered = torch.zeros(size, dtype=torch.bool)
         for chunk in entry.meta.chunks:
@@ -292,9 +293,32 @@ def _read_entry(folder: Folder, key: str, entry: DcpEntry) -> Any:
                                   f"elements.")
         return whole
     except UnsafeFileError as e:
-        raise CheckpointError(f"the checkpoint at {where} was refused: {e}") from None
-    except (CheckpointError, OSError) as e:
-        raise CheckpointError(f"the checkpoint at {where} is damaged or refused: {e}") from e
+        raise CheckpointError(f"the checkpoint at {folder.where()} was refused: {e}") from None
+    except CheckpointError:
+        raise
+    except (OSError, RuntimeError) as e:
+        raise CheckpointError(f"the checkpoint at {folder.where()} is damaged or refused: {e}") from e
+
+
+def _check_chunks(entry: DcpEntry, key: str, size: tuple[int, ...], dtype: torch.dtype, where: Path) -> None:
+    """Before the tensor is allocated: its chunks, each inside it and held by a record at least its bytes
+    long (records the index reader bounded by their files), cover at least its elements, so what the
+    entry allocates is bounded by the folder's size, not by a shape the index claims."""
+    covered = 0
+    for chunk in entry.meta.chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        info = entry.records.get(offsets)
+        if info is None or len(offsets) != len(size) or len(sizes) != len(size) or not is_shape(offsets) \
+                or not is_shape(sizes) or any(o + s > n for o, s, n in zip(offsets, sizes, size)):
+            raise CheckpointError(f"{where}: chunk {offsets} of {key!r} is missing or out of bounds.")
+        numel = math.prod(sizes)
+        if numel * dtype.itemsize > info.length:
+            raise CheckpointError(f"{where}: chunk {offsets} of {key!r} claims {numel} {dtype} elements, more than "
+                                  f"its record of {info.length} bytes holds; refused.")
+        covered += numel
+    if covered < math.prod(size):
+        raise CheckpointError(f"{where}: the chunks of {key!r} cover {covered} of its {math.prod(size)} elements; "
+                              f"refused before anything is allocated.")
 
 
 def import_torch(path: str | os.PathLike, *, model: nn.Module, optimizer: Zero1Optimizer) -> None:

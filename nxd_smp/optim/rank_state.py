@@ -143,8 +143,8 @@ class RankLocalState:
 
     def check_state_dict(self, state_dict: Any) -> None:
         """Raise if ``state_dict`` is not what ``state_dict()`` returns on this rank (same model,
-        layout, DP size and rank, a state the hyperparameters it installs keep); change nothing.
-        Every rank of the job calls it (the ranks agree, as a load does).
+        layout, DP size and rank, a state the hyperparameters it installs keep); change nothing. It reads
+        and checks on this rank alone (``load_state_dict`` also has the ranks agree).
 
         Raises:
             CheckpointError (a ``ValueError``): naming every way it does not fit, and the fix.

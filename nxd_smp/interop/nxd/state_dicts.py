@@ -28,6 +28,7 @@ from ...backend.agreement import decide
 from ...backend.coordination import Coordinator
 from ...checkpointing.files import Folder, place_directory
 from ...checkpointing.pipeline import read_rank_state
+from ...checkpointing.reader import load_bytes
 from ...checkpointing.save import check_async_save, write_and_publish
 from ...checkpointing.staged import Request, Staged, Targets
 from ...checkpointing.typed_json import loads
@@ -79,6 +80,21 @@ def _serialized(value: Any, backend: Backend) -> bytes:
     return buffer.getvalue()
 
 
+def _readable(data: bytes, what: str) -> bytes:
+    """``data`` (a ``torch.save`` file's bytes) if nxd_smp's strict reader reads it back; else refused now,
+    before anything is written, rather than at the load (a class of the caller's own, say).
+
+    Raises:
+        TypeError: naming ``what`` and why, and the fix.
+    """
+    try:
+        load_bytes(data, what)
+    except CheckpointError as e:
+        raise TypeError(f"{what} holds what nxd_smp's checkpoints do not read back: {e} Keep it as plain data "
+                        f"(numbers, strings, containers, tensors).") from None
+    return data
+
+
 def save_state_dicts(tag: Path, *, model: Any, optimizer: Any, scheduler: Any, user_content: Any, backend: Backend,
                      async_save: bool, num_kept: int | None) -> Path:
     """Write the state dicts NxD Training passes (or ``state_dict()`` of objects given with them) into the
@@ -105,11 +121,16 @@ def save_state_dicts(tag: Path, *, model: Any, optimizer: Any, scheduler: Any, u
     if optimizer is not None:
         files[rank_file("optim", coordinate.data, coordinate.tensor, coordinate.pipeline)] = _serialized(optimizer,
                                                                                                         backend)
+    refusal: TypeError | None = None  # (raised by rank 0's decision below: every rank learns of it)
     if coordinator.rank == 0:
-        if scheduler is not None:
-            files[SCHEDULER_FILE] = _serialized(scheduler.state_dict(), backend)
-        if user_content is not None:
-            files[USER_CONTENT_FILE] = _serialized(user_content, backend)
+        try:
+            if scheduler is not None:
+                files[SCHEDULER_FILE] = _readable(_serialized(scheduler.state_dict(), backend),
+                                                  "the scheduler's state")
+            if user_content is not None:
+                files[USER_CONTENT_FILE] = _readable(_serialized(user_content, backend), "user_content")
+        except TypeError as e:
+            refusal = e
         record = {"format": STATE_DICTS_FORMAT, "data_parallel_size": coordinate.data_size,
                   "world_size": coordinator.size}
         files[STATE_DICTS_FILE] = json.dumps(record).encode()
@@ -117,6 +138,8 @@ def save_state_dicts(tag: Path, *, model: Any, optimizer: Any, scheduler: Any, u
 
     def begin() -> list:
         nonlocal root
+        if refusal is not None:
+            raise TypeError(f"nothing was saved to {tag}: {refusal}")
         root = Folder.open(tag.parent, create=True)
         if root.exists(tag.name) and not (is_nxd_checkpoint(tag) or (root.is_dir(tag.name) and _empty(root, tag.name))):
             raise CheckpointError(f"{tag} exists and is not a checkpoint tag folder; pass another tag or remove it.")
