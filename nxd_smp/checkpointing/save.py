@@ -91,41 +91,54 @@ def save(path: Path, model: nn.Module, optimizer: Zero1Optimizer | None, backend
         name, *identity = decide(coordinator, begin)
     except (CheckpointError, FileNotFoundError) as e:
         raise CheckpointError(f"nothing was saved to {path}: {e}") from None
-    if root is None:
-        root = Folder.open(path.parent)
-    version = root.sub(name)
-    if version.identity() != tuple(identity):
-        version.close()
-        raise CheckpointError(f"{root.where(name)} is not the version rank 0 made for this save (it was replaced); "
-                              f"nothing was written.")
-    job = dict(root=root, version=version, path=path, name=name, identity=identity, num_kept=num_kept_ckpts)
+    opened = _open_version(root, path, name, identity)  # (a failure is told to every rank by the write)
+    job = dict(opened=opened, path=path, name=name, identity=identity, num_kept=num_kept_ckpts)
     if not async_save:
         try:
             with phases(progress, coordinator.rank, ["write", "publish"], f"save {path.name}", log) as advance:
                 _write_and_publish(state, small, coordinator, advance=advance, **job)
         finally:
-            version.close()
-            root.close()
-        return root.where(name)
+            _close(opened)
+        return path.parent / name
 
     with phases(progress, coordinator.rank, ["stage"], f"stage {path.name}", log) as advance:
         if not copied:  # the live tensors may change while they are written
             state = stage(state)
         advance("stage")
-    job.update(root=root.dup(), version=version.dup())  # the writer thread's own descriptors
-    version.close()
-    root.close()
+    if not isinstance(opened, BaseException):  # the writer thread's own descriptors
+        job["opened"] = (opened[0].dup(), opened[1].dup())
+        _close(opened)
 
     def work() -> None:
         try:
             _write_and_publish(state, small, coordinator, advance=lambda phase: log.info("save %s: %s", path.name, phase),
                                **job)
         finally:
-            job["version"].close()
-            job["root"].close()
+            _close(job["opened"])
 
     start_save(str(path), work)
     return path.parent / name
+
+
+def _open_version(root: Folder | None, path: Path, name: str, identity: list[int]) -> tuple[Folder, Folder] | Exception:
+    """The root and the version rank 0 made, opened on this rank below the root and checked to be that very
+    folder (device and inode); or why not, which the ranks' write-and-publish then tells every rank."""
+    try:
+        root = root or Folder.open(path.parent)
+        version = root.sub(name)
+        if version.identity() != tuple(identity):
+            version.close()
+            raise CheckpointError(f"{root.where(name)} is not the version rank 0 made for this save (it was replaced); "
+                                  f"nothing was written into it.")
+        return root, version
+    except Exception as e:  # noqa: BLE001 - every rank learns of it in the write-and-publish
+        return e
+
+
+def _close(opened: tuple[Folder, Folder] | Exception) -> None:
+    if not isinstance(opened, BaseException):
+        for folder in opened:
+            folder.close()
 
 
 def check_async_save(coordinator: Coordinator) -> None:
@@ -142,12 +155,19 @@ def check_async_save(coordinator: Coordinator) -> None:
 
 
 def _write_and_publish(state: Mapping[str, torch.Tensor], small: Mapping[str, bytes], coordinator: Coordinator, *,
-                       root: Folder, version: Folder, path: Path, name: str, identity: list[int],
+                       opened: tuple[Folder, Folder] | Exception, path: Path, name: str, identity: list[int],
                        num_kept: int | None, advance: Callable[[str], None]) -> None:
-    """Every rank writes its tensors into ``version``; then rank 0 writes the index, the small files and
-    the completion record, swaps the link and applies the retention."""
+    """Every rank writes its tensors into the version it opened (``opened``: the root and the version, or why
+    it could not); then rank 0 writes the index, the small files and the completion record, swaps the link
+    and applies the retention."""
+
+    def write() -> Any:
+        if isinstance(opened, BaseException):
+            raise opened
+        return write_tensors(opened[1], f"__{coordinator.rank}_", state, threads=IO_THREADS)
 
     def publish(written: list) -> None:
+        root, version = opened
         entries = {}
         for part_entries, _ in written:  # replicated scalars (a bucket's step) come from several ranks
             for key, entry in part_entries.items():
@@ -163,8 +183,7 @@ def _write_and_publish(state: Mapping[str, torch.Tensor], small: Mapping[str, by
         if num_kept is not None:
             retain(root, num_kept, newest=path.name)
 
-    write_and_publish(coordinator, lambda: write_tensors(version, f"__{coordinator.rank}_", state, threads=IO_THREADS),
-                      publish, what=str(path), advance=advance)
+    write_and_publish(coordinator, write, publish, what=str(path), advance=advance)
 
 
 def write_and_publish(coordinator: Coordinator, write: Callable[[], Any], publish: Callable[[list[Any]], None], *,

@@ -152,33 +152,47 @@ def save_state_dicts(tag: Path, *, model: Any, optimizer: Any, scheduler: Any, u
         name, *identity = decide(coordinator, begin)
     except (CheckpointError, FileNotFoundError) as e:
         raise CheckpointError(f"the save of {tag} was refused: {e}") from None
-    if root is None:
-        root = Folder.open(tag.parent)
-    staging = root.sub(name)
-    if staging.identity() != tuple(identity):
-        raise CheckpointError(f"{root.where(name)} is not the folder rank 0 made for this save (it was replaced); "
-                              f"nothing was written.")
-    job = dict(root=root, staging=staging, tag=tag, name=name, files=files, coordinator=coordinator, num_kept=num_kept)
+    opened = _open_staging(root, tag, name, identity)  # (a failure is told to every rank by the write)
+    job = dict(opened=opened, tag=tag, name=name, files=files, coordinator=coordinator, num_kept=num_kept)
     if not async_save:
         try:
             _write_and_publish(**job)
         finally:
-            staging.close()
-            root.close()
+            _close(opened)
         return tag
-    job.update(root=root.dup(), staging=staging.dup())  # the writer thread's own descriptors
-    staging.close()
-    root.close()
+    if not isinstance(opened, BaseException):  # the writer thread's own descriptors
+        job["opened"] = (opened[0].dup(), opened[1].dup())
+        _close(opened)
 
     def work() -> None:
         try:
             _write_and_publish(**job)
         finally:
-            job["staging"].close()
-            job["root"].close()
+            _close(job["opened"])
 
     start_save(str(tag), work)
     return tag
+
+
+def _open_staging(root: Folder | None, tag: Path, name: str, identity: list[int]) -> tuple[Folder, Folder] | Exception:
+    """The root and the folder rank 0 made, opened on this rank below the root and checked to be that very
+    folder (device and inode); or why not, which the ranks' write-and-publish then tells every rank."""
+    try:
+        root = root or Folder.open(tag.parent)
+        staging = root.sub(name)
+        if staging.identity() != tuple(identity):
+            staging.close()
+            raise CheckpointError(f"{root.where(name)} is not the folder rank 0 made for this save (it was replaced); "
+                                  f"nothing was written into it.")
+        return root, staging
+    except Exception as e:  # noqa: BLE001 - every rank learns of it in the write-and-publish
+        return e
+
+
+def _close(opened: tuple[Folder, Folder] | Exception) -> None:
+    if not isinstance(opened, BaseException):
+        for folder in opened:
+            folder.close()
 
 
 def _empty(root: Folder, name: str) -> bool:
@@ -186,13 +200,16 @@ def _empty(root: Folder, name: str) -> bool:
         return not folder.names()
 
 
-def _write_and_publish(*, root: Folder, staging: Folder, tag: Path, name: str, files: Mapping[str, bytes],
-                       coordinator: Coordinator, num_kept: int | None) -> None:
-    """Every rank writes its files into ``staging``; once all have, rank 0 writes ``done``, puts the folder
-    in place of ``tag`` (an older one there loses its ``done`` first, so a tag that looks complete always
-    is) and applies the retention."""
+def _write_and_publish(*, opened: tuple[Folder, Folder] | Exception, tag: Path, name: str,
+                       files: Mapping[str, bytes], coordinator: Coordinator, num_kept: int | None) -> None:
+    """Every rank writes its files into the staging folder it opened (``opened``: the root and that folder, or
+    why it could not); once all have, rank 0 writes ``done``, puts the folder in place of ``tag`` (an older
+    one there loses its ``done`` first, so a tag that looks complete always is) and applies the retention."""
+    root, staging = (None, None) if isinstance(opened, BaseException) else opened
 
     def write() -> None:
+        if isinstance(opened, BaseException):
+            raise opened
         for file, data in files.items():
             folder, _, base = file.rpartition("/")
             if folder:
@@ -214,7 +231,11 @@ def _write_and_publish(*, root: Folder, staging: Folder, tag: Path, name: str, f
                 if old.name != tag.name:
                     remove_tag(old)
 
-    write_and_publish(coordinator, write, publish, what=str(tag), discard=lambda: root.remove_tree(name))
+    def discard() -> None:  # (rank 0's staging folder, if its name still means it: never a folder swapped in)
+        if root is not None and root.lstat(name) is not None and root.identity(name) == staging.identity():
+            root.remove_tree(name)
+
+    write_and_publish(coordinator, write, publish, what=str(tag), discard=discard)
 
 
 def _retire(tag: Folder) -> None:
