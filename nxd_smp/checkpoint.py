@@ -331,8 +331,8 @@ def load_checkpoint(
     verify_checksums: bool = True,
     progress: bool | None = None,
 ) -> Any:
-    """Load a checkpoint at any DP size; every rank calls it. Returns the saved user content
-    (``extra``), None if there was none.
+    """Load a checkpoint at any DP size; every process of the job calls it (its verdict is world-wide).
+    Returns the saved user content (``extra``), None if there was none.
 
     ``path`` is a checkpoint, or a directory of them (the newest complete one is loaded);
     with ``tag`` (NxD's call shape) the checkpoint ``path/tag``. Besides nxd_smp's
@@ -416,7 +416,7 @@ def remove_checkpoint(path: str | os.PathLike) -> None:
     """Remove the checkpoint at ``path``: an nxd_smp checkpoint (its link first, then its version
     directory) or an NxD tag folder (its ``done`` first): an interrupted removal never leaves
     something that looks complete. A checkpoint link to anything but its own version beside it
-    (``checkpointing.links.version_of``: another run's, say) is removed alone, never what it
+    (``checkpointing.versions.version_of``: another run's, say) is removed alone, never what it
     points to. Nothing there: nothing to do. Process-local (no collective):
     call it from one rank. This rank's background save of ``path``, if one is in flight, is
     waited for first.
@@ -454,7 +454,8 @@ def load_full_optimizer_state(
     source: str | os.PathLike | None = None,
 ) -> None:
     """Install unsharded, per-parameter optimizer state into ``optimizer`` at its own DP size; every
-    rank calls it with the same full tensors and keeps its own shard. It runs the one pipeline as a
+    process of the job calls it (the ranks agree world-wide), with the same full tensors, and each keeps
+    its own shard. It runs the one pipeline as a
     checkpoint's load does: checked against the optimizer class and the hyperparameters installed,
     agreed on by every rank (the ranks of a data-parallel group must pass the same hyperparameters
     and step counts), installed as one transaction.

@@ -181,6 +181,98 @@ def test_ranks_that_would_install_different_values_refuse_together(into, tmp_pat
     assert all("hyperparameters" in r and "step counters" in r for r in results), results
 
 
+def _masters_on_one_rank(rank: int, world: int) -> str:
+    """Each rank's own state dict, rank 1's without its master shards: publishing the masters is a
+    collective, so one rank publishing and the other rebuilding would leave the first waiting."""
+    from tests.test_checkpoint import build, train
+
+    model, opt = build()
+    train(model, opt, 1, 0, rank, world)
+    state = opt.state_dict()
+    if rank == 1:
+        state.pop("master_weights")
+    try:
+        opt.load_state_dict(state)
+    except CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_master_weights_in_one_ranks_state_dict_only_are_refused_together():
+    results = run_ranks(2, _masters_on_one_rank)
+    assert all("would install different values" in r and "master weights" in r for r in results), results
+
+
+def test_a_refusal_after_the_staging_puts_every_object_back(tmp_path):
+    """A state the digest cannot read (NxD Training's optimizer dict with param groups that are no list) is
+    refused before the install: the scheduler loaded with it is left as it was."""
+    from tests.test_checkpoint import build
+
+    model, opt = build()
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    save_checkpoint(tmp_path, "t1", model=model.state_dict(), optimizer={"param_groups": 5, "state": {}},
+                    scheduler=scheduler)
+    live = torch.optim.lr_scheduler.StepLR(build(seed=2)[1], step_size=2)
+    for _ in range(3):
+        live.step()
+    before = live.state_dict()
+    try:
+        load_checkpoint(tmp_path, "t1", model={}, optimizer={}, scheduler=live)
+    except CheckpointError:
+        pass
+    assert live.state_dict() == before
+
+
+# ---------------------------------------------------------------- state keys by parameter
+def test_state_keys_that_differ_by_group_and_a_parameter_of_no_elements_round_trip(tmp_path):
+    """AdamW with ``amsgrad`` in one param group keeps ``max_exp_avg_sq`` there only, and a parameter of no
+    elements is no rank's piece: the checkpoint records each parameter's keys, and loads back exactly."""
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.empty = nn.Linear(4, 4), nn.Linear(4, 4), nn.Parameter(torch.zeros(0, 4))
+
+        def forward(self, x):
+            return self.b(self.a(x)).sum() + self.empty.sum()
+
+    def built(model):
+        return Zero1Optimizer([{"params": list(model.a.parameters()), "amsgrad": True},
+                               {"params": [*model.b.parameters(), model.empty]}], torch.optim.AdamW,
+                              compile_update=False, lr=1e-2, mixed_precision=KEEP)
+
+    torch.manual_seed(0)
+    model = Model()
+    opt = built(model)
+    for _ in range(2):
+        model(torch.randn(2, 4)).backward()
+        opt.step()
+    save_checkpoint(tmp_path / "c", model=model, optimizer=opt)
+    torch.manual_seed(1)
+    fresh = Model()
+    fresh_opt = built(fresh)
+    load_checkpoint(tmp_path / "c", model=fresh, optimizer=fresh_opt)
+    for live, saved in zip(fresh_opt.inner_shards, opt.inner_shards):
+        got, want = fresh_opt.inner_optimizer.state[live], opt.inner_optimizer.state[saved]
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_torch_xla_files_of_more_than_ten_parameters_import(tmp_path):
+    """torch_xla numbers the parameters 0..n-1: the numbers are checked as numbers (sorted as text, 10
+    came before 2)."""
+    from nxd_smp.interop.torch_xla import export_xla, import_xla
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])  # 12 parameters
+    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, compile_update=False, lr=1e-2, mixed_precision=KEEP)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    save_checkpoint(tmp_path / "c", model=model, optimizer=opt)
+    files = export_xla(tmp_path / "c", tmp_path / "xla", dp_size=2)
+    masters = [m.clone() for m in opt.master_shards]
+    import_xla(files, model=model, optimizer=opt)
+    assert all(torch.equal(a, b) for a, b in zip(masters, opt.master_shards))
+
+
 # ---------------------------------------------------------------- install: the transaction
 class Ledger:
     """A stateful object that records what it was given and refuses a state holding ``"refuse"``."""

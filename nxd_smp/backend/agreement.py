@@ -89,7 +89,12 @@ def agree(coordinator: Coordinator, prepare: Callable[[], tuple[T, Callable[[], 
         error = e
     mine = {"error": None if error is None else error_text(error),
             "group": None if group is None else list(group), "digest": dict(digest or {})}
-    gathered = coordinator.all_gather(mine)
+    try:
+        gathered = coordinator.all_gather(mine)
+    except BaseException:  # (the exchange itself failed: this rank puts back what it changed, and says why)
+        if undo is not None:
+            undo()
+        raise
     failures = [part["error"] for part in gathered if part["error"]]
     differ = _differences(gathered) if error is None and not failures else None
     if error is None and not failures and differ is None:

@@ -393,37 +393,34 @@ def _finite_non_negative(value: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------- the digest
-def _fingerprint(value: Any, out: Any) -> None:
-    """Feed ``value``'s canonical bytes to ``out`` (a hash): containers in order (dicts by key),
-    tensors by dtype, shape and the CRC-32 of their bytes, numbers exactly."""
+def _fingerprint(value: Any, tensors: dict[int, str]) -> str:
+    """``value``'s canonical text: containers in order (dicts by their keys' text, sets by their items'),
+    tensors by dtype, shape and the CRC-32 of their bytes (each tensor moved to the host once:
+    ``tensors``, by id), floats exactly, anything else by type and ``repr`` (the strict reader and the
+    typed JSON build nothing whose ``repr`` holds an address)."""
     if isinstance(value, Whole):
         value = value.tensor
     if isinstance(value, torch.Tensor):
-        t = value.detach().to("cpu").contiguous()
-        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        out.update(f"T{t.dtype}{tuple(t.shape)}{zlib.crc32(data)};".encode())
-    elif isinstance(value, Mapping):
-        out.update(b"{")
-        for key in sorted(value, key=repr):
-            _fingerprint(key, out)
-            _fingerprint(value[key], out)
-        out.update(b"}")
-    elif isinstance(value, (list, tuple)):
-        out.update(b"[" if isinstance(value, list) else b"(")
-        for item in value:
-            _fingerprint(item, out)
-        out.update(b"]")
-    elif isinstance(value, float):
-        out.update(b"f" + struct.pack("<d", value))
-    else:
-        out.update(f"{type(value).__name__}:{value!r};".encode())
+        if id(value) not in tensors:
+            t = value.detach().to("cpu").contiguous()
+            data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            tensors[id(value)] = f"T{t.dtype}{tuple(t.shape)}{zlib.crc32(data)};"
+        return tensors[id(value)]
+    if isinstance(value, Mapping):
+        items = sorted((_fingerprint(k, tensors), _fingerprint(v, tensors)) for k, v in value.items())
+        return "{" + "".join(k + ":" + v for k, v in items) + "}"
+    if isinstance(value, (set, frozenset)):
+        return "{" + "".join(sorted(_fingerprint(v, tensors) for v in value)) + "}s"
+    if isinstance(value, (list, tuple)):
+        return ("[" if isinstance(value, list) else "(") + "".join(_fingerprint(v, tensors) for v in value) + "]"
+    if isinstance(value, float):
+        return "f" + struct.pack("<d", value).hex() + ";"
+    return f"{type(value).__name__}:{value!r};"
 
 
 def fingerprint(value: Any) -> str:
     """A short digest of ``value`` (``_fingerprint``)."""
-    out = hashlib.sha256()
-    _fingerprint(value, out)
-    return out.hexdigest()[:32]
+    return hashlib.sha256(_fingerprint(value, {}).encode()).hexdigest()[:32]
 
 
 def _steps(value: Any) -> list[Any]:
@@ -449,17 +446,16 @@ def digest(staged: Staged, plan: Plan) -> dict[str, str]:
         parts["hyperparameters"] = [group_hyperparameters(g) for g in opt.groups]
         parts["step counters"] = {name: {k: opt.state[name][k] for k in plan.counters.get(name, [])}
                                   for name in sorted(opt.state) if plan.counters.get(name)}
+        parts["master weights"] = opt.masters is not None  # (their publication is a collective)
         if opt.scaler is not None:
             parts["loss scale"] = opt.scaler
-    if staged.torch_optimizer is not None:
-        groups = staged.torch_optimizer.get("param_groups", [])
-        parts["hyperparameters"] = [group_hyperparameters(g) for g in groups if isinstance(g, Mapping)]
-        parts["step counters"] = _steps(staged.torch_optimizer.get("state", {}))
-    if staged.fill is not None and isinstance(staged.fill.get("optimizer"), Mapping):
-        filled = staged.fill["optimizer"]
-        groups = filled.get("param_groups", [])
-        parts["hyperparameters"] = [group_hyperparameters(g) for g in groups if isinstance(g, Mapping)]
-        parts["step counters"] = _steps({k: v for k, v in filled.items() if k != "param_groups"})
+    for name, saved in (("a torch optimizer's state", staged.torch_optimizer),
+                        ("the optimizer's state dict", (staged.fill or {}).get("optimizer"))):
+        if isinstance(saved, Mapping):
+            groups = saved.get("param_groups")
+            parts["hyperparameters"] = ([group_hyperparameters(g) if isinstance(g, Mapping) else g for g in groups]
+                                        if isinstance(groups, list) else groups)
+            parts["step counters"] = _steps({k: v for k, v in saved.items() if k != "param_groups"})
     if SCHEDULER in staged.objects:
         parts["scheduler"] = staged.objects[SCHEDULER]
     if staged.replicated:

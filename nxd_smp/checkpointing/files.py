@@ -71,6 +71,14 @@ def _kind(mode: int) -> str:
             else "a regular file" if stat.S_ISREG(mode) else "something else")
 
 
+def _one(name: str) -> str:
+    """``name`` if it is one plain component (what the ``*at`` calls below take: a ``/`` would have them
+    follow the links on its way)."""
+    if not isinstance(name, str) or not name or "/" in name or "\0" in name or name in (".", ".."):
+        raise CheckpointError(f"{name!r} is not a plain name in a folder; refused.")
+    return name
+
+
 def check_name(name: object, source: str) -> list[str]:
     """``name`` (from a file, an index, a reference) as its components: a relative path of plain
     names, no ``.``, ``..``, empty part or NUL.
@@ -281,7 +289,7 @@ class Folder:
     def readlink(self, name: str) -> str | None:
         """What the link ``name`` says (never followed); None if it is not a link."""
         try:
-            return os.readlink(name, dir_fd=self.fd)
+            return os.readlink(_one(name), dir_fd=self.fd)
         except (OSError, ValueError):
             return None
 
@@ -353,12 +361,12 @@ class Folder:
         return folder
 
     def symlink(self, target: str, name: str) -> None:
-        os.symlink(target, name, dir_fd=self.fd)
+        os.symlink(target, _one(name), dir_fd=self.fd)
 
     def rename(self, name: str, new_name: str, *, into: Folder | None = None) -> None:
         """Rename ``name`` to ``new_name`` (in ``into``, or here), replacing what is there as
         ``rename(2)`` does (a link there is replaced itself, never followed)."""
-        os.rename(name, new_name, src_dir_fd=self.fd, dst_dir_fd=(into or self).fd)
+        os.rename(_one(name), _one(new_name), src_dir_fd=self.fd, dst_dir_fd=(into or self).fd)
 
     def link_new(self, name: str, new_name: str) -> None:
         """Give the file ``name`` the new name ``new_name`` without clobbering anything there, a
@@ -369,7 +377,7 @@ class Folder:
             CheckpointError: something took ``new_name``.
         """
         try:
-            os.link(name, new_name, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
+            os.link(_one(name), _one(new_name), src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
         except OSError as e:
             if e.errno not in _NO_HARD_LINKS:
                 raise self.taken(new_name) if e.errno in _TAKEN else e
@@ -385,18 +393,18 @@ class Folder:
 
     def unlink(self, name: str, *, missing_ok: bool = True) -> None:
         try:
-            os.unlink(name, dir_fd=self.fd)
+            os.unlink(_one(name), dir_fd=self.fd)
         except FileNotFoundError:
             if not missing_ok:
                 raise
 
     def rmdir(self, name: str) -> None:
-        os.rmdir(name, dir_fd=self.fd)
+        os.rmdir(_one(name), dir_fd=self.fd)
 
     def remove_tree(self, name: str) -> None:
         """Remove ``name`` (a directory and everything below it, or a file or link itself): no
         link is followed, inside or at ``name``; what is already gone is no error."""
-        found = self._safe_lstat(name)
+        found = self._safe_lstat(_one(name))
         if found is None:
             return
         if stat.S_ISDIR(found.st_mode):
@@ -567,14 +575,14 @@ def write_output_directory(out: str | os.PathLike, fill: Callable[[str], None], 
                 staging.fsync_tree()
                 staging.chmod(0o777 & ~umask())
                 identity = staging.identity()
-            _place_directory(parent, staging_name, out.name, replace=overwrite, identity=identity)
+            place_directory(parent, staging_name, out.name, replace=overwrite, identity=identity)
         except BaseException:
             parent.remove_tree(staging_name)
             raise
     return out
 
 
-def _place_directory(parent: Folder, staging: str, name: str, *, replace: bool,
+def place_directory(parent: Folder, staging: str, name: str, *, replace: bool,
                      retire: Callable[[Folder], None] | None = None, identity: tuple[int, int] | None = None) -> None:
     """``staging`` (a complete directory in ``parent``) renamed to ``name``. Without ``replace`` only
     an absent name or an empty directory is taken. With it, what is there is first handed to
@@ -617,10 +625,6 @@ def _place_directory(parent: Folder, staging: str, name: str, *, replace: bool,
     parent.remove_tree(aside)
 
 
-def place_directory(parent: Folder, staging: str, name: str, *, replace: bool,
-                    retire: Callable[[Folder], None] | None = None, identity: tuple[int, int] | None = None) -> None:
-    """``_place_directory`` for the writers of tag folders (NxD's layout)."""
-    _place_directory(parent, staging, name, replace=replace, retire=retire, identity=identity)
 
 
 def replace_file(folder: Folder, name: str, data: bytes) -> None:

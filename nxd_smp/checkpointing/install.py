@@ -124,6 +124,15 @@ def _shard(staged: StagedOptimizer, key: str | None, values: Mapping[str, Any], 
     return buffer
 
 
+def _pieces_by_bucket(targets: Targets, names: list[str]) -> list[list[tuple[str, Any]]]:
+    """Per bucket, this rank's pieces of it as (parameter name, piece)."""
+    zero1 = targets.zero1
+    pieces: list[list[tuple[str, Any]]] = [[] for _ in zero1.bucket_layouts]
+    for b, name, piece in named_pieces(zero1.bucket_layouts, zero1.rank, names):
+        pieces[b].append((name, piece))
+    return pieces
+
+
 def _bucket_state(staged: StagedOptimizer, plan: Plan, targets: Targets) -> dict[int, dict[str, Any]]:
     """The inner optimizer's state per bucket shard: each moment a shard built from the parameters'
     pieces, each counter from the bucket's first parameter with state (a parameter without state,
@@ -132,9 +141,7 @@ def _bucket_state(staged: StagedOptimizer, plan: Plan, targets: Targets) -> dict
     zero1 = targets.zero1
     names = targets.names()
     layouts = zero1.bucket_layouts
-    pieces: list[list[tuple[str, Any]]] = [[] for _ in layouts]
-    for b, name, piece in named_pieces(layouts, zero1.rank, names):
-        pieces[b].append((name, piece))
+    pieces = _pieces_by_bucket(targets, names)
     group_of_param = {id(p): g for g, group in enumerate(zero1.param_groups) for p in group["params"]}
     group_of = {name: group_of_param[id(p)] for name, p in zip(names, zero1.managed_params)}
     with_state = [name for name in names if staged.state.get(name)]
@@ -165,11 +172,8 @@ def _masters(staged: StagedOptimizer | None, targets: Targets) -> list[torch.Ten
     zero1 = targets.zero1
     if staged is None or staged.masters is None or not zero1.mixed_precision.use_master_weights:
         return None
-    names = targets.names()
     layouts = zero1.bucket_layouts
-    pieces: list[list[tuple[str, Any]]] = [[] for _ in layouts]
-    for b, name, piece in named_pieces(layouts, zero1.rank, names):
-        pieces[b].append((name, piece))
+    pieces = _pieces_by_bucket(targets, targets.names())
     return [_shard(staged, None, staged.masters, targets, b, torch.float32, layout.shard_numel, pieces[b])
             for b, layout in enumerate(layouts)]
 

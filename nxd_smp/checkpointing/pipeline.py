@@ -54,13 +54,12 @@ def run(read: Reader, targets: Targets, *, what: str, progress: bool | None = Fa
     """
     backend = targets.backend
     with phases(progress, backend.rank, ["read and check", "install"], f"load {Path(what).name}", log) as advance:
-        request = targets.request()
 
         def prepare() -> tuple[tuple[Staged, Any], Callable[[], None], dict[str, str]]:
-            staged = read(request)
+            staged = read(targets.request())
             plan = check(staged, targets)
-            undo = install(staged, plan, targets)
-            return (staged, plan), undo, digest(staged, plan)
+            fingerprints = digest(staged, plan)  # (before the install: nothing after it may fail here)
+            return (staged, plan), install(staged, plan, targets), fingerprints
 
         staged, plan = agree(backend.world_coordinator, prepare, what=what, group=targets.group())
         advance("read and check")
@@ -237,7 +236,7 @@ def full_state(state: Any, hyperparameters: Any, masters: Any, *, source: str) -
 
 
 # ---------------------------------------------------------------------------- the rank-local state dict
-def read_rank_state(optimizer: Zero1Optimizer, state_dict: Any, request: Request) -> Staged:
+def read_rank_state(targets: Targets, state_dict: Any, request: Request) -> Staged:
     """``Zero1Optimizer.state_dict()``'s dict, from this rank at this DP size and layout, as the staged
     state: each bucket shard's moments as the pieces of its parameters, its 0-dim state as each
     parameter's counters, the master shards as pieces, the param groups' hyperparameters, the loss
@@ -248,6 +247,7 @@ def read_rank_state(optimizer: Zero1Optimizer, state_dict: Any, request: Request
             this optimizer can hold; naming the fix.
     """
     source = "the state dict"
+    optimizer = targets.zero1
     if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_DICT_FORMAT:
         found = state_dict.get("format") if isinstance(state_dict, dict) else None
         raise CheckpointError(f"not a Zero1Optimizer state dict (missing format {STATE_DICT_FORMAT!r}); pass what "
@@ -288,7 +288,7 @@ def read_rank_state(optimizer: Zero1Optimizer, state_dict: Any, request: Request
     shard_of = {i: bucket_of[id(p)] for saved, live in zip(inner["param_groups"], optimizer.inner_optimizer.param_groups)
                 for i, p in zip(saved["params"], live["params"])}
     names = request.optimizer.names
-    order = _layout_names(optimizer, request)
+    order = targets.names()  # (in layout order)
     shapes = request.optimizer.shapes
     mine: dict[str, dict[int, tuple[int, int, int]]] = {name: {} for name in names}  # {param_start: (b, at, numel)}
     for b, name, piece in named_pieces(layouts, optimizer.rank, order):
@@ -324,14 +324,6 @@ def read_rank_state(optimizer: Zero1Optimizer, state_dict: Any, request: Request
     return Staged(source=source, optimizer=staged)
 
 
-def _layout_names(optimizer: Zero1Optimizer, request: Request) -> list[str]:
-    """The request's parameter names in the optimizer's layout order (the request lists them by group)."""
-    by_id = {}
-    for group, names in zip(optimizer.param_groups, request.optimizer.groups):
-        by_id.update({id(p): name for p, name in zip(group["params"], names)})
-    return [by_id[id(p)] for p in optimizer.managed_params]
-
-
 def _pieces(shard: torch.Tensor, shape: tuple[int, ...], mine: Mapping[int, tuple[int, int, int]]) -> Pieces:
     """A parameter's part of a shard-shaped tensor: its pieces on this rank, as views."""
     return Pieces(shape, shard.dtype, {start: shard[at:at + numel] for start, (_, at, numel) in mine.items()})
@@ -344,9 +336,9 @@ def load_rank_state(optimizer: Zero1Optimizer, state_dict: Any, *, install: bool
     targets = Targets(model=None, optimizer=optimizer, objects={}, backend=optimizer.backend,
                       rebuild_masters=False, discard_gradients=False)
     if install:
-        run(lambda request: read_rank_state(optimizer, state_dict, request), targets, what="its state dict")
+        run(lambda request: read_rank_state(targets, state_dict, request), targets, what="its state dict")
     else:
-        check(read_rank_state(optimizer, state_dict, targets.request()), targets)
+        check(read_rank_state(targets, state_dict, targets.request()), targets)
 
 
 rank_state.register_loader(load_rank_state)

@@ -1,6 +1,6 @@
-"""The strict reader: every pickled file nxd_smp reads (NxD's plain and xser folders, torch_xla's
-per-rank dicts, the loops' optimizer files, nxd_smp's formats 1 and 2, DCP indexes) is unpickled
-here and nowhere else; none of torch's own loaders is used.
+"""The strict reader: every pickled file nxd_smp reads (NxD's plain and xser folders and NxD Training's
+state-dict tags, torch_xla's per-rank dicts, the loops' optimizer files, DCP indexes and records) is
+unpickled here and nowhere else; none of torch's own loaders is used.
 
 A ``torch.save`` file (``load_file`` / ``load_bytes``) is a zip archive parsed once, by one
 ``zipfile.ZipFile``, which both checks it (no two records of one name, none compressed, overlapping
@@ -883,10 +883,9 @@ def load_bytes(data: bytes | bytearray | memoryview, source: str, *, kind: str =
     return _load_archive(io.BytesIO(data), len(data), source, kind)
 
 
-def load_pickle(data: bytes, source: str, *, kind: str = "dcp_metadata", own: tuple[type, ...] = ()) -> Any:
-    """A plain pickle (no zip, no persistent ids) of the ``"dcp_metadata"`` kind: DCP's metadata
-    classes and ``own``, nxd_smp's classes admitted by their pickled name (``dcp_index`` passes its
-    ``RawItem``: this module cannot import the module that imports it).
+def load_pickle(data: bytes, source: str, *, kind: str = "dcp_metadata") -> Any:
+    """A plain pickle (no zip, no persistent ids) of the ``"dcp_metadata"`` kind: DCP's metadata classes
+    and nothing else.
 
     Raises:
         UnsafeFileError: the pickle names anything else, or is too large as a tree; naming ``source``.
@@ -894,8 +893,7 @@ def load_pickle(data: bytes, source: str, *, kind: str = "dcp_metadata", own: tu
     """
     if kind != "dcp_metadata":
         raise ValueError(f"a plain pickle is read as 'dcp_metadata', not {kind!r}")
-    allowed = {**_dcp_globals(), **{(cls.__module__, cls.__qualname__): cls for cls in own}}
-    return _unpickle(bytes(data), source, kind, allowed)
+    return _unpickle(bytes(data), source, kind, _dcp_globals())
 
 
 def check_tree(value: Any, source: str, bound: int, max_depth: int) -> None:

@@ -91,14 +91,14 @@ def save(path: Path, model: nn.Module, optimizer: Zero1Optimizer | None, backend
         name, *identity = decide(coordinator, begin)
     except (CheckpointError, FileNotFoundError) as e:
         raise CheckpointError(f"nothing was saved to {path}: {e}") from None
-    opened = _open_version(root, path, name, identity)  # (a failure is told to every rank by the write)
+    opened = open_made(root, path.parent, name, identity, "version")  # (a failure: told to every rank by the write)
     job = dict(opened=opened, path=path, name=name, identity=identity, num_kept=num_kept_ckpts)
     if not async_save:
         try:
             with phases(progress, coordinator.rank, ["write", "publish"], f"save {path.name}", log) as advance:
                 _write_and_publish(state, small, coordinator, advance=advance, **job)
         finally:
-            _close(opened)
+            close_opened(opened)
         return path.parent / name
 
     with phases(progress, coordinator.rank, ["stage"], f"stage {path.name}", log) as advance:
@@ -107,35 +107,38 @@ def save(path: Path, model: nn.Module, optimizer: Zero1Optimizer | None, backend
         advance("stage")
     if not isinstance(opened, BaseException):  # the writer thread's own descriptors
         job["opened"] = (opened[0].dup(), opened[1].dup())
-        _close(opened)
+        close_opened(opened)
 
     def work() -> None:
         try:
             _write_and_publish(state, small, coordinator, advance=lambda phase: log.info("save %s: %s", path.name, phase),
                                **job)
         finally:
-            _close(job["opened"])
+            close_opened(job["opened"])
 
     start_save(str(path), work)
     return path.parent / name
 
 
-def _open_version(root: Folder | None, path: Path, name: str, identity: list[int]) -> tuple[Folder, Folder] | Exception:
-    """The root and the version rank 0 made, opened on this rank below the root and checked to be that very
-    folder (device and inode); or why not, which the ranks' write-and-publish then tells every rank."""
+def open_made(root: Folder | None, parent: Path, name: str, identity: list[int], what: str
+              ) -> tuple[Folder, Folder] | Exception:
+    """The root (``parent``, or rank 0's ``root`` already open) and the folder ``name`` rank 0 made in it,
+    opened on this rank below the root and checked to be that very folder (device and inode, ``identity``);
+    or why not, which the ranks' write-and-publish then tells every rank (``what`` names the folder)."""
     try:
-        root = root or Folder.open(path.parent)
-        version = root.sub(name)
-        if version.identity() != tuple(identity):
-            version.close()
-            raise CheckpointError(f"{root.where(name)} is not the version rank 0 made for this save (it was replaced); "
+        root = root or Folder.open(parent)
+        folder = root.sub(name)
+        if folder.identity() != tuple(identity):
+            folder.close()
+            raise CheckpointError(f"{root.where(name)} is not the {what} rank 0 made for this save (it was replaced); "
                                   f"nothing was written into it.")
-        return root, version
+        return root, folder
     except Exception as e:  # noqa: BLE001 - every rank learns of it in the write-and-publish
         return e
 
 
-def _close(opened: tuple[Folder, Folder] | Exception) -> None:
+def close_opened(opened: tuple[Folder, Folder] | Exception) -> None:
+    """Close what ``open_made`` opened (nothing, if it could not)."""
     if not isinstance(opened, BaseException):
         for folder in opened:
             folder.close()

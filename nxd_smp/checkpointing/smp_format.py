@@ -89,11 +89,14 @@ def scaler_key(key: str) -> str:
 # ---------------------------------------------------------------------------- the metadata, typed
 @dataclass(frozen=True)
 class SavedParam:
-    """A managed parameter as saved: its shape, dtype, and the ``[start, end)`` pieces every rank held."""
+    """A managed parameter as saved: its shape, dtype, the ``[start, end)`` pieces every rank held, and the
+    optimizer state keys its bucket held (none: no state yet; the class's keys can differ by group, as
+    ``amsgrad`` makes them)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     pieces: tuple[tuple[int, int], ...]
+    keys: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -160,10 +163,10 @@ def parse_meta(value: Any, source: str) -> Meta:
         tp = {"size": tp["size"], "rank": tp["rank"], "split": dict(tp["split"]),
               **({"save": tp["save"]} if tp.get("save") is not None else {})}
     opt = meta["optimizer"]
-    return Meta(model, tp, None if opt is None else _parse_optimizer(opt, refuse, fields))
+    return Meta(model, tp, None if opt is None else _parse_optimizer(opt, model, refuse, fields))
 
 
-def _parse_optimizer(opt: Any, refuse, fields) -> SavedOptimizer:
+def _parse_optimizer(opt: Any, model: Mapping[str, Any], refuse, fields) -> SavedOptimizer:
     opt = fields(opt, {"world_size", "mixed_precision", "master_weights", "params", "pieces", "groups", "tensor_keys",
                        "scalar_keys", "inner_class", "loss_scaler"}, set(), "'optimizer'")
     for field, kind in (("groups", list), ("params", Mapping), ("pieces", Mapping), ("tensor_keys", list),
@@ -182,9 +185,20 @@ def _parse_optimizer(opt: Any, refuse, fields) -> SavedOptimizer:
         refuse("the optimizer's 'inner_class' is not a class name")
     params = {}
     for name, info in opt["params"].items():
-        info = fields(info, {"shape", "dtype"}, set(), f"the optimizer's parameter {name!r}")
+        info = fields(info, {"shape", "dtype", "keys"}, set(), f"the optimizer's parameter {name!r}")
         if not isinstance(name, str) or not is_shape(info["shape"]) or dtype_named(info["dtype"]) is None:
-            refuse(f"the optimizer's parameter {name!r} is not {{'shape': sizes, 'dtype': a torch dtype}}")
+            refuse(f"the optimizer's parameter {name!r} is not {{'shape': sizes, 'dtype': a torch dtype, 'keys': "
+                   f"state keys}}")
+        if not isinstance(info["keys"], list) or not all(isinstance(k, str) for k in info["keys"]) \
+                or len(set(info["keys"])) != len(info["keys"]):
+            refuse(f"the state keys of {name!r} are not a list of names, each once")
+        unknown = sorted(set(info["keys"]) - set(keys))
+        if unknown:
+            refuse(f"the state keys {unknown} of {name!r} are neither of the optimizer's tensor keys "
+                   f"{sorted(opt['tensor_keys'])} nor of its 0-dim keys {sorted(opt['scalar_keys'])}")
+        shape = tuple(info["shape"])
+        if name in model and model[name][0] != shape:
+            refuse(f"the optimizer's parameter {name!r} has the shape {shape}, its model entry {model[name][0]}")
         numel = 1
         for d in info["shape"]:
             numel *= d
@@ -199,7 +213,7 @@ def _parse_optimizer(opt: Any, refuse, fields) -> SavedOptimizer:
             end = piece[1]
         if end != numel:
             refuse(f"the pieces of {name!r} cover [0, {end}) of its {numel} elements")
-        params[name] = SavedParam(tuple(info["shape"]), dtype_named(info["dtype"]), tuple(map(tuple, pieces)))
+        params[name] = SavedParam(shape, dtype_named(info["dtype"]), tuple(map(tuple, pieces)), tuple(info["keys"]))
     if set(opt["pieces"]) != set(params):
         refuse("the optimizer's 'pieces' name other parameters than its 'params'")
     groups, seen = [], set()
@@ -337,23 +351,30 @@ def open_version(version: Folder, *, verify: bool = False) -> Opened:
     return Opened(version, completion, index, meta, saved["extra"], saved["objects"])
 
 
-def _check_entries(meta: Meta, index: Mapping[str, StoredTensor], version: Folder) -> None:
-    """Every tensor the metadata says the checkpoint holds is in the index at that shape, so what is
-    read is what the metadata accounts for."""
+def expected_entries(meta: Meta) -> dict[str, tuple[int, ...]]:
+    """Every tensor entry the metadata says the checkpoint holds, with its shape: the one enumeration of a
+    checkpoint's keys that the reader and the offline tools both read by."""
     shapes = {model_key(key): shape for key, (shape, _) in meta.model.items()}
     opt = meta.optimizer
     if opt is not None:
         for name, param in opt.params.items():
             for start, end in param.pieces:
-                shapes.update({state_key(name, key, start): (end - start,) for key in opt.tensor_keys})
+                shapes.update({state_key(name, key, start): (end - start,) for key in param.keys
+                               if key in opt.tensor_keys})
                 if opt.master_weights:
                     shapes[master_key(name, start)] = (end - start,)
-            if param.pieces:
-                shapes.update({state_key(name, key): () for key in opt.scalar_keys})
+            shapes.update({state_key(name, key): () for key in param.keys if key in opt.scalar_keys})
         if opt.loss_scaler:
             shapes.update({scaler_key(key): () for key in ("scale", "growth_tracker", "hysteresis_tracker")})
+    return shapes
+
+
+def _check_entries(meta: Meta, index: Mapping[str, StoredTensor], version: Folder) -> None:
+    """Every tensor the metadata says the checkpoint holds is in the index at that shape, so what is
+    read is what the metadata accounts for."""
     problems = [f"{key} ({'missing' if key not in index else f'shape {index[key].shape}, expected {shape}'})"
-                for key, shape in shapes.items() if key not in index or tuple(index[key].shape) != tuple(shape)]
+                for key, shape in expected_entries(meta).items()
+                if key not in index or tuple(index[key].shape) != tuple(shape)]
     if problems:
         raise CheckpointError(f"the checkpoint at {version.where()} does not hold what its metadata says: "
                               + "; ".join(problems[:8]) + (f" and {len(problems) - 8} more" if len(problems) > 8 else "")
@@ -399,16 +420,17 @@ def _stage_optimizer(opt: SavedOptimizer, request: Request, index: Mapping[str, 
     staged = StagedOptimizer(groups=[], state={}, masters=None, source=source)
     by_name = {name: hyper for hyper, group in opt.groups for name in group}
     # The live groups' hyperparameters from the saved group of each live group's first parameter; the
-    # check refuses groups arranged otherwise (``_check_groups`` below names them).
+    # check refuses groups arranged otherwise (it compares ``arrangement`` with the live groups).
     staged.groups = [dict(by_name.get(group[0], {})) if group else {} for group in want.groups]
     staged.arrangement = [list(group) for _, group in opt.groups]
-    kinds: list[str | None] = [*opt.tensor_keys, *([None] if opt.master_weights and want.master_weights else [])]
+    masters_read = opt.master_weights and want.master_weights
     masters: dict[str, Pieces] = {}
     for name in names:
         saved = opt.params.get(name)
         if saved is None:
             continue
         entry: dict[str, Any] = {}
+        kinds = [key for key in saved.keys if key in opt.tensor_keys] + ([None] if masters_read else [])
         for key in kinds:
             views = slot_views(staged.staging, key, want, name)
             pieces = Pieces(saved.shape, index[_entry(name, key, saved.pieces[0][0])].dtype if saved.pieces else
@@ -427,20 +449,20 @@ def _stage_optimizer(opt: SavedOptimizer, request: Request, index: Mapping[str, 
                 masters[name] = pieces
             else:
                 entry[key] = pieces
-        if saved.pieces:
-            for key in opt.scalar_keys:
+        for key in saved.keys:
+            if key in opt.scalar_keys:
                 scalar = state_key(name, key)
                 targets[scalar] = torch.empty((), dtype=index[scalar].dtype)
                 entry[key] = Whole(targets[scalar])
         staged.state[name] = entry
-    if opt.master_weights and want.master_weights:
+    if masters_read:
         staged.masters = masters
     if opt.loss_scaler and want.scaler_keys:
         staged.scaler = {}
         for key in want.scaler_keys:
             if scaler_key(key) in index:
                 staged.scaler[key] = targets[scaler_key(key)] = torch.empty((), dtype=index[scaler_key(key)].dtype)
-    for key in kinds:  # the buffers every key's pieces went into, for the install
+    for key in {*opt.tensor_keys, *([None] if masters_read else [])}:  # the buffers the pieces went into
         buffers_for(staged.staging, key, want)
     return staged
 
@@ -527,6 +549,14 @@ def entries_to_save(model: nn.Module, optimizer: Zero1Optimizer | None, with_mas
                 state[state_key(name, key)] = value
             else:
                 state[state_key(name, key, piece.param_start)] = value[span]
+    if optimizer.rank == 0:  # a parameter of no elements is no rank's piece: its 0-dim state from rank 0
+        for b, layout in enumerate(layouts):
+            for i, numel in zip(layout.param_indices, layout.numels):
+                if numel == 0:
+                    state.update({state_key(names[i], key): value for key, value in shard_state[b].items()
+                                  if key is not None and value.dim() == 0})
+    bucket_keys = {names[i]: sorted(key for key in inner.state.get(shard, {}))
+                   for layout, shard in zip(layouts, shards) for i in layout.param_indices}
     scaler = optimizer.loss_scaler
     if scaler is not None:
         scaler_state = scaler.state_dict()
@@ -537,8 +567,8 @@ def entries_to_save(model: nn.Module, optimizer: Zero1Optimizer | None, with_mas
         "world_size": optimizer.world_size,
         "mixed_precision": optimizer.mixed_precision.to_dict(),
         "master_weights": with_masters,
-        "params": {name: {"shape": tuple(local_shape(p)), "dtype": str(backend.device_dtype(p.dtype))}
-                   for name, p in zip(names, optimizer.managed_params)},
+        "params": {name: {"shape": tuple(local_shape(p)), "dtype": str(backend.device_dtype(p.dtype)),
+                          "keys": bucket_keys[name]} for name, p in zip(names, optimizer.managed_params)},
         "pieces": saved_pieces(layouts, optimizer.world_size, names),
         "groups": group_records(optimizer, names),
         "tensor_keys": sorted(tensor_keys),

@@ -225,7 +225,6 @@ class Staged:
     source: str
     model: dict[str, torch.Tensor] | None = None
     model_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
-    model_metadata: Any = None
     optimizer: StagedOptimizer | None = None
     torch_optimizer: dict[str, Any] | None = None
     objects: dict[str, Any] = field(default_factory=dict)
@@ -346,7 +345,7 @@ class Targets:
                 slots[name].append(Slot(piece.param_start, piece.param_end, b, piece.shard_start))
             optimizer = OptimizerRequest(
                 groups=param_group_names(self.model, zero1),
-                shapes={name: tuple(local_shape(p)) for name, p in zip(names, zero1.managed_params)},
+                shapes=self.shapes(),
                 slots=slots, shard_numels=[layout.shard_numel for layout in zero1.bucket_layouts],
                 shard_dtypes=[self.backend.device_dtype(shard.dtype) for shard in zero1.inner_shards],
                 master_weights=zero1.mixed_precision.use_master_weights,

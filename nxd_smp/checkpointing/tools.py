@@ -20,7 +20,7 @@ import torch
 
 from ..core.errors import CheckpointError
 from .files import Folder, check_output, write_output_file
-from .smp_format import FORMAT, Opened, master_key, model_key, open_version, state_key
+from .smp_format import FORMAT, Opened, expected_entries, master_key, model_key, open_version, state_key
 from .storage import read_tensors
 from .versions import locate
 
@@ -71,19 +71,7 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     saved it, the dimension each split tensor is cut on and the save's id}``."""
     with opened(path) as found:
         meta, index, opt = found.meta, found.index, found.meta.optimizer
-        staging = {model_key(key): torch.empty(shape, dtype=index[model_key(key)].dtype)
-                   for key, (shape, _) in meta.model.items()}
-        if opt is not None:
-            for name, param in opt.params.items():
-                for start, end in param.pieces:
-                    staging.update({state_key(name, key, start): torch.empty(end - start, dtype=index[state_key(
-                        name, key, start)].dtype) for key in opt.tensor_keys})
-                    if opt.master_weights:
-                        staging[master_key(name, start)] = torch.empty(end - start,
-                                                                       dtype=index[master_key(name, start)].dtype)
-                if param.pieces:
-                    staging.update({state_key(name, key): torch.empty((), dtype=index[state_key(name, key)].dtype)
-                                    for key in opt.scalar_keys})
+        staging = {key: torch.empty(shape, dtype=index[key].dtype) for key, shape in expected_entries(meta).items()}
         read_tensors(found.version, index, staging)
         result: dict[str, Any] = {"model": {key: staging[model_key(key)] for key in meta.model}, "optimizer": None,
                                   "extra": found.extra, "stateful": found.objects,
@@ -100,13 +88,12 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
         state = {}
         for name, param in opt.params.items():
-            entry = {key: whole(lambda start, k=key: state_key(name, k, start), name) for key in opt.tensor_keys}
-            if param.pieces:
-                entry.update({key: staging[state_key(name, key)] for key in opt.scalar_keys})
-            state[name] = entry
+            state[name] = {key: whole(lambda start, k=key: state_key(name, k, start), name) if key in opt.tensor_keys
+                           else staging[state_key(name, key)] for key in param.keys}
         result["optimizer"] = {
             "inner_class": opt.inner_class,
             "groups": [{"hyper": dict(hyper), "params": list(names)} for hyper, names in opt.groups],
+            "shapes": {name: param.shape for name, param in opt.params.items()},
             "state": state,
             "master_weights": {name: whole(lambda start, n=name: master_key(n, start), name) for name in opt.params}
             if opt.master_weights else None,
@@ -151,6 +138,8 @@ def read_whole_checkpoint(paths: str | os.PathLike | Sequence[str | os.PathLike]
         masters = opt["master_weights"]
         whole["optimizer"] = {
             **opt,
+            "shapes": {name: tuple(sum(p["optimizer"]["shapes"][name][d] for p in parts) if d == split.get(name) else n
+                                   for d, n in enumerate(shape)) for name, shape in opt["shapes"].items()},
             "state": {name: {key: join(name, [p["optimizer"]["state"][name][key] for p in parts]) for key in entry}
                       for name, entry in opt["state"].items()},
             "master_weights": None if masters is None else {
@@ -221,6 +210,8 @@ def _joins(key: str, value: Any, first: Any, split: dict[str, int], part: str = 
     if value.dtype != first.dtype or value.dim() != first.dim():
         return f"{what} is {value.dtype} of {value.dim()} dimensions, rank 0's {first.dtype} of {first.dim()}"
     dim = split.get(key) if value.dim() > 0 else None
+    if dim is not None and dim >= value.dim():
+        return f"{what} has {value.dim()} dimensions, and the split names its dimension {dim}"
     other = [d for d in range(value.dim()) if d != dim]
     if any(value.shape[d] != first.shape[d] for d in other):
         return (f"{what} has shape {tuple(value.shape)}, rank 0's {tuple(first.shape)}: they differ off the split "

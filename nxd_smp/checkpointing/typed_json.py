@@ -79,9 +79,15 @@ _FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _TAGS = frozenset({"$float", "$tuple", "$dict", "$odict", "$bytes", "$dtype", "$size", "$tensor"})
 
 
-#: Every torch dtype by its name, read from the module's own names (``getattr(torch, name)`` with a
-#: name from a file could import one of torch's lazily loaded submodules).
-DTYPES: dict[str, torch.dtype] = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+#: The dense dtypes that are not floating point (every floating one is admitted but packed ones).
+_DENSE = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
+          torch.uint64, torch.complex32, torch.complex64, torch.complex128)
+#: Every dense torch dtype by its name, read from the module's own names (``getattr(torch, name)`` with a
+#: name from a file could import one of torch's lazily loaded submodules); no quantized, bit-packed or
+#: sub-byte dtype, which nxd_smp never writes.
+DTYPES: dict[str, torch.dtype] = {
+    name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)
+    and (value in _DENSE or value.is_floating_point and not name.endswith("_x2"))}
 
 
 def dtype_named(name: Any) -> torch.dtype | None:
@@ -218,7 +224,8 @@ def decode(value: Any, tensor: Callable[[str], torch.Tensor], source: str, *, si
                 raise refuse(at, f"the dtype {payload!r}")
             return dtype
         if tag == "$size":
-            if not isinstance(payload, list) or not all(type(d) is int and d >= 0 for d in payload):
+            if not isinstance(payload, list) or len(payload) > 64 or not all(type(d) is int and 0 <= d < 1 << 62
+                                                                             for d in payload):
                 raise refuse(at, "a size that is not a list of sizes")
             return torch.Size(payload)
         if not isinstance(payload, str) or payload in used:

@@ -247,16 +247,18 @@ def unpublish(root: Folder, name: str) -> None:
 
 def retain(root: Folder, keep: int, newest: str) -> None:
     """Remove all but the newest ``keep`` checkpoints the record of ``root`` holds, oldest first by the
-    record (never ``newest``, the one just written), then every version no link points to: those of
-    saves killed before their swap, or after an unlink here. A checkpoint the record does not hold is
-    never removed. Only this save is in flight."""
+    record (never ``newest``, the one just written), then every version directory (``.<name>.v-<id>``) no
+    link points to: those of saves killed before their swap, or after an unlink here. A checkpoint the
+    record does not hold, or a hidden folder not named as a version, is never removed. One run saves
+    into a root at a time (another's version in flight would count as killed)."""
     recorded = recorded_checkpoints(root) or []
     for name in recorded[:max(0, len(recorded) - keep)]:
         if name != newest:
             unpublish(root, name)
     pointed = {root.readlink(entry) for entry in root.names() if root.is_link(entry)}
     for entry in root.names():
-        if entry.startswith(".") and ".v-" in entry and root.is_dir(entry) and entry not in pointed:
+        found = re.fullmatch(r"\.(.+)\.v-" + _VERSION_ID, entry)
+        if found and is_link_name(found.group(1)) and entry not in pointed and root.is_dir(entry):
             root.remove_tree(entry)
     root.fsync()
 

@@ -324,8 +324,8 @@ def _check_chunks(entry: DcpEntry, key: str, size: tuple[int, ...], dtype: torch
 def import_torch(path: str | os.PathLike, *, model: nn.Module, optimizer: Zero1Optimizer) -> None:
     """Load a native DCP checkpoint ``{"model": model_sd, "optim": optim_sd}`` (what a torch run saves
     with ``dcp.save`` after ``get_state_dict(model, optimizer)``, under DDP, FSDP2 or in one process) into
-    ``model`` and ``optimizer`` at the optimizer's own DP size. Every rank calls it and reads everything
-    itself; the reading communicates with no one.
+    ``model`` and ``optimizer`` at the optimizer's own DP size. Every process of the job calls it (the ranks
+    agree world-wide) and reads everything itself; the reading communicates with no one.
 
     The native parameters (fp32) become the master weights and the model's parameters those masters
     rounded to its dtype; buffers and other non-managed entries are cast to the model's dtypes (each must

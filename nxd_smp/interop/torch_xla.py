@@ -18,7 +18,7 @@ into whole per-parameter state, then the check, the ranks' agreement and the ins
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +77,8 @@ def export_xla(path: str | os.PathLike, out_dir: str | os.PathLike, dp_size: int
     if opt is None:
         raise CheckpointError(f"{path} holds no optimizer state to export.")
     names = [name for g in opt["groups"] for name in g["params"]]
-    zero_dim = [name for name in names if full["model"][name].dim() == 0]
+    shapes = opt["shapes"]
+    zero_dim = [name for name in names if len(shapes[name]) == 0]
     if zero_dim:
         raise CheckpointError(
             f"torch_xla's ZeRO-1 shards every parameter along dim 0 and cannot hold the 0-dim "
@@ -91,7 +92,7 @@ def export_xla(path: str | os.PathLike, out_dir: str | os.PathLike, dp_size: int
         for rank, file in enumerate(files):
             base_state, shape_info, masters = {}, {}, {}
             for index, name in enumerate(names):
-                shape_info[index] = torch.Size(full["model"][name].shape)
+                shape_info[index] = torch.Size(shapes[name])
                 state = opt["state"][name]
                 if state:
                     base_state[index] = {
@@ -111,7 +112,7 @@ def export_xla(path: str | os.PathLike, out_dir: str | os.PathLike, dp_size: int
 
 def import_xla(files: Sequence[str | os.PathLike], *, model: nn.Module, optimizer: Zero1Optimizer) -> None:
     """Load torch_xla / NxD ZeRO-1 optimizer files (one per DP rank, in rank order) into ``optimizer`` at
-    its own DP size; every rank calls it with all the files. The files' parameters must be the
+    its own DP size; every process of the job calls it (the ranks agree world-wide), with all the files. The files' parameters must be the
     optimizer's, in the same group order; the model's weights are not in these files (load them first).
     Without ``sharded_master_weights`` the masters are rebuilt from the parameters, with a warning. Each
     file is read by the strict reader; the state then runs the one load pipeline (check, agreement,
@@ -165,9 +166,9 @@ def full_state_of(
     """
     first = records[0]
     shapes = first.get("shape_info") if isinstance(first, Mapping) else None
-    if not isinstance(shapes, Mapping) or sorted(shapes, key=str) != list(range(len(shapes))) or not all(
-        is_shape(shape) and len(shape) > 0 for shape in shapes.values()
-    ):
+    if not isinstance(shapes, Mapping) or not all(type(i) is int for i in shapes) \
+            or sorted(shapes) != list(range(len(shapes))) or not all(is_shape(shape) and len(shape) > 0
+                                                                    for shape in shapes.values()):
         raise CheckpointError(f"{files[0]}: its shape_info is not {{parameter index: shape}} for parameters 0..n-1.")
     if len(shapes) != len(order):
         raise CheckpointError(
@@ -176,6 +177,13 @@ def full_state_of(
     for f, r in zip(files, records):
         if not isinstance(r, Mapping) or not isinstance(r.get("base_state"), Mapping) or r.get("shape_info") != shapes:
             raise CheckpointError(f"{f} does not belong with {files[0]} (another layout or other parameters).")
+        if set(r["base_state"]) != set(first["base_state"]) or any(
+                not isinstance(r["base_state"][i], Mapping) or set(r["base_state"][i]) != set(entry)
+                for i, entry in first["base_state"].items() if isinstance(entry, Mapping)):
+            raise CheckpointError(f"{f} holds state for other parameters or keys than {files[0]}: the ranks' files of "
+                                  f"one save hold the same (a rank's file is from another run).")
+        if not set(r["base_state"]) <= set(shapes):
+            raise CheckpointError(f"{f}: its base_state names parameters its shape_info does not list.")
         masters_of = r.get("sharded_master_weights", {})
         if not isinstance(masters_of, Mapping) or not all(isinstance(e, Mapping) for e in r["base_state"].values()):
             raise CheckpointError(f"{f}: its base_state or sharded_master_weights are not {{parameter index: ...}}.")
@@ -201,17 +209,19 @@ def full_state_of(
                         f"rank's file is missing or from another run."
                     )
 
-    def whole(per_rank: Callable[[Mapping], Mapping[int, torch.Tensor]], i: int) -> torch.Tensor:
+    def whole(chunks: list[torch.Tensor], i: int) -> torch.Tensor:
         """Parameter ``i`` from the ranks' padded dim-0 chunks."""
-        return torch.cat([per_rank(r)[i] for r in records])[: shapes[i][0]].view(tuple(shapes[i]))
+        return torch.cat(chunks)[: shapes[i][0]].view(tuple(shapes[i]))
 
     state, masters = {}, {} if "sharded_master_weights" in first else None
     for i, name in enumerate(order):
         saved = first["base_state"].get(i, {})
-        state[name] = {
-            key: value if value.dim() == 0 else whole(lambda r, k=key: {j: s[k] for j, s in r["base_state"].items()}, i)
-            for key, value in saved.items()
-        }
+        for key, value in saved.items():
+            if value.dim() == 0 and any(not torch.equal(r["base_state"][i][key], value) for r in records):
+                raise CheckpointError(f"the ranks' files {files[0]} ... hold different {key!r} for parameter {i}: files "
+                                      f"of one save hold the same.")
+        state[name] = {key: value if value.dim() == 0 else whole([r["base_state"][i][key] for r in records], i)
+                       for key, value in saved.items()}
         if masters is not None:
-            masters[name] = whole(lambda r: r["sharded_master_weights"], i)
+            masters[name] = whole([r["sharded_master_weights"][i] for r in records], i)
     return state, first["param_groups"], masters

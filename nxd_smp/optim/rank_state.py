@@ -40,9 +40,6 @@ def add_hint(situation: str, text: str) -> None:
     _HINTS[situation] = text
 
 
-def _hint(situation: str) -> str:
-    text = _HINTS.get(situation)
-    return f" {text}" if text else ""
 
 
 def layout_signature(layouts: Sequence[BucketLayout]) -> list[dict[str, Any]]:
@@ -114,7 +111,8 @@ def _load(optimizer: Any, state_dict: Any, install: bool) -> None:
 
 def hint(situation: str) -> str:
     """The advice registered for ``situation`` (``add_hint``), with a leading space; empty if none."""
-    return _hint(situation)
+    text = _HINTS.get(situation)
+    return f" {text}" if text else ""
 
 
 class RankLocalState:
@@ -153,8 +151,8 @@ class RankLocalState:
         _load(self, state_dict, install=False)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what ``state_dict()`` returned on the same rank at the same DP size; every rank calls
-        it. It is read, checked, agreed on and installed as every checkpoint is (the checkpoint
+        """Load what ``state_dict()`` returned on the same rank at the same DP size; every process of the
+        job calls it (the ranks agree world-wide: the tensor- and pipeline-parallel peers too). It is read, checked, agreed on and installed as every checkpoint is (the checkpoint
         layer's pipeline): if one rank's state dict does not fit, or the ranks of the data-parallel
         group would install different hyperparameters or step counts, every rank refuses and nothing
         changes. With master weights in it the parameters become ``master.to(param dtype)``; without,

@@ -37,7 +37,7 @@ class NxdTagFolders(FolderFormat):
         remove_tag(path)
 
     def locate(self, path: Path) -> Any:
-        return user_path(path)
+        return [user_path(path.parent), path.name]
 
     def reader(self, location: Any, targets: Targets, *, verify: bool) -> Reader:
         # the data-parallel group the agreement compares digests within: this rank's (TP, PP) coordinate
@@ -46,12 +46,12 @@ class NxdTagFolders(FolderFormat):
         state_dicts = isinstance(targets.model, MutableMapping) or isinstance(targets.optimizer, MutableMapping)
 
         def read_nxd(request: Request) -> Staged:
-            with Folder.open(location) as tag:
-                saved_from_state_dicts = tag.is_file(STATE_DICTS_FILE)
-            # state dicts to fill, or a tag saved from state dicts (rank-local, loaded as saved)
-            if state_dicts or saved_from_state_dicts:
-                return read_state_dicts(location, targets, request)
-            return read_tag(location, targets, request)
+            root, name = location
+            with Folder.open(root) as parent, parent.sub(name) as tag:  # (opened once: no link below the root)
+                # state dicts to fill, or a tag saved from state dicts (rank-local, loaded as saved)
+                if state_dicts or tag.is_file(STATE_DICTS_FILE):
+                    return read_state_dicts(tag, targets, request)
+                return read_tag(tag, targets, request)
 
         return read_nxd
 

@@ -241,8 +241,8 @@ def stage_objects(staged: Staged, tag: Folder, request: Request) -> None:
 
 
 # ---------------------------------------------------------------------------- NxD's own tags
-def read_tag(tag_path: str, targets: Targets, request: Request) -> Staged:
-    """This rank's files of NxD's tag folder ``tag_path`` (at its coordinate), staged for a live model
+def read_tag(tag: Folder, targets: Targets, request: Request) -> Staged:
+    """This rank's files of NxD's tag folder ``tag`` (at its coordinate), staged for a live model
     and ``Zero1Optimizer``: the model's weights, the whole per-parameter optimizer state (torch_xla's
     ZeRO-1 layout over every DP rank's file, or a plain optimizer's replicated one), the master weights
     where NxD saved them, the scheduler's state and the user content.
@@ -251,24 +251,23 @@ def read_tag(tag_path: str, targets: Targets, request: Request) -> Staged:
         CheckpointError: an incomplete tag, missing or unsafe files, or files that do not belong together.
     """
     coordinate = here(targets)
-    with Folder.open(tag_path) as tag:
-        check_complete(tag)
-        staged = Staged(source=str(tag.where()))
-        model_file = rank_file("model", 0, coordinate.tensor, coordinate.pipeline)
-        weights = read_file(tag, model_file, staged.replicated)
-        stage_model(staged, weights, str(tag.where(model_file)))
-        if targets.zero1 is not None:
-            files = optimizer_files(tag, coordinate.tensor, coordinate.pipeline)
-            if not files:
-                raise CheckpointError(f"{tag.where()} holds no optimizer files for tp {coordinate.tensor} pp "
-                                      f"{coordinate.pipeline}; load it with optimizer=None.")
-            groups = param_group_names(targets.model, targets.zero1)
-            source = str(tag.where(files[0])) + (f" (and {len(files) - 1} more)" if len(files) > 1 else "")
-            state, hypers, masters = _full_state([read_file(tag, f, staged.replicated) for f in files], groups,
-                                                 [tag.where(f) for f in files])
-            _check_masters_match_weights(masters, weights, source)
-            staged.optimizer = full_state(state, hypers, masters, source=source)
-        stage_objects(staged, tag, request)
+    check_complete(tag)
+    staged = Staged(source=str(tag.where()))
+    model_file = rank_file("model", 0, coordinate.tensor, coordinate.pipeline)
+    weights = read_file(tag, model_file, staged.replicated)
+    stage_model(staged, weights, str(tag.where(model_file)))
+    if targets.zero1 is not None:
+        files = optimizer_files(tag, coordinate.tensor, coordinate.pipeline)
+        if not files:
+            raise CheckpointError(f"{tag.where()} holds no optimizer files for tp {coordinate.tensor} pp "
+                                  f"{coordinate.pipeline}; load it with optimizer=None.")
+        groups = param_group_names(targets.model, targets.zero1)
+        source = str(tag.where(files[0])) + (f" (and {len(files) - 1} more)" if len(files) > 1 else "")
+        state, hypers, masters = _full_state([read_file(tag, f, staged.replicated) for f in files], groups,
+                                             [tag.where(f) for f in files])
+        _check_masters_match_weights(masters, weights, source)
+        staged.optimizer = full_state(state, hypers, masters, source=source)
+    stage_objects(staged, tag, request)
     return staged
 
 

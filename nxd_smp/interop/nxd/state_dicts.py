@@ -29,7 +29,7 @@ from ...backend.coordination import Coordinator
 from ...checkpointing.files import Folder, place_directory
 from ...checkpointing.pipeline import read_rank_state
 from ...checkpointing.reader import load_bytes
-from ...checkpointing.save import check_async_save, write_and_publish
+from ...checkpointing.save import check_async_save, close_opened, open_made, write_and_publish
 from ...checkpointing.staged import Request, Staged, Targets
 from ...checkpointing.typed_json import loads
 from ...checkpointing.versions import DONE_FILE, MARKER_FILE
@@ -152,47 +152,26 @@ def save_state_dicts(tag: Path, *, model: Any, optimizer: Any, scheduler: Any, u
         name, *identity = decide(coordinator, begin)
     except (CheckpointError, FileNotFoundError) as e:
         raise CheckpointError(f"the save of {tag} was refused: {e}") from None
-    opened = _open_staging(root, tag, name, identity)  # (a failure is told to every rank by the write)
+    opened = open_made(root, tag.parent, name, identity, "folder")  # (a failure: told to every rank by the write)
     job = dict(opened=opened, tag=tag, name=name, files=files, coordinator=coordinator, num_kept=num_kept)
     if not async_save:
         try:
             _write_and_publish(**job)
         finally:
-            _close(opened)
+            close_opened(opened)
         return tag
     if not isinstance(opened, BaseException):  # the writer thread's own descriptors
         job["opened"] = (opened[0].dup(), opened[1].dup())
-        _close(opened)
+        close_opened(opened)
 
     def work() -> None:
         try:
             _write_and_publish(**job)
         finally:
-            _close(job["opened"])
+            close_opened(job["opened"])
 
     start_save(str(tag), work)
     return tag
-
-
-def _open_staging(root: Folder | None, tag: Path, name: str, identity: list[int]) -> tuple[Folder, Folder] | Exception:
-    """The root and the folder rank 0 made, opened on this rank below the root and checked to be that very
-    folder (device and inode); or why not, which the ranks' write-and-publish then tells every rank."""
-    try:
-        root = root or Folder.open(tag.parent)
-        staging = root.sub(name)
-        if staging.identity() != tuple(identity):
-            staging.close()
-            raise CheckpointError(f"{root.where(name)} is not the folder rank 0 made for this save (it was replaced); "
-                                  f"nothing was written into it.")
-        return root, staging
-    except Exception as e:  # noqa: BLE001 - every rank learns of it in the write-and-publish
-        return e
-
-
-def _close(opened: tuple[Folder, Folder] | Exception) -> None:
-    if not isinstance(opened, BaseException):
-        for folder in opened:
-            folder.close()
 
 
 def _empty(root: Folder, name: str) -> bool:
@@ -260,8 +239,8 @@ def _saved_data_parallel_size(tag: Folder) -> int | None:
     return size
 
 
-def read_state_dicts(tag_path: str, targets: Targets, request: Request) -> Staged:
-    """This rank's files of the tag ``tag_path`` staged for the targets NxD Training's call shape passes:
+def read_state_dicts(tag: Folder, targets: Targets, request: Request) -> Staged:
+    """This rank's files of the tag ``tag`` staged for the targets NxD Training's call shape passes:
     dicts to fill (as read), a module (its weights), a ``Zero1Optimizer`` (its rank-local state dict, read
     by its own reader), a plain torch optimizer (its ``state_dict()``); the scheduler's state, the user
     content.
@@ -270,50 +249,49 @@ def read_state_dicts(tag_path: str, targets: Targets, request: Request) -> Stage
         CheckpointError: incomplete, at another DP size, missing or unsafe files, each named.
     """
     coordinate = here(targets)
-    with Folder.open(tag_path) as tag:
-        if not tag.is_file(DONE_FILE):
-            raise CheckpointError(f"{tag.where()} is not a complete checkpoint tag (no '{DONE_FILE}' file).")
-        check_complete(tag)
-        staged = Staged(source=str(tag.where()), fill={})
-        model, optimizer = targets.model, targets.optimizer
-        if model is not None:
-            model_file = rank_file("model", 0, coordinate.tensor, coordinate.pipeline)
-            weights = read_file(tag, model_file, staged.replicated)
-            if isinstance(model, nn.Module):
-                stage_model(staged, weights, str(tag.where(model_file)))
-            elif not isinstance(weights, Mapping):
-                raise CheckpointError(f"{tag.where(model_file)} is not a state dict.")
-            else:
-                staged.fill["model"] = weights
-        if optimizer is not None:
-            files = optimizer_files(tag, coordinate.tensor, coordinate.pipeline)
-            if not files:
-                raise CheckpointError(f"{tag.where()} holds no optimizer files for tp {coordinate.tensor} pp "
-                                      f"{coordinate.pipeline}; load it with optimizer=None.")
-            # Saved from state dicts by nxd_smp: at the DP size its record says. By NxD itself: one file per DP
-            # rank for ZeRO-1, or a single replicated one (a plain optimizer), which any DP size reads.
-            recorded = _saved_data_parallel_size(tag)
-            saved_size = recorded or len(files)
-            if saved_size != coordinate.data_size and not (len(files) == 1 and recorded is None):
-                raise CheckpointError(
-                    f"{tag.where()} was saved from state dicts at DP size {saved_size}; a state dict is a data-parallel "
-                    f"rank's own, so it loads at DP size {saved_size} only (this run: {coordinate.data_size}). Resume at "
-                    f"DP size {saved_size}, or save with the model and optimizer objects, whose checkpoints load at any "
-                    f"DP size.")
-            source = files[coordinate.data if len(files) > 1 else 0]
-            value = read_file(tag, source)
-            if not isinstance(value, Mapping):
-                raise CheckpointError(f"{tag.where(source)} is not an optimizer state dict.")
-            staged.source_of["optimizer"] = str(tag.where(source))
-            if targets.zero1 is not None:
-                try:
-                    staged.optimizer = read_rank_state(targets.zero1, dict(value), request).optimizer
-                except CheckpointError as e:
-                    raise CheckpointError(f"{tag.where(source)}: {e}") from None
-                staged.optimizer.source = str(tag.where(source))
-            elif isinstance(optimizer, torch.optim.Optimizer):
-                staged.torch_optimizer = dict(value)
-            elif isinstance(optimizer, MutableMapping):
-                staged.fill["optimizer"] = value
-        stage_objects(staged, tag, request)
+    if not tag.is_file(DONE_FILE):
+        raise CheckpointError(f"{tag.where()} is not a complete checkpoint tag (no '{DONE_FILE}' file).")
+    check_complete(tag)
+    staged = Staged(source=str(tag.where()), fill={})
+    model, optimizer = targets.model, targets.optimizer
+    if model is not None:
+        model_file = rank_file("model", 0, coordinate.tensor, coordinate.pipeline)
+        weights = read_file(tag, model_file, staged.replicated)
+        if isinstance(model, nn.Module):
+            stage_model(staged, weights, str(tag.where(model_file)))
+        elif not isinstance(weights, Mapping):
+            raise CheckpointError(f"{tag.where(model_file)} is not a state dict.")
+        else:
+            staged.fill["model"] = weights
+    if optimizer is not None:
+        files = optimizer_files(tag, coordinate.tensor, coordinate.pipeline)
+        if not files:
+            raise CheckpointError(f"{tag.where()} holds no optimizer files for tp {coordinate.tensor} pp "
+                                  f"{coordinate.pipeline}; load it with optimizer=None.")
+        # Saved from state dicts by nxd_smp: at the DP size its record says. By NxD itself: one file per DP
+        # rank for ZeRO-1, or a single replicated one (a plain optimizer), which any DP size reads.
+        recorded = _saved_data_parallel_size(tag)
+        saved_size = recorded or len(files)
+        if saved_size != coordinate.data_size and not (len(files) == 1 and recorded is None):
+            raise CheckpointError(
+                f"{tag.where()} was saved from state dicts at DP size {saved_size}; a state dict is a data-parallel "
+                f"rank's own, so it loads at DP size {saved_size} only (this run: {coordinate.data_size}). Resume at "
+                f"DP size {saved_size}, or save with the model and optimizer objects, whose checkpoints load at any "
+                f"DP size.")
+        source = files[coordinate.data if len(files) > 1 else 0]
+        value = read_file(tag, source)
+        if not isinstance(value, Mapping):
+            raise CheckpointError(f"{tag.where(source)} is not an optimizer state dict.")
+        staged.source_of["optimizer"] = str(tag.where(source))
+        if targets.zero1 is not None:
+            try:
+                staged.optimizer = read_rank_state(targets, dict(value), request).optimizer
+            except CheckpointError as e:
+                raise CheckpointError(f"{tag.where(source)}: {e}") from None
+            staged.optimizer.source = str(tag.where(source))
+        elif isinstance(optimizer, torch.optim.Optimizer):
+            staged.torch_optimizer = dict(value)
+        elif isinstance(optimizer, MutableMapping):
+            staged.fill["optimizer"] = value
+    stage_objects(staged, tag, request)
     return staged
