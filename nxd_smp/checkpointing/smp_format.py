@@ -54,7 +54,7 @@ from .staged import (
     named_pieces,
     overlaps,
     saved_pieces,
-    slot_views,
+    staging_slices,
 )
 from .storage import INDEX_FILE, IO_THREADS, JSON_LIMIT, StoredTensor, crc32_of, read_index, read_tensors
 from .typed_json import decode, dtype_named, dumps, encode, loads
@@ -432,7 +432,7 @@ def _stage_optimizer(opt: SavedOptimizer, request: Request, index: Mapping[str, 
         entry: dict[str, Any] = {}
         kinds = [key for key in saved.keys if key in opt.tensor_keys] + ([None] if masters_read else [])
         for key in kinds:
-            views = slot_views(staged.staging, key, want, name)
+            views = staging_slices(staged.staging, key, want, name)
             pieces = Pieces(saved.shape, index[_entry(name, key, saved.pieces[0][0])].dtype if saved.pieces else
                             saved.dtype, views)
             for start, view in views.items():

@@ -249,7 +249,7 @@ def buffers_for(staging: dict[str | None, list[torch.Tensor]], key: str | None, 
     return staging[key]
 
 
-def slot_views(staging: dict[str | None, list[torch.Tensor]], key: str | None, request: OptimizerRequest,
+def staging_slices(staging: dict[str | None, list[torch.Tensor]], key: str | None, request: OptimizerRequest,
                name: str) -> dict[int, torch.Tensor]:
     """The views of ``key``'s staging buffers where parameter ``name``'s slots lie, by slot start."""
     buffers = buffers_for(staging, key, request)
