@@ -642,3 +642,43 @@ def test_a_budget_refuses_at_the_first_overrun_naming_its_source():
         linear.charge(1)
     with pytest.raises(ValueError):
         Budget(-1, "f.pt")
+
+
+# ---------------------------------------------------------------- the typed JSON
+def _typed_dict(keys: list) -> bytes:
+    import json
+
+    from nxd_smp.checkpointing.typed_json import encode
+
+    return json.dumps({"$dict": [[encode(k, lambda t: "x"), 0] for k in keys]}).encode()
+
+
+@pytest.mark.parametrize("n", [2_000, 20_000])
+def test_a_typed_json_dict_of_keys_whose_hashes_collide_is_refused_before_it_is_built(n):
+    """Tuples of chosen ints, and ints of 2**61 and more, can be made to hash alike: one dict of a file
+    holds at most 1024 such keys, refused in time linear in the file whatever ``n``."""
+    import time
+
+    from nxd_smp.checkpointing.typed_json import decode, loads
+
+    colliding = [(k * ((1 << 61) - 1), 0) for k in range(n)]  # (every first item hashes to 0)
+    data = _typed_dict(colliding)
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match="more than 1024 keys"):
+        decode(loads(data, "f.json"), lambda key: None, "f.json", size=len(data))
+    assert time.perf_counter() - start < 2.0
+    safe = _typed_dict(list(range(n)))  # ints below 2**61: distinct hashes, any number of them
+    assert len(decode(loads(safe, "g.json"), lambda key: None, "g.json", size=len(safe))) == n
+
+
+def test_typed_json_decoding_is_charged_to_its_budget():
+    """The decoder charges every node to a budget linear in the file: a file that could decode into more
+    than its budget (as a forged size argument makes it) stops at the first overrun."""
+    import json
+
+    from nxd_smp.checkpointing.typed_json import decode, loads
+
+    data = json.dumps([[0] * 100 for _ in range(1000)]).encode()
+    assert len(decode(loads(data, "f.json"), lambda key: None, "f.json", size=len(data))) == 1000
+    with pytest.raises(CheckpointError, match="f.json asks for more than"):
+        decode(loads(data, "f.json"), lambda key: None, "f.json", size=len(data) // 100)
