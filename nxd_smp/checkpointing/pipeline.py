@@ -36,7 +36,7 @@ from .install import commit, install
 from .progress import phases
 from .smp_format import open_version, read
 from .staged import Pieces, Request, Staged, StagedOptimizer, Targets, Whole, named_pieces
-from .versions import checkpoint_links, locate, unpublish, version_of
+from .versions import COMPLETE_FILE, checkpoint_links, locate, unpublish, version_of
 
 log = logging.getLogger("nxd_smp.checkpoint")
 
@@ -116,7 +116,7 @@ class SmpFormat(FolderFormat):
     def is_folder(self, path: Path) -> bool:
         try:
             with Folder.open(path.parent) as root:
-                return version_of(root, path.name) is not None or root.exists(f"{path.name}/COMPLETE.json")
+                return version_of(root, path.name) is not None or root.exists(f"{path.name}/{COMPLETE_FILE}")
         except (OSError, CheckpointError):
             return False
 
