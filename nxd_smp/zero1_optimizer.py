@@ -24,7 +24,7 @@ device: storage, collectives, ranks). The rank-local state dict is ``optim.rank_
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -52,7 +52,7 @@ from .optim.param_groups import (
     sequence_parallel_marked,
 )
 from .optim.precision import PrecisionPlan
-from .optim.rank_state import STATE_LOADED, RankLocalState
+from .optim.rank_state import STATE_LOADED, ParamStates, RankLocalState
 from .optim.topology import Topology
 
 __all__ = ["Zero1Optimizer", "STATE_LOADED"]
@@ -209,6 +209,22 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
                                 doc="Changes whenever the state does (a step, a load): what a saved copy stands for.")
 
     @property
+    def state(self) -> ParamStates:
+        """Per managed parameter, its optimizer state as this rank holds it (``optim.rank_state.ParamStates``:
+        views of this rank's range of each moment, the bucket's counters), read-only; never empty once
+        built (the state is made at construction), so no framework steps the optimizer to create one."""
+        if "_param_states" not in self.__dict__:
+            self.__dict__["_param_states"] = ParamStates(self)
+        return self.__dict__["_param_states"]
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if not getattr(self, "_layout_frozen", True) and isinstance(value, Mapping) and not value:
+            return  # (torch.optim.Optimizer's constructor)
+        raise TypeError("Zero1Optimizer.state is a read-only view of this rank's shards: load a state with "
+                        "load_state_dict (or nxd_smp.checkpoint), which checks it.")
+
+    @property
     def grad_clipping(self) -> bool:
         """Whether ``step()`` clips at ``max_norm``; settable between steps (optimum-neuron sets it, and
         ``max_norm``, around each step), validated as in the constructor."""
@@ -340,6 +356,7 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
             masters=self._masters, backend=self._backend,
             compiled=CompiledAdamW.where_it_applies(self._inner, self._backend.device, self._config.compile_update)
             if self._inner_settings.may_compile else None)
+        self._inner_step.create_state([layout.shard_numel for layout in self._layouts])
         self._norm_buckets = {role: [b for b, layout in enumerate(self._layouts) if layout.key.role == role]
                               for role in NORM_ROLES}
         self._initialized = True

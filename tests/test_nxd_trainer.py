@@ -215,7 +215,7 @@ def test_the_wrapper_has_nxds_surface_and_forwards_the_rest():
     assert inner.param_groups[0]["lr"] == 5e-4
     assert torch.equal(opt.grad_norm, inner.grad_norm)
     saved = opt.state_dict()
-    assert saved["format"] == inner.state_dict()["format"]
+    assert saved["nxd_smp"]["format"] == inner.state_dict()["nxd_smp"]["format"]
     with pytest.warns(UserWarning, match="no master weights"):
         opt.load_state_dict(saved)
     with pytest.raises(RuntimeError, match="cannot add a param group"):

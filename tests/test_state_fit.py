@@ -126,7 +126,7 @@ def test_state_that_the_installed_hyperparameters_would_not_make_is_still_refuse
     momentum but holding a buffer (a hand-made dict) is refused, whatever the live group says."""
     model, opt = saved_with_momentum()
     state = copy.deepcopy(opt.state_dict())
-    for group in (*state["param_groups"], *state["inner"]["param_groups"]):
+    for group in state["param_groups"]:
         group["momentum"] = 0.0
     fresh = zero1(One(), lr=LR_BUILT, momentum=MOMENTUM)  # (its own group would make the buffer)
     with pytest.raises(ValueError, match="momentum_buffer"):

@@ -100,43 +100,33 @@ def refused(model: nn.Module, opt: Zero1Optimizer, state: dict, *names: str) -> 
     return message
 
 
-# ---------------------------------------------------------------- item 3: the rank-local inner groups
-def test_swapped_inner_group_ids_are_refused_as_torch_would_map_them():
-    """torch maps state to parameters by the ids the groups list: swapped ids put the no-decay
-    group's 24+32+32+5-element moments on the decay group's shards, which a fused kernel then
-    reads past; the ids must be the ones the inner optimizer numbers its shards with."""
+# ---------------------------------------------------------------- item 3: the groups' numbering
+def test_swapped_group_ids_are_refused_as_torch_would_map_them():
+    """torch maps state to parameters by the ids the groups list: swapped ids would put the no-decay
+    group's moments on the decay group's parameters; the ids must be the ones torch numbers them with."""
     model, opt = trained()
     state = copy.deepcopy(opt.state_dict())
-    inner = state["inner"]["param_groups"]
-    inner[0]["params"], inner[1]["params"] = inner[1]["params"], inner[0]["params"]
-    shapes = {i: tuple(s["exp_avg"].shape) for i, s in state["inner"]["state"].items()}
-    assert len(set(shapes.values())) > 1  # the swap would move moments onto shards of other sizes
-    refused(model, opt, state, "inner param_groups[0]['params']")
+    groups = state["param_groups"]
+    groups[0]["params"], groups[1]["params"] = groups[1]["params"], groups[0]["params"]
+    refused(model, opt, state, "param_groups[0]['params']")
 
 
 @pytest.mark.parametrize("fault", ["one group", "short group", "not a list", "bool ids", "outer ids"])
-def test_inner_groups_that_torch_would_refuse_are_refused_first(fault):
+def test_groups_that_torch_would_refuse_are_refused_first(fault):
     model, opt = trained()
     state = copy.deepcopy(opt.state_dict())
-    inner = state["inner"]["param_groups"]
+    groups = state["param_groups"]
     if fault == "one group":
-        del inner[1]
+        del groups[1]
     elif fault == "short group":
-        inner[0]["params"] = inner[0]["params"][:-1] if len(inner[0]["params"]) > 1 else []
+        groups[0]["params"] = groups[0]["params"][:-1]
     elif fault == "not a list":
-        inner[0]["params"] = tuple(inner[0]["params"])
+        groups[0]["params"] = tuple(groups[0]["params"])
     elif fault == "bool ids":
-        inner[0]["params"] = [True] + inner[0]["params"][1:]
+        groups[0]["params"] = [True] + groups[0]["params"][1:]
     else:
-        state["param_groups"][1]["params"] = [p + 1 for p in state["param_groups"][1]["params"]]
-    refused(model, opt, state, "param_groups")
-
-
-def test_inner_hyperparameters_are_checked_like_the_wrapper_groups():
-    model, opt = trained()
-    state = copy.deepcopy(opt.state_dict())
-    state["inner"]["param_groups"][1]["betas"] = (1.0, 0.999)
-    refused(model, opt, state, "inner param group 1: 'betas' = (1.0, 0.999)", "beta parameter")
+        groups[1]["params"] = [p + 1 for p in groups[1]["params"]]
+    refused(model, opt, state, "param")
 
 
 # ---------------------------------------------------------------- item 3: options never from a file
@@ -147,7 +137,7 @@ def test_a_files_amsgrad_never_replaces_the_live_one():
     model = model_of()
     opt = Zero1Optimizer(hf_groups(model), torch.optim.AdamW, bucket_cap_mb=0.002, mixed_precision=KEEP)
     state = copy.deepcopy(opt.state_dict())
-    for group in (*state["param_groups"], *state["inner"]["param_groups"]):
+    for group in state["param_groups"]:
         group.update(amsgrad=True, fused=False, foreach=True, differentiable=True, capturable=True)
     live = [{k: g[k] for k in ("amsgrad", "fused", "foreach", "differentiable", "capturable")}
             for g in opt.inner_optimizer.param_groups]
@@ -158,9 +148,9 @@ def test_a_files_amsgrad_never_replaces_the_live_one():
 
     model, opt = trained()
     state = copy.deepcopy(opt.state_dict())
-    for group in (*state["param_groups"], *state["inner"]["param_groups"]):
+    for group in state["param_groups"]:
         group["amsgrad"] = True
-    for entry in state["inner"]["state"].values():
+    for entry in state["state"].values():
         entry["max_exp_avg_sq"] = entry["exp_avg_sq"].clone()
     refused(model, opt, state, "max_exp_avg_sq")
 
@@ -226,7 +216,7 @@ def test_a_step_that_is_not_a_whole_count_is_refused(step):
     """A NaN or negative step makes the bias correction, and every weight, NaN."""
     model, opt = trained()
     state = copy.deepcopy(opt.state_dict())
-    state["inner"]["state"][0]["step"] = torch.tensor(step)
+    state["state"][0]["step"] = torch.tensor(step)
     refused(model, opt, state, "parameter 0/step")
 
 
@@ -239,11 +229,12 @@ def test_a_step_that_is_not_a_whole_count_is_refused(step):
 def test_a_scaler_state_the_scaler_could_not_reach_is_refused(fault):
     model, opt = trained(scaler=True)
     state = copy.deepcopy(opt.state_dict())
-    state["loss_scaler"].update(fault)
+    scaler = state["param_groups"][0]["loss_scaler"]
+    scaler.update(fault)
     refused(model, opt, state, "loss_scaler")
     with pytest.raises(CheckpointError, match="loss_scaler"):
-        opt.loss_scaler.load_state_dict(state["loss_scaler"])
-    assert check_scaler_state(state["loss_scaler"], opt.loss_scaler)
+        opt.loss_scaler.load_state_dict(scaler)
+    assert check_scaler_state(scaler, opt.loss_scaler)
 
 
 def test_real_scaler_states_pass_including_an_exhausted_allowance():
@@ -416,7 +407,7 @@ def _dp2_scaler_fault(rank: int, world: int) -> dict[str, Any]:
         model, opt = trained(scaler=True)
         state = copy.deepcopy(opt.state_dict())
         if rank == 1:
-            state["loss_scaler"]["scale"] = "2**16"
+            state["param_groups"][0]["loss_scaler"]["scale"] = "2**16"
         before = snapshot(model, opt)
         start = time.monotonic()
         try:

@@ -27,15 +27,16 @@ import torch
 from ..backend.agreement import agree
 from ..core.errors import CheckpointError
 from ..optim import rank_state
-from ..optim.rank_state import STATE_DICT_FORMAT, layout_signature
-from ..optim.state_fit import StateFit, describe, torch_group_problems
+from ..core.flat_shard import FlatShard
+from ..optim.rank_state import MASTER_KEY, RECORD_KEY, SCALER_KEY, STATE_DICT_FORMAT, layout_signature
+from ..optim.state_fit import describe, torch_group_problems
 from ..zero1_optimizer import Zero1Optimizer
 from .check import check, digest
 from .files import Folder, entry_kind
 from .install import commit, install
 from .progress import phases
 from .smp_format import open_version, read
-from .staged import Pieces, Request, Staged, StagedOptimizer, Targets, Whole, named_pieces
+from .staged import Pieces, Request, Staged, StagedOptimizer, Targets, Whole
 from .versions import COMPLETE_FILE, checkpoint_links, locate, unpublish, version_of
 
 log = logging.getLogger("nxd_smp.checkpoint")
@@ -237,96 +238,123 @@ def full_state(state: Any, hyperparameters: Any, masters: Any, *, source: str) -
 
 # ---------------------------------------------------------------------------- the rank-local state dict
 def read_rank_state(targets: Targets, state_dict: Any, request: Request) -> Staged:
-    """``Zero1Optimizer.state_dict()``'s dict, from this rank at this DP size and layout, as the staged
-    state: each bucket shard's moments as the pieces of its parameters, its 0-dim state as each
-    parameter's counters, the master shards as pieces, the param groups' hyperparameters, the loss
-    scaler's state.
+    """``Zero1Optimizer.state_dict()``'s dict as the staged state: torch.optim's shape, its ``state``
+    keyed by parameter number or, as torch's distributed state-dict API hands it back
+    (``set_optimizer_state_dict``), by name; each group's ``params`` lists its parameters in the
+    optimizer's order. Each moment and master is this rank's range of its parameter: a ``FlatShard``,
+    which says which range (what ``dcp.load`` filled in place, from any DP size), or a plain 1-D tensor
+    (a ``torch.save``d copy), which only the state dict's ``nxd_smp`` record of the same rank, DP size
+    and layout places. The loss scaler's state is the first group's ``loss_scaler``.
 
     Raises:
-        CheckpointError: not such a dict, of another rank, layout or DP size, or a state that no shard of
-            this optimizer can hold; naming the fix.
+        CheckpointError: not such a dict, a range this rank does not hold (another rank's, another DP
+            size's), naming the fix.
     """
     source = "the state dict"
     optimizer = targets.zero1
-    if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_DICT_FORMAT:
-        found = state_dict.get("format") if isinstance(state_dict, dict) else None
-        raise CheckpointError(f"not a Zero1Optimizer state dict (missing format {STATE_DICT_FORMAT!r}); pass what "
-                              f"Zero1Optimizer.state_dict() returned."
+    if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("state"), Mapping) \
+            or not isinstance(state_dict.get("param_groups"), list):
+        found = state_dict.get("format") if isinstance(state_dict, Mapping) else None
+        raise CheckpointError("not a Zero1Optimizer state dict (no 'state' and 'param_groups' as torch.optim writes "
+                              "them); pass what Zero1Optimizer.state_dict() returned."
                               + (rank_state.hint(f"format:{found}") if isinstance(found, str) else ""))
-    layouts = optimizer.bucket_layouts
-    problems = [f"{key} {describe(state_dict.get(key))} (this optimizer: {mine})"
-                for key, mine in (("world_size", optimizer.world_size), ("rank", optimizer.rank))
-                if state_dict.get(key) != mine or isinstance(state_dict.get(key), bool)]
-    if state_dict.get("layout") != layout_signature(layouts):
-        problems.append("bucket layout (parameters, shapes, dtypes, groups or bucket size differ)")
-    inner, groups = state_dict.get("inner"), state_dict.get("param_groups")
-    if not isinstance(inner, dict) or not isinstance(inner.get("state"), dict) \
-            or not isinstance(inner.get("param_groups"), list) or not isinstance(groups, list):
-        problems.append("the inner optimizer's state (not a torch.optim state dict)")
+    groups = state_dict["param_groups"]
+    live_groups = optimizer.param_groups
+    problems = []
+    if len(groups) != len(live_groups) or not all(isinstance(g, Mapping) for g in groups):
+        problems.append(f"{len(groups)} param groups, the optimizer has {len(live_groups)}")
     else:
-        problems += torch_group_problems(groups, optimizer.param_groups, "param_groups")
-        problems += torch_group_problems(inner["param_groups"], optimizer.inner_optimizer.param_groups,
-                                         "inner param_groups")
-        if not problems:  # (the inner groups' hyperparameters are not installed, the wrapper's are: a file's
-            # that no optimizer could hold is refused all the same, as a sign of a crafted file)
-            inner_groups = [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]]
-            problems += [f"inner {p}" for p in StateFit(type(optimizer.inner_optimizer),
-                                                        optimizer.inner_optimizer.param_groups,
-                                                        inner_groups).group_problems()]
-    masters = state_dict.get("master_weights")
-    if masters is not None and (not isinstance(masters, (list, tuple)) or len(masters) != len(layouts) or any(
-            not isinstance(m, torch.Tensor) or tuple(m.shape) != (layout.shard_numel,)
-            for m, layout in zip(masters, layouts))):
-        problems.append("master weight shard shapes")
+        problems += _numbering_problems(groups, live_groups)
+    record = state_dict.get(RECORD_KEY)
+    placed_by_record = isinstance(record, Mapping) and record.get("format") == STATE_DICT_FORMAT
+    if placed_by_record:
+        problems += [f"{key} {describe(record.get(key))} (this optimizer: {mine})"
+                     for key, mine in (("world_size", optimizer.world_size), ("rank", optimizer.rank))
+                     if record.get(key) != mine or isinstance(record.get(key), bool)]
+        if record.get("layout") != layout_signature(optimizer.bucket_layouts):
+            problems.append("bucket layout (parameters, shapes, dtypes, groups or bucket size differ)")
+    elif record is not None:
+        problems.append(f"the {RECORD_KEY!r} record {describe(record)} is not one of format {STATE_DICT_FORMAT!r}")
     if problems:
         raise CheckpointError(
-            "this state dict does not fit the optimizer: " + "; ".join(problems) + ". Rank-local state dicts load "
-            "only into the same model, DP size and rank; use nxd_smp.checkpoint to change the DP size."
-            + (rank_state.hint("another rank") if state_dict.get("rank") != optimizer.rank else ""))
-    # each id the inner groups list is one shard of the inner optimizer: the bucket it is
-    bucket_of = {id(shard): b for b, shard in enumerate(optimizer.inner_shards)}
-    shard_of = {i: bucket_of[id(p)] for saved, live in zip(inner["param_groups"], optimizer.inner_optimizer.param_groups)
-                for i, p in zip(saved["params"], live["params"])}
-    names = request.optimizer.names
-    order = targets.names()  # (in layout order)
-    shapes = request.optimizer.shapes
-    mine: dict[str, dict[int, tuple[int, int, int]]] = {name: {} for name in names}  # {param_start: (b, at, numel)}
-    for b, name, piece in named_pieces(layouts, optimizer.rank, order):
-        mine[name][piece.param_start] = (b, piece.shard_start, piece.numel)
+            "this state dict does not fit the optimizer: " + "; ".join(problems) + ". A state dict loads into the "
+            "same model and param groups; with plain tensors (a torch.save'd copy) at the same DP size and rank; "
+            "torch.distributed.checkpoint (dcp.save/dcp.load) or nxd_smp.checkpoint move across DP sizes."
+            + (rank_state.hint("another rank") if placed_by_record and record.get("rank") != optimizer.rank else ""))
+    names = request.optimizer.names  # (param-group order: the order of the groups' ``params``)
+    name_of = {key: name for g, names_g in zip(groups, request.optimizer.groups)
+               for key, name in zip(g["params"], names_g)}
     state: dict[str, dict[str, Any]] = {name: {} for name in names}
+    masters: dict[str, Pieces] = {}
     bad = []
-    for index, entry in inner["state"].items():
-        if isinstance(index, bool) or index not in shard_of or not isinstance(entry, Mapping):
-            bad.append(f"inner state for shard {describe(index)}, which this optimizer does not have")
+    for key, entry in state_dict["state"].items():
+        name = name_of.get(key) if isinstance(key, (int, str)) and not isinstance(key, bool) else None
+        if name is None or not isinstance(entry, Mapping):
+            bad.append(f"a state for {describe(key)}, which no param group lists" if name is None
+                       else f"the state of {name} is a {type(entry).__name__}, not a dict")
             continue
-        b = shard_of[index]
-        for key, value in entry.items():
-            if not isinstance(key, str) or not isinstance(value, torch.Tensor) \
-                    or tuple(value.shape) not in ((), (layouts[b].shard_numel,)):
-                bad.append(f"inner state of shard {index}: {describe(key)} is "
-                           f"{value.dtype if isinstance(value, torch.Tensor) else type(value).__name__}"
-                           f"{' of shape ' + str(tuple(value.shape)) if isinstance(value, torch.Tensor) else ''}, "
-                           f"neither 0-dim nor the shard's ({layouts[b].shard_numel},)")
-                continue
-            for i in layouts[b].param_indices:
-                name = order[i]
-                state[name][key] = Whole(value) if value.dim() == 0 else _pieces(value, shapes[name], mine[name])
+        for field, value in entry.items():
+            if not isinstance(field, str) or not isinstance(value, torch.Tensor):
+                bad.append(f"{name}/{describe(field)} is a {type(value).__name__}, not a tensor")
+            elif value.dim() == 0 and not isinstance(value, FlatShard):
+                state[name][field] = Whole(value)
+            else:
+                found = _range_of(value, request.optimizer, name, placed_by_record)
+                if isinstance(found, str):
+                    bad.append(f"{name}/{field}: {found}")
+                elif field == MASTER_KEY:
+                    masters[name] = found
+                else:
+                    state[name][field] = found
     if bad:
         raise CheckpointError(f"{source} does not fit the optimizer: " + "; ".join(bad) + ".")
-    staged = StagedOptimizer(groups=[{k: v for k, v in g.items() if k != "params"} for g in groups], state=state,
-                             masters=None, scaler=state_dict.get("loss_scaler") if optimizer.loss_scaler else None,
-                             source=source)
-    if masters is not None:
-        staged.masters = {}
-        for b, layout in enumerate(layouts):
-            for i in layout.param_indices:
-                staged.masters[order[i]] = _pieces(masters[b], shapes[order[i]], mine[order[i]])
+    scaler = groups[0].get(SCALER_KEY) if optimizer.loss_scaler is not None else None
+    staged = StagedOptimizer(groups=[{k: v for k, v in g.items() if k not in ("params", SCALER_KEY)} for g in groups],
+                             state=state, masters=masters or None, scaler=scaler, source=source)
     return Staged(source=source, optimizer=staged)
 
 
-def _pieces(shard: torch.Tensor, shape: tuple[int, ...], mine: Mapping[int, tuple[int, int, int]]) -> Pieces:
-    """A parameter's part of a shard-shaped tensor: its pieces on this rank, as views."""
-    return Pieces(shape, shard.dtype, {start: shard[at:at + numel] for start, (_, at, numel) in mine.items()})
+def _numbering_problems(groups: list, live_groups: list) -> list[str]:
+    """How the groups' ``params`` do not list the live groups' parameters one to one: torch.optim's
+    numbers (0..n-1 in group order) or distinct names, as many as each live group holds."""
+    keys = [g.get("params") for g in groups]
+    if all(isinstance(k, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in k) for k in keys):
+        return torch_group_problems(list(groups), live_groups, "param_groups")
+    problems = []
+    for i, (k, live) in enumerate(zip(keys, live_groups)):
+        if not isinstance(k, list) or len(k) != len(live["params"]) or not all(isinstance(n, str) for n in k):
+            problems.append(f"param_groups[{i}]['params'] = {describe(k)}, not the {len(live['params'])} names or "
+                            f"numbers of the group's parameters")
+    flat = [n for k in keys if isinstance(k, list) for n in k]
+    if not problems and len(set(flat)) != len(flat):
+        problems.append("a parameter listed twice in param_groups")
+    return problems
+
+
+def _range_of(value: torch.Tensor, request: Any, name: str, placed_by_record: bool) -> Pieces | str:
+    """``value``, one moment or master of parameter ``name``, as the ``Pieces`` this rank installs: a
+    ``FlatShard`` whose range is this rank's, or (``placed_by_record``) a plain 1-D tensor as long as
+    this rank's range; else what is wrong."""
+    shape = request.shapes[name]
+    slots = request.slots.get(name, [])
+    wanted = (slots[0].start, slots[0].end) if slots else None
+    if isinstance(value, FlatShard):
+        if value.local_shape != tuple(shape):
+            return f"a range of a parameter of shape {value.local_shape}, this one's is {tuple(shape)}"
+        start, data = value.start, value.local
+        if (start, value.end) != (wanted or (start, start)):
+            return (f"elements [{start}, {value.end}), this rank holds "
+                    + (f"[{wanted[0]}, {wanted[1]})" if wanted else "none") + " (another rank's or DP size's state)")
+    elif placed_by_record and value.dim() == 1:
+        data = value
+        if value.numel() != (wanted[1] - wanted[0] if wanted else 0):
+            return f"{value.numel()} elements, this rank holds {wanted[1] - wanted[0] if wanted else 0} of it"
+    else:
+        return (f"a plain tensor of shape {tuple(value.shape)}, which only a state dict of this rank's own record "
+                f"places (pass what state_dict() returned)")
+    if not data.dtype.is_floating_point:
+        return f"{data.dtype}, not a floating dtype"
+    return Pieces(tuple(shape), data.dtype, {wanted[0]: data} if wanted else {})
 
 
 def load_rank_state(optimizer: Zero1Optimizer, state_dict: Any, *, install: bool) -> None:

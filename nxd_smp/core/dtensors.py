@@ -130,3 +130,13 @@ def fully_sharded(params: Sequence[torch.Tensor]) -> bool:
     wanted = {id(p) for p in params}
     return any(isinstance(module, FSDPModule) and any(id(p) in wanted for p in module.parameters())
                for module in list(_module_state_mapping))
+
+
+def global_offset(tensor: torch.Tensor) -> tuple[int, ...]:
+    """Where this rank's part of ``tensor`` starts in the whole tensor (zeros for a plain tensor)."""
+    if not is_dtensor(tensor):
+        return tuple(0 for _ in tensor.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(int(o) for o in offset)

@@ -221,7 +221,7 @@ class CompiledAdamW:
             for shard in group["params"]:
                 grad, out = grads[index], outs[index]
                 index += 1
-                state = self._state(shard, grad.numel())
+                state = self.create_state(shard, grad.numel())
                 step = float(state["step"]) + 1  # a CPU tensor: no device sync
                 scalars = torch.tensor(_scalars(group, step, decoupled), dtype=torch.float32)
                 if coef is not None:
@@ -249,7 +249,7 @@ class CompiledAdamW:
                 state["step"].add_(1 if found_inf is None else (~found_inf).float())
         return True
 
-    def _state(self, shard: torch.Tensor, numel: int) -> dict[str, Any]:
+    def create_state(self, shard: torch.Tensor, numel: int) -> dict[str, Any]:
         """The optimizer's state for ``shard`` (of ``numel`` elements: a shard that holds no
         data between steps has none), created as torch.optim.Adam(W) creates it (its moments
         placed as ``nxd_smp.core.memory`` says)."""

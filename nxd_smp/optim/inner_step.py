@@ -39,6 +39,7 @@ from .compiled_adamw import CompiledAdamW
 from .frozen import FrozenElements
 from .masters import MasterWeights
 from .rounding import stochastic_round
+from .state_fit import zero_state
 
 
 def copy_group_settings(sources: Sequence[dict[str, Any]], targets: Sequence[dict[str, Any]]) -> None:
@@ -85,6 +86,26 @@ class InnerStep:
         self.fused = takes_grad_scale and all(g.get("fused", False) for g in inner.param_groups)
         self.stochastic_rounding = stochastic_rounding
         self._generator = sr_generator
+
+    def create_state(self, numels: Sequence[int]) -> None:
+        """The inner optimizer's state before its first step, made now (``numels``: each shard's
+        logical size): zeros, where the class steps from them exactly as from no state
+        (``state_fit.zero_state``; the compiled update's own, placed as it wants them). So the state
+        exists from construction, as torch's distributed state-dict API and checkpoint templates need:
+        the same keys before and after the first step. A class without such a start keeps its lazy state."""
+        position = {id(shard): b for b, shard in enumerate(self.shards)}
+        for group in self.inner.param_groups:
+            kinds = zero_state(type(self.inner), {k: v for k, v in group.items() if k != "params"})
+            on_device = bool(group.get("fused") or group.get("capturable"))
+            for shard in group["params"]:
+                numel = numels[position[id(shard)]]
+                if self.compiled is not None:
+                    self.compiled.create_state(shard, numel)
+                elif kinds is not None and not self.inner.state.get(shard):
+                    self.inner.state[shard] = {
+                        key: torch.zeros(numel, dtype=shard.dtype, device=shard.device) if dtype is None else
+                        torch.zeros((), dtype=dtype, device=shard.device if on_device else "cpu")
+                        for key, dtype in kinds.items()}
 
     def pull_hyperparameters(self, wrapper_groups: Sequence[dict[str, Any]]) -> None:
         """The wrapper's param groups are the truth (LR schedulers act on them)."""

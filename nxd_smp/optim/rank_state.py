@@ -22,12 +22,21 @@ from typing import Any
 
 import torch
 
+from ..core.dtensors import global_offset, local_shape
+from ..core.flat_shard import FlatShard
 from ..core.layout import BucketLayout
 from .param_groups import index_groups
 from .state_fit import torch_state_dict
 
-#: The ``format`` of a rank-local state dict.
-STATE_DICT_FORMAT = "nxd_smp.zero1.rank_local/1"
+#: The ``format`` of a rank-local state dict (in its ``nxd_smp`` record).
+STATE_DICT_FORMAT = "nxd_smp.zero1.rank_local/2"
+#: Where a state dict keeps what only nxd_smp reads: a top-level key (torch's distributed state-dict API
+#: keeps only ``state`` and ``param_groups``, and needs none of it).
+RECORD_KEY = "nxd_smp"
+#: A parameter's master weight, beside its optimizer state (``use_master_weights_in_ckpt``).
+MASTER_KEY = "master"
+#: The loss scaler's state, in the first param group.
+SCALER_KEY = "loss_scaler"
 
 #: Advice a refusal adds, by situation: ``"another rank"`` (a state dict of another rank), or
 #: ``"format:<format>"`` (a dict of that format, which is not a rank-local state).
@@ -58,27 +67,121 @@ def layout_signature(layouts: Sequence[BucketLayout]) -> list[dict[str, Any]]:
     ]
 
 
+def param_ranges(optimizer: Any) -> dict[int, tuple[int, Any]]:
+    """Per managed parameter (by its position in ``optimizer.managed_params``) that this rank's shards
+    hold a part of: its bucket and the ``Piece`` (the flat range of the parameter, where it sits in the
+    shard). A parameter lies in one bucket and a shard is contiguous: at most one piece each."""
+    out = {}
+    for b, layout in enumerate(optimizer.bucket_layouts):
+        for piece in layout.pieces(optimizer.rank):
+            out[layout.param_indices[piece.index]] = (b, piece)
+    return out
+
+
+def param_numbers(optimizer: Any) -> dict[int, int]:
+    """``id(parameter)`` -> the number torch.optim gives it in state dicts (param-group order)."""
+    return {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+
+
+def _flat_shard(value: torch.Tensor, param: torch.Tensor, place: tuple[int, Any] | None) -> FlatShard:
+    """This rank's range of ``param`` out of the shard-shaped ``value`` (empty where it holds none)."""
+    shape, offset = tuple(local_shape(param)), global_offset(param)
+    if place is None:
+        return FlatShard(value[:0], 0, shape, tuple(param.shape), offset)
+    piece = place[1]
+    return FlatShard(value[piece.shard_start:piece.shard_start + piece.param_end - piece.param_start],
+                     piece.param_start, shape, tuple(param.shape), offset)
+
+
 def rank_state(optimizer: Any) -> dict[str, Any]:
-    """This rank's state of ``optimizer`` (a ``Zero1Optimizer``): its inner optimizer's state dict,
-    its param groups (parameters numbered as torch.optim numbers them), layout, DP size and rank,
-    the master shards (copies) with ``use_master_weights_in_ckpt``, the loss scaler's state."""
-    ids = index_groups([len(g["params"]) for g in optimizer.param_groups])
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": i}
-              for g, i in zip(optimizer.param_groups, ids)]
-    state = {
-        "format": STATE_DICT_FORMAT,
-        "world_size": optimizer.world_size,
-        "rank": optimizer.rank,
-        "mixed_precision": optimizer.mixed_precision.to_dict(),
-        "layout": layout_signature(optimizer.bucket_layouts),
-        "param_groups": groups,
-        "inner": optimizer.inner_optimizer.state_dict(),
-    }
+    """This rank's state of ``optimizer`` (a ``Zero1Optimizer``) in torch.optim's shape: ``state`` by
+    parameter number, each entry the inner optimizer's state for that parameter (its moments as
+    ``FlatShard``: this rank's flat range, over copies of the shards), with ``master`` (the master
+    weight's range) under ``use_master_weights_in_ckpt``; ``param_groups`` with the hyperparameters
+    (the first group holds the loss scaler's state as ``loss_scaler``); and ``nxd_smp``, what a
+    ``torch.save`` of it needs to load again (format, DP size and rank, layout, precision)."""
+    inner = optimizer.inner_optimizer
+    places = param_ranges(optimizer)
+    copies: list[dict[str, torch.Tensor]] = []
+    for b, shard in enumerate(optimizer.inner_shards):
+        copies.append({key: value.detach().clone() for key, value in inner.state.get(shard, {}).items()
+                       if isinstance(value, torch.Tensor)})
     if optimizer.mixed_precision.use_master_weights_in_ckpt:
-        state["master_weights"] = [m.detach().clone() for m in optimizer.master_shards]
+        for b, master in enumerate(optimizer.master_shards):
+            copies[b][MASTER_KEY] = master.detach().clone()
+    bucket_of = {i: b for b, layout in enumerate(optimizer.bucket_layouts) for i in layout.param_indices}
+    numbers = param_numbers(optimizer)
+    state: dict[int, dict[str, Any]] = {}
+    for i, param in enumerate(optimizer.managed_params):
+        entry = {}
+        for key, value in copies[bucket_of[i]].items():
+            entry[key] = value.clone() if value.dim() == 0 else _flat_shard(value, param, places.get(i))
+        if entry:
+            state[numbers[id(param)]] = entry
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [numbers[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
     if optimizer.loss_scaler is not None:
-        state["loss_scaler"] = optimizer.loss_scaler.state_dict()
-    return state
+        groups[0][SCALER_KEY] = optimizer.loss_scaler.state_dict()
+    return {"state": state, "param_groups": groups,
+            RECORD_KEY: {"format": STATE_DICT_FORMAT, "world_size": optimizer.world_size, "rank": optimizer.rank,
+                         "mixed_precision": optimizer.mixed_precision.to_dict(),
+                         "layout": layout_signature(optimizer.bucket_layouts)}}
+
+
+class ParamStates(Mapping):
+    """``Zero1Optimizer.state``: per managed parameter, its state as this rank holds it (each moment a
+    1-D view of this rank's range of the live shard, empty where it holds none; the counters the
+    bucket's), read-only. It is never empty once the optimizer is built: torch's
+    ``_init_optim_state`` (``get_optimizer_state_dict``) steps an optimizer whose ``state`` is empty to
+    create one."""
+
+    def __init__(self, optimizer: Any):
+        self._optimizer = optimizer
+        self._where: dict[int, tuple[int, int, Any]] | None = None  # id(param) -> (index, bucket, piece)
+
+    def _place(self, param: Any) -> tuple[int, int, Any]:
+        if self._where is None:
+            optimizer = self._optimizer
+            places = param_ranges(optimizer)
+            bucket_of = {i: b for b, layout in enumerate(optimizer.bucket_layouts) for i in layout.param_indices}
+            self._where = {id(p): (i, bucket_of[i], places.get(i, (None, None))[1])
+                           for i, p in enumerate(optimizer.managed_params)}
+        place = self._where.get(id(param))
+        if place is None or self._optimizer.managed_params[place[0]] is not param:
+            raise KeyError(param)
+        return place
+
+    def __getitem__(self, param: Any) -> dict[str, Any]:
+        if not self._optimizer._initialized:
+            raise KeyError(param)
+        _, b, piece = self._place(param)
+        live = self._optimizer.inner_optimizer.state.get(self._optimizer.inner_shards[b], {})
+        out = {}
+        for key, value in live.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                value = value[:0] if piece is None else \
+                    value[piece.shard_start:piece.shard_start + piece.param_end - piece.param_start]
+            out[key] = value
+        return out
+
+    def __iter__(self):
+        return iter(self._optimizer.managed_params if self._optimizer._initialized else [])
+
+    def __len__(self) -> int:
+        return len(self._optimizer.managed_params) if self._optimizer._initialized else 0
+
+    def __setitem__(self, param: Any, value: Any) -> None:
+        """Accept what a framework writes back unchanged (Lightning moves every state tensor ``.to`` its
+        device, which returns the same tensors where they are already there); refuse anything else."""
+        mine = self[param]
+        if isinstance(value, Mapping) and set(value) == set(mine) and all(
+                value[k] is v or (isinstance(v, torch.Tensor) and isinstance(value[k], torch.Tensor)
+                                  and value[k].data_ptr() == v.data_ptr() and value[k].shape == v.shape
+                                  and value[k].dtype == v.dtype and value[k].device == v.device)
+                for k, v in mine.items()):
+            return
+        raise TypeError("Zero1Optimizer.state is a read-only view of this rank's shards: load a state with "
+                        "load_state_dict (or nxd_smp.checkpoint), which checks it.")
 
 
 class _StateLoaded:

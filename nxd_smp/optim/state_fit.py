@@ -213,6 +213,51 @@ def state_kinds(optimizer_class: type, hyperparameters: Mapping[str, Any]) -> Ki
     return _probed[key]
 
 
+_zero_started: dict[tuple[type, str], "dict[str, torch.dtype] | None"] = {}
+
+
+def zero_state(optimizer_class: type, hyperparameters: Mapping[str, Any]) -> dict[str, torch.dtype] | None:
+    """The state ``optimizer_class`` keeps for a parameter of a group holding ``hyperparameters``, as
+    ``{key: dtype of a 0-dim counter, or None for a tensor shaped like the parameter}``, where
+    starting from zeros of it steps a parameter exactly as starting from no state does (Adam, AdamW,
+    SGD without dampening, ...: what the optimizer may create before its first step). None where it
+    does not (SGD's first momentum is the gradient itself under dampening), or the class keeps a
+    non-tensor or cannot be probed. Asked of throwaway instances (``_throwaway``), two steps each;
+    remembered per class and hyperparameters."""
+    key = _key(optimizer_class, hyperparameters)
+    if key not in _zero_started:
+        _zero_started[key] = _zero_start(optimizer_class, hyperparameters)
+    return _zero_started[key]
+
+
+def _zero_start(optimizer_class: type, hyperparameters: Mapping[str, Any]) -> dict[str, torch.dtype] | None:
+    try:
+        probe, param = _throwaway(optimizer_class, hyperparameters)
+        param.grad = torch.zeros(2)
+        probe.step()
+        template = dict(probe.state[param])
+        if not template or not all(isinstance(v, torch.Tensor) and v.dim() in (0, 1) for v in template.values()):
+            return None
+        runs = []
+        for start_from_zeros in (False, True):
+            optimizer, param = _throwaway(optimizer_class, hyperparameters)
+            with torch.no_grad():
+                param.copy_(torch.tensor([1.0, -2.0]))
+            if start_from_zeros:
+                optimizer.state[param] = {k: torch.zeros_like(v) for k, v in template.items()}
+            for grad in ((0.5, -0.25), (-0.125, 0.75)):
+                param.grad = torch.tensor(grad)
+                optimizer.step()
+            runs.append((param.detach().clone(), dict(optimizer.state[param])))
+        (a, state_a), (b, state_b) = runs
+        if not torch.equal(a, b) or set(state_a) != set(template) or set(state_b) != set(template) or not all(
+                torch.equal(state_a[k], state_b[k]) for k in template):
+            return None
+        return {k: v.dtype if v.dim() == 0 else None for k, v in template.items()}
+    except Exception:  # noqa: BLE001 - a class that cannot be probed keeps its own lazy state
+        return None
+
+
 _constructed: dict[tuple[type, str], str | None] = {}
 
 
