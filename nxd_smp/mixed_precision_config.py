@@ -208,6 +208,10 @@ class OptimizerConfig:
 REDUCE_AS = ("param", "master")
 
 
+#: How the data-parallel ranks' gradients combine (``Zero1Config.grad_reduction``).
+GRAD_REDUCTIONS = ("mean", "sum")
+
+
 @dataclass(frozen=True)
 class Zero1Config(OptimizerConfig):
     """Everything that configures one ``Zero1Optimizer``, validated once: NxD's
@@ -227,6 +231,10 @@ class Zero1Config(OptimizerConfig):
             fused kernel itself), True (required) or False.
         stochastic_rounding: round the bf16 update stochastically (legacy mode only).
         sr_seed: the seed of those draws (an int).
+        grad_reduction: how the ranks' gradients combine: ``"mean"`` (divided by the data-parallel
+            size, times the context-parallel size outside it: NxD's and DDP's convention) or
+            ``"sum"`` (a per-token loss already normalised by the global token count: TorchTitan's,
+            Megatron's ``calculate_per_token_loss``). The norm and the clip see the combined gradient.
     """
 
     zero_one_enabled: bool = True
@@ -238,6 +246,7 @@ class Zero1Config(OptimizerConfig):
     compile_update: bool | None = None
     stochastic_rounding: bool = False
     sr_seed: int = 0
+    grad_reduction: str = "mean"
 
     _OWNER = "Zero1Optimizer"
     _MAX_NORM_NAME = "max_norm"
@@ -270,6 +279,10 @@ class Zero1Config(OptimizerConfig):
             )
         for name in ("pin_layout", "lazy_init", "stochastic_rounding"):
             require_bool(self._OWNER, name, getattr(self, name))
+        if self.grad_reduction not in GRAD_REDUCTIONS:
+            raise ConfigError(f"grad_reduction must be one of {list(GRAD_REDUCTIONS)}, got {self.grad_reduction!r}: "
+                              f"'mean' when the loss is a per-rank mean (NxD, DDP), 'sum' when it is already "
+                              f"normalised over every rank's tokens (TorchTitan, Megatron's calculate_per_token_loss).")
         if self.compile_update is not None:
             require_bool(self._OWNER, "compile_update", self.compile_update)
         if isinstance(self.sr_seed, bool) or not isinstance(self.sr_seed, int):

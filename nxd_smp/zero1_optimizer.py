@@ -100,6 +100,9 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
             False: never.
         loss_scaler: a ``DynamicLossScaler`` for fp16 (``scale_loss(loss).backward()``): unscaled
             in fp32 on the shards; a step with an inf/NaN on any rank is skipped on every rank.
+        grad_reduction: ``"mean"`` (default: the ranks' gradients averaged, as NxD and DDP do) or
+            ``"sum"`` (summed: a loss normalised by the global token count, as TorchTitan's and Megatron's
+            ``calculate_per_token_loss``); the norm and the clip see the combined gradient.
         stochastic_rounding, sr_seed: legacy mode only: the bf16 shard update computed in fp32 and
             rounded stochastically, as Neuron's hardware does, seeded by ``sr_seed`` and the rank.
         **defaults: hyperparameters for ``optimizer_class`` (lr, weight_decay, ...).
@@ -131,6 +134,7 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         loss_scaler: DynamicLossScaler | None = None,
         stochastic_rounding: bool = False,
         sr_seed: int = 0,
+        grad_reduction: str = "mean",
         **defaults: Any,
     ):
         _install_eager_step()
@@ -138,6 +142,7 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
             grad_clipping=grad_clipping, max_grad_norm=max_norm, mixed_precision=mixed_precision,
             reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, pin_layout=pin_layout, lazy_init=lazy_init,
             compile_update=compile_update, stochastic_rounding=stochastic_rounding, sr_seed=sr_seed,
+            grad_reduction=grad_reduction,
         )
         check_optimizer_class(optimizer_class)
         if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
@@ -175,7 +180,9 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         managed_ids = {id(p) for p in self._managed}
         self._frozen = FrozenParams(self._managed, [p for group in groups for p in group["params"]
                                                     if id(p) not in managed_ids])
-        wrapper_groups = [{**group, "params": [p for p in group["params"] if id(p) in managed_ids]}
+        wrapper_groups = [{**group, "params": [p for p in group["params"] if id(p) in managed_ids],
+                           **({"param_names": [n for n, p in zip(group["param_names"], group["params"])
+                                               if id(p) in managed_ids]} if "param_names" in group else {})}
                           for group in groups]
         self._layout_frozen = False
         super().__init__(wrapper_groups, self._inner_settings.group_defaults)
@@ -346,7 +353,7 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         source = (ShardedMainGrads if self.mixed_precision.use_sharded_grad_acc else
                   MainGradBuffers if plan.fp32_accumulation else AutogradGrads)
         self._grads: GradientSource = source(params, self._layouts, topology, plan)
-        inner_groups = [{**{k: v for k, v in group.items() if k != "params"},
+        inner_groups = [{**{k: v for k, v in group.items() if k not in ("params", "param_names")},
                          "params": [m for layout, m in zip(self._layouts, self._masters.shards) if layout.key.group == gi]}
                         for gi, group in enumerate(self.param_groups)]
         self._inner = self._optimizer_class(inner_groups, **self._inner_settings.kwargs)
@@ -414,7 +421,7 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
             {role: [grads[b] for b in buckets] for role, buckets in self._norm_buckets.items()}, sharded=True,
             dtype=self._plan.norm, device=self._backend.device,
             compiled=self._inner_step.compiling)
-        mean_over = self._topology.mean_over
+        mean_over = self._topology.mean_over if self._config.grad_reduction == "mean" else 1
         norm = norm / mean_over if mean_over > 1 else norm  # (sums -> means)
         found_inf = None
         if self._scaler is not None:

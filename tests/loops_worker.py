@@ -79,7 +79,11 @@ def clip_warnings(caught) -> int:
 
 # ---------------------------------------------------------------- Hugging Face Trainer
 def hf_trainer(kind: str, callback: bool = False) -> dict:
-    from transformers import Trainer, TrainingArguments
+    import ast
+    import contextlib
+    import io
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     import nxd_smp
     from nxd_smp.interop.hf_trainer import Zero1TrainerCallback
@@ -106,18 +110,29 @@ def hf_trainer(kind: str, callback: bool = False) -> dict:
             report_to="none", save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
             max_grad_norm=1.0,
         )
-        trainer = Trainer(
-            model=model, args=args, train_dataset=data, optimizers=(optimizer, None),
-            callbacks=[Zero1TrainerCallback()] if callback else None,
-        )
-        with warnings.catch_warnings(record=True) as caught:
+        reported = []
+
+        class Reporter(TrainerCallback):  # (a report_to integration: a callback added before nxd_smp's)
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "grad_norm" in logs:
+                    reported.append(float(logs["grad_norm"]))
+
+        trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(optimizer, None),
+                          callbacks=[Reporter()])
+        if callback:
+            trainer.add_callback(Zero1TrainerCallback(trainer))
+        printed = io.StringIO()
+        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(printed):
             warnings.simplefilter("always")
             trainer.train()
     logged = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    lines = [ast.literal_eval(line) for line in printed.getvalue().splitlines() if line.startswith("{'loss'")]
     return {
         "held_out": held_out_loss(model),
         "train_loss": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
         "logged_grad_norm": logged,
+        "reported_grad_norm": reported,
+        "printed_grad_norm": [float(line["grad_norm"]) for line in lines if "grad_norm" in line],
         "optimizer_grad_norm": norms,
         "optimizer_max_norm": getattr(optimizer, "max_norm", None),
         "warnings": [str(w.message) for w in caught if str(w.message).startswith("Zero1TrainerCallback")],

@@ -77,8 +77,12 @@ def test_trainer_logs_the_optimizers_norm_with_the_callback(runs):
     plain, with_callback, fp32 = trainer["smp"], trainer["smp_callback"], trainer["fp32"]
     # Without it the Trainer sees no .grad: it logs 0 (and its own clipping does nothing).
     assert all(n == 0.0 for n in plain["logged_grad_norm"])
-    # With it: the optimizer's pre-clip norm, step by step, close to what fp32 training logs.
+    # With it: the optimizer's pre-clip norm, step by step, close to what fp32 training logs, in the
+    # history, in what the printer prints (4 digits) and in what a report_to integration added before it gets.
     assert with_callback["logged_grad_norm"] == pytest.approx(with_callback["optimizer_grad_norm"], rel=1e-6)
+    assert with_callback["reported_grad_norm"] == pytest.approx(with_callback["optimizer_grad_norm"], rel=1e-6)
+    assert with_callback["printed_grad_norm"] == pytest.approx(with_callback["optimizer_grad_norm"], rel=1e-3)
+    assert all(n == 0.0 for n in plain["reported_grad_norm"]) and len(plain["printed_grad_norm"]) == 60
     assert with_callback["logged_grad_norm"][:5] == pytest.approx(fp32["logged_grad_norm"][:5], rel=0.02)
     # TrainingArguments.max_grad_norm governs (the optimizer was built with 0.3): it says so,
     # and training is then exactly the run without the callback.

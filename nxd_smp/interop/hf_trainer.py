@@ -94,9 +94,10 @@ class Zero1TrainerCallback(TrainerCallback):
       ``TrainingArguments.max_grad_norm`` (``0`` or ``None``: off), so the Trainer's setting
       governs, as it does with any torch optimizer (a warning says when that changes the
       ``max_norm`` the optimizer was built with).
-    * At each log the Trainer's ``grad_norm`` (0: it saw no ``.grad``) is replaced, for the
-      callbacks after this one and in ``state.log_history``, by the optimizer's fp32 norm of
-      the last step before clipping. (So the warning a ``clip_grad_norm_`` without ``.grad``
+    * At each log the Trainer's ``grad_norm`` (0: it saw no ``.grad``) is replaced, in what its
+      printer and ``report_to`` integrations log and in ``state.log_history``, by the optimizer's fp32
+      norm of the last step before clipping (given the ``trainer``, the callback moves itself first at
+      the start of training; without it, only the callbacks added after it see the norm). (So the warning a ``clip_grad_norm_`` without ``.grad``
       gives, ``nxd_smp.optim.clip_watch``, is not given for this Trainer.)
 
     * Given the ``trainer`` (``trainer.add_callback(Zero1TrainerCallback(trainer))``), at the
@@ -140,6 +141,13 @@ class Zero1TrainerCallback(TrainerCallback):
                 f"Trainer, or drop the callback."
             )
         self._optimizer = zero1
+        if self._trainer is not None:  # first from now on: the printer and the report_to integrations, callbacks
+            # added before this one, then log the norm this sets (moved within the list being iterated: the
+            # callbacks after this one still get this event, once)
+            callbacks = self._trainer.callback_handler.callbacks
+            if any(c is self for c in callbacks):
+                callbacks.remove(self)
+                callbacks.insert(0, self)
         silence(zero1.managed_params)  # (the Trainer's clip_grad_norm_ finds no .grad: the callback stands in)
         max_grad_norm = args.max_grad_norm
         clip = max_grad_norm is not None and max_grad_norm > 0

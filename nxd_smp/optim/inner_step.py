@@ -43,10 +43,10 @@ from .state_fit import zero_state
 
 
 def copy_group_settings(sources: Sequence[dict[str, Any]], targets: Sequence[dict[str, Any]]) -> None:
-    """Every key but ``params`` of each source param group into its target group."""
+    """Every key but ``params`` and ``param_names`` of each source param group into its target group."""
     for source, target in zip(sources, targets):
         for key, value in source.items():
-            if key != "params":
+            if key not in ("params", "param_names"):  # (the wrapper's names, not the shards')
                 target[key] = value
 
 

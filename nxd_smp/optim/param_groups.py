@@ -22,7 +22,10 @@ _NOT_ELEMENTWISE = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
 
 
 def normalize_param_groups(params: Any) -> list[dict[str, Any]]:
-    """Normalise ``params`` (tensors or dicts of groups) into a list of group dicts."""
+    """Normalise ``params`` (tensors, ``(name, tensor)`` pairs as ``model.named_parameters()`` gives
+    them, or dicts of groups of either) into a list of group dicts; named parameters' names go into
+    the group's ``param_names``, as torch.optim keeps them (TorchTitan's checkpoints key the state by
+    them). Every group is named or none is, as torch requires."""
     if isinstance(params, torch.Tensor):
         raise TypeError(
             "params must be an iterable of tensors or of param-group dicts, got a single "
@@ -41,6 +44,13 @@ def normalize_param_groups(params: Any) -> list[dict[str, Any]]:
             )
         tensors = group["params"]
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        names = [p[0] for p in tensors if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)]
+        if names:
+            if len(names) != len(tensors) or "param_names" in group:
+                raise TypeError(f"param group {i} mixes named (name, tensor) pairs with other entries; name every "
+                                f"parameter of a group or none, as torch.optim requires.")
+            tensors = [p[1] for p in tensors]
+            group = {**group, "param_names": names}
         for p in tensors:
             if not isinstance(p, torch.Tensor):
                 raise TypeError(
@@ -48,6 +58,9 @@ def normalize_param_groups(params: Any) -> list[dict[str, Any]]:
                     f"pass parameters (e.g. model.parameters())."
                 )
         normalised.append({**group, "params": tensors})
+    if len({"param_names" in group for group in normalised}) > 1:
+        raise TypeError("some param groups are named ((name, tensor) pairs) and some are not; name all or none, as "
+                        "torch.optim requires.")
     return normalised
 
 

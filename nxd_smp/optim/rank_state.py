@@ -131,13 +131,15 @@ def rank_state(optimizer: Any) -> dict[str, Any]:
 class ParamStates(Mapping):
     """``Zero1Optimizer.state``: per managed parameter, its state as this rank holds it (each moment a
     1-D view of this rank's range of the live shard, empty where it holds none; the counters the
-    bucket's), read-only. It is never empty once the optimizer is built: torch's
+    bucket's; with ``use_master_weights_in_ckpt`` its ``master`` weight, as its state dict holds it),
+    read-only. It is never empty once the optimizer is built: torch's
     ``_init_optim_state`` (``get_optimizer_state_dict``) steps an optimizer whose ``state`` is empty to
     create one."""
 
     def __init__(self, optimizer: Any):
         self._optimizer = optimizer
         self._where: dict[int, tuple[int, int, Any]] | None = None  # id(param) -> (index, bucket, piece)
+        self._master_cache: tuple[int, list[torch.Tensor]] | None = None
 
     def _place(self, param: Any) -> tuple[int, int, Any]:
         if self._where is None:
@@ -151,11 +153,21 @@ class ParamStates(Mapping):
             raise KeyError(param)
         return place
 
+    def _masters(self) -> list[torch.Tensor]:
+        """The master shards, rebuilt once per state generation where they are (parameter remainders)."""
+        optimizer = self._optimizer
+        if self._master_cache is None or self._master_cache[0] != optimizer.state_generation:
+            self._master_cache = (optimizer.state_generation, optimizer.master_shards)
+        return self._master_cache[1]
+
     def __getitem__(self, param: Any) -> dict[str, Any]:
-        if not self._optimizer._initialized:
+        optimizer = self._optimizer
+        if not optimizer._initialized:
             raise KeyError(param)
         _, b, piece = self._place(param)
-        live = self._optimizer.inner_optimizer.state.get(self._optimizer.inner_shards[b], {})
+        live = dict(optimizer.inner_optimizer.state.get(optimizer.inner_shards[b], {}))
+        if optimizer.mixed_precision.use_master_weights_in_ckpt:  # (what its state dict holds for it, too)
+            live[MASTER_KEY] = self._masters()[b]
         out = {}
         for key, value in live.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
