@@ -90,8 +90,9 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
             over ``grad_norm_groups`` first, as NxD's trainer wrapper does (refused without them).
         context_parallel_groups: average every gradient over them first (NxD's wrapper under context
             parallelism); where the data-parallel group spans them, its mean already does.
-        device_mesh: a ``DeviceMesh`` with dimensions ``("dp", "tp")`` or ``("dp",)`` instead of the groups:
-            ZeRO-1 over ``dp``, the norm over ``tp``; DTensor parameters managed through their local parts.
+        device_mesh: a ``DeviceMesh`` instead of the groups, its dimensions by name: ZeRO-1 over ``"dp"`` (or
+            TorchTitan's ``"dp_replicate"``, or its flattened ``"dp"``), the norm over ``"tp"`` (optional);
+            other dimensions of size 1 ignored. DTensor parameters are managed through their local parts.
         topology: all those groups as one ``nxd_smp.optim.topology.Topology`` (then pass none of them).
         pin_layout: passed to torch_xla's collectives.
         lazy_init: build the shards at ``init_zero()`` instead of now.

@@ -85,8 +85,9 @@ class Topology:
         sum the gradients of ``params`` marked ``sequence_parallel_enabled`` over the
         tensor-parallel groups (off when none is marked).
 
-        ``device_mesh``: a torch ``DeviceMesh`` whose dimension ``"dp"`` is the data-parallel group
-        and ``"tp"`` (optional) the tensor-parallel one, instead of ``data`` and ``tensor``. DTensor
+        ``device_mesh``: a torch ``DeviceMesh`` whose dimension ``"dp"`` (or TorchTitan's
+        ``"dp_replicate"``, or its flattened ``"dp"``) is the data-parallel group and ``"tp"`` (optional)
+        the tensor-parallel one, instead of ``data`` and ``tensor``; other dimensions of size 1 are ignored. DTensor
         ``params`` (``parallelize_module``) count as split in the norm where they are sharded, and
         without a tensor-parallel group their mesh's is taken.
 
@@ -190,23 +191,49 @@ _FULLY_SHARDED = (
     "an nxd_smp checkpoint into it with `python -m nxd_smp export-torch CKPT OUT_DIR` (a DCP directory that "
     "dcp.load reshards).")
 
-#: The names a ``device_mesh`` may give its dimensions.
-MESH_DIMS = ("dp", "tp")
+#: The names of a ``device_mesh``'s data-parallel dimension, first found first: ``"dp"`` (nxd_smp's, and
+#: TorchTitan's flattened data-parallel dimension, which ``mesh["dp"]`` resolves though ``mesh_dim_names``
+#: lacks it) or TorchTitan's ``"dp_replicate"``; and of its tensor-parallel one.
+DATA_DIMS = ("dp", "dp_replicate")
+TENSOR_DIMS = ("tp",)
+
+
+def _named(mesh: object, names: Sequence[str]) -> tuple[str, object] | None:
+    """The first of ``names`` that ``mesh`` resolves (a dimension or a flattened one), with its mesh."""
+    for name in names:
+        try:
+            return name, mesh[name]
+        except (KeyError, RuntimeError, ValueError, IndexError):
+            continue
+    return None
 
 
 def _mesh_groups(mesh: object) -> tuple[object, object]:
-    """The data- and tensor-parallel process groups of ``mesh`` (dimensions ``"dp"`` and ``"tp"``)."""
+    """The data- and tensor-parallel process groups of ``mesh``, by the names of its dimensions
+    (``DATA_DIMS``, ``TENSOR_DIMS``); every other dimension must be of size 1 (TorchTitan's ``dp_shard``
+    and ``cp`` where they are not used)."""
     if DeviceMesh is None or not isinstance(mesh, DeviceMesh):
         raise TypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}.")
     names = tuple(mesh.mesh_dim_names or ())
-    if "dp" not in names or not set(names) <= set(MESH_DIMS):
+    data, tensor = _named(mesh, DATA_DIMS), _named(mesh, TENSOR_DIMS)
+    if data is None:
         raise ValueError(
-            f"device_mesh has dimensions {names or '(unnamed)'}; nxd_smp takes a mesh with a 'dp' dimension (the "
-            f"data-parallel group it shards over) and optionally 'tp' (tensor parallelism), e.g. "
-            f"init_device_mesh(device_type, (dp, tp), mesh_dim_names=('dp', 'tp')). For other layouts pass "
-            f"process_group=mesh['dp'].get_group() and grad_norm_groups=mesh['tp'].get_group()."
+            f"device_mesh has dimensions {names or '(unnamed)'}; nxd_smp takes a mesh with a data-parallel dimension "
+            f"named {' or '.join(map(repr, DATA_DIMS))} (the group it shards over; TorchTitan's flattened 'dp' "
+            f"too) and optionally 'tp' (tensor parallelism), e.g. init_device_mesh(device_type, (dp, tp), "
+            f"mesh_dim_names=('dp', 'tp')). For other layouts pass process_group=mesh[<dim>].get_group() and "
+            f"grad_norm_groups=mesh['tp'].get_group()."
         )
-    return mesh["dp"].get_group(), (mesh["tp"].get_group() if "tp" in names else None)
+    data_ranks, chosen = set(data[1].mesh.flatten().tolist()), {data[0], tensor[0] if tensor else None}
+    others = [(name, mesh.size(i)) for i, name in enumerate(names)  # (what a flattened "dp" covers is data)
+              if mesh.size(i) > 1 and name not in chosen and not set(mesh[name].mesh.flatten().tolist()) <= data_ranks]
+    if others:
+        raise ValueError(
+            f"device_mesh has dimensions {dict(zip(names, mesh.shape))}: {', '.join(f'{n!r} of size {k}' for n, k in others)} "
+            f"is neither the data-parallel dimension it shards over ({data[0]!r}) nor tensor parallelism. A "
+            f"'dp_shard' dimension is FSDP2's ({_FULLY_SHARDED}); context parallelism is "
+            f"context_parallel_groups=mesh['cp'].get_group() with process_group and grad_norm_groups.")
+    return data[1].get_group(), (tensor[1].get_group() if tensor else None)
 
 
 def _tensor_group_of(mesh: object) -> object:
