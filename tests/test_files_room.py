@@ -132,3 +132,34 @@ def test_reads_below_the_root_follow_no_link(tmp_path):
     with Folder.open(tmp_path) as folder:
         with pytest.raises(CheckpointError, match="link"):
             folder.open_file("alias/ckpt")
+
+
+def test_ranks_making_the_same_directory_at_once_all_get_it(tmp_path):
+    """NxD Training's state-dict save: every rank writes ``optim/<its file>`` into one staging folder, so
+    the ranks make ``optim`` at the same moment; none may fail because another made it first (a link
+    planted there is still refused: ``sub`` never follows one)."""
+    import threading
+
+    (tmp_path / "root").mkdir()
+    for attempt in range(20):
+        start = threading.Barrier(4)
+        errors: list[BaseException] = []
+
+        def make() -> None:
+            with Folder.open(tmp_path / "root") as root:
+                start.wait()
+                try:
+                    root.makedirs(f"run{attempt}/optim").close()
+                except BaseException as e:  # noqa: BLE001 - reported to the test
+                    errors.append(e)
+
+        threads = [threading.Thread(target=make) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == [], errors
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "root" / "linked").symlink_to(tmp_path / "elsewhere")
+    with Folder.open(tmp_path / "root") as root, pytest.raises(CheckpointError, match="link"):
+        root.makedirs("linked/optim")

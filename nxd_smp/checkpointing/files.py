@@ -350,11 +350,15 @@ class Folder:
         return self.sub(name)
 
     def makedirs(self, name: str) -> Folder:
-        """The directory ``name`` below this one, made where missing (no link followed on the way)."""
+        """The directory ``name`` below this one, made where missing (no link followed on the way); ranks
+        making the same directory at once all get it."""
         parts = check_name(name, str(self.where()))
         folder = self
         for i, part in enumerate(parts):
-            child = folder.sub(part) if folder.is_dir(part) else folder.mkdir(part)
+            try:  # (made here, or by another rank writing into the same folder at the same moment)
+                child = folder.mkdir(part)
+            except FileExistsError:
+                child = folder.sub(part)
             if folder is not self:
                 folder.close()
             folder = child
