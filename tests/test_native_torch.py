@@ -446,3 +446,45 @@ def test_fsdp2_sharded_save_imports_at_dp1(trained, dp2, tmp_path):
     for name, value in dp2[0]["fsdp"].items():
         assert torch.equal(imported["optimizer"]["master_weights"][name], value), name
     assert float(imported["optimizer"]["state"]["0.weight"]["step"]) == STEPS_BEFORE + STEPS_AFTER
+
+
+class Fused(nn.Module):
+    """A fused projection presented by its state-dict hook as two (TorchTitan's ``wqkv`` as ``wq``/``wk``...):
+    the state dict's keys are not the parameters' names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wqk = nn.Linear(4, 8, bias=False)
+        self.out = nn.Linear(8, 1)
+        self._register_state_dict_hook(Fused._split)
+
+    @staticmethod
+    def _split(module, state, prefix, local_metadata):
+        fused = state.pop(prefix + "wqk.weight")
+        state[prefix + "wq.weight"], state[prefix + "wk.weight"] = fused.chunk(2)
+
+    def forward(self, x):
+        return self.out(self.wqk(x))
+
+
+def test_masters_under_names_the_state_dict_renames_are_refused_not_upcast(tmp_path):
+    """The export writes the masters under the model's state-dict keys; where the model's hooks rename or
+    split parameters, no entry is named by the fused master, and the split entries would be their bf16
+    values upcast: refused, naming both; the parameters as saved still export (``masters=False``)."""
+    torch.manual_seed(0)
+    model = Fused().to(torch.bfloat16)
+    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, compile_update=False,
+                         mixed_precision=MixedPrecisionConfig(use_master_weights_in_ckpt=True))
+    model(torch.randn(3, 4).bfloat16()).float().pow(2).mean().backward()
+    opt.step()
+    save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt)
+    for export in (lambda: export_torch(tmp_path / "ckpt", tmp_path / "dcp"),
+                   lambda: export_safetensors(tmp_path / "ckpt", tmp_path / "m.safetensors", masters=True)):
+        with pytest.raises(CheckpointError, match=r"wqk\.weight.*wk\.weight.*wq\.weight"):
+            export()
+    assert not (tmp_path / "dcp").exists() and not (tmp_path / "m.safetensors").exists()
+    from safetensors.torch import load_file
+
+    export_safetensors(tmp_path / "ckpt", tmp_path / "saved.safetensors")
+    saved = load_file(tmp_path / "saved.safetensors")
+    assert torch.equal(saved["wq.weight"], model.wqk.weight[:4]) and saved["wq.weight"].dtype == torch.bfloat16

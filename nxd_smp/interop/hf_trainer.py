@@ -35,7 +35,6 @@ Importing this module imports ``transformers``; ``import nxd_smp`` does not.
 from __future__ import annotations
 
 import warnings
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -47,44 +46,10 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..checkpointing.files import write_output_file
 from ..optim.clip_watch import silence
 from ..zero1_optimizer import STATE_LOADED, Zero1Optimizer, zero1_optimizer_of
+from .ddp import skip_ddp_allreduce
 from .loop_checkpoints import checkpoint_reference, is_reference, load_beside, save_beside
 
 __all__ = ["Zero1TrainerCallback", "skip_ddp_allreduce"]
-
-
-def _return_bucket(state, bucket):  # (DDP checks the annotations: none, or dist.GradBucket)
-    """A DDP communication hook that communicates nothing: the bucket comes back as it is."""
-    future = torch.futures.Future()
-    future.set_result(bucket.buffer())
-    return future
-
-
-_SKIPPED: weakref.WeakSet = weakref.WeakSet()  # the DDP modules given the hook (DDP takes one)
-
-
-def skip_ddp_allreduce(model: Any, optimizer: Any = None) -> bool:
-    """Stop DDP from all-reducing ``.grad`` of ``model`` (a ``DistributedDataParallel``), whose
-    gradients a nxd_smp optimizer reduces itself: DDP would send zeros. Returns whether the hook
-    is on (a model that is not DDP is left alone). Call it before the first backward; a second
-    call for the same model does nothing.
-
-    Raises:
-        ValueError: ``optimizer`` (a nxd_smp optimizer, or one holding it) is given and does not
-            manage every parameter of ``model`` that takes a gradient: DDP's all-reduce is
-            those parameters' only reduction.
-    """
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return False
-    if optimizer is not None:
-        managed = {id(p) for p in zero1_optimizer_of(optimizer).managed_params}
-        others = [n for n, p in model.module.named_parameters() if p.requires_grad and id(p) not in managed]
-        if others:
-            raise ValueError(f"the optimizer does not manage {others[:8]}: their gradients need DDP's all-reduce; "
-                             f"keep it (leave the trainer out of Zero1TrainerCallback).")
-    if model not in _SKIPPED:
-        model.register_comm_hook(None, _return_bucket)
-        _SKIPPED.add(model)
-    return True
 
 
 class Zero1TrainerCallback(TrainerCallback):

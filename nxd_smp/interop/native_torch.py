@@ -108,6 +108,8 @@ def export_torch(path: str | os.PathLike | Sequence[str | os.PathLike], out_dir:
     full = read_whole_checkpoint(path)
     opt = full["optimizer"]
     masters = None if opt is None else opt["master_weights"]
+    if masters is not None:
+        check_masters_named_as_saved(full["model"], masters, path)
     managed = set() if opt is None else {name for g in opt["groups"] for name in g["params"]}
     model_sd: dict[str, torch.Tensor] = {}
     upcast: dict[str, torch.dtype] = {}
@@ -131,6 +133,32 @@ def export_torch(path: str | os.PathLike | Sequence[str | os.PathLike], out_dir:
     if opt is not None:
         state[OPTIM] = _torch_optim_state_dict(opt, opt["inner_class"])
     return write_output_directory(out, lambda staging: _save_dcp(state, staging, out), overwrite=overwrite)
+
+
+def check_masters_named_as_saved(model: Mapping[str, torch.Tensor], masters: Mapping[str, torch.Tensor], path: Any
+                                 ) -> None:
+    """The masters are keyed by the parameters' names (``named_parameters``), the model's entries by its
+    ``state_dict()`` keys: a model whose state-dict hooks rename or split parameters (TorchTitan's fused
+    ``wqkv`` presented as ``wq``/``wk``/``wv``) has masters that no entry is named by, and entries that
+    would be written as their saved bf16 values upcast, passing for masters. That is refused, naming both.
+
+    Raises:
+        CheckpointError: masters under names the model's state dict does not hold.
+    """
+    unnamed = sorted(set(masters) - set(model))
+    if not unnamed:
+        return
+    narrow = sorted(key for key, value in model.items() if key not in masters and value.is_floating_point()
+                    and value.element_size() < 4)
+    raise CheckpointError(
+        f"{path}: the fp32 master weights of {unnamed[:8]}{' and more' if len(unnamed) > 8 else ''} have no entry of "
+        f"that name in the saved model state dict, whose "
+        + (f"entries {narrow[:8]}{' and more' if len(narrow) > 8 else ''} hold saved low-precision values instead"
+           if narrow else "keys differ")
+        + ": the model's state-dict hooks rename or split its parameters, which nxd_smp cannot map its masters "
+        "onto exactly, and exporting the bf16 values upcast as masters would be wrong. Export the parameters as "
+        "saved (export_safetensors(masters=False)), or carry the masters by nxd_smp.load_checkpoint into the live "
+        "model and save that with its own state-dict API.")
 
 
 def _torch_optim_state_dict(opt: Mapping[str, Any], inner_class: str) -> dict[str, Any]:
@@ -225,6 +253,7 @@ def export_safetensors(
                 f"{path} holds no fp32 master weights; export the saved parameters with masters=False, "
                 f"or save with use_master_weights_in_ckpt=True."
             )
+        check_masters_named_as_saved(tensors, opt["master_weights"], path)
         tensors.update(opt["master_weights"])
     tensors = {key: value.contiguous() for key, value in tensors.items()}
     return write_output_file(out, lambda f: f.write(save(tensors, metadata={"format": "pt"})), overwrite=overwrite)

@@ -149,7 +149,7 @@ class ParamStates(Mapping):
             self._where = {id(p): (i, bucket_of[i], places.get(i, (None, None))[1])
                            for i, p in enumerate(optimizer.managed_params)}
         place = self._where.get(id(param))
-        if place is None or self._optimizer.managed_params[place[0]] is not param:
+        if place is None or self._optimizer._managed[place[0]] is not param:
             raise KeyError(param)
         return place
 

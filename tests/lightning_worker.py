@@ -1,0 +1,154 @@
+"""PyTorch Lightning runs for tests/test_lightning.py, launched as its users launch them
+(``torchrun --nproc-per-node N -m tests.lightning_worker OUT MODE``: Lightning's DDP strategy finds
+torchrun's environment). Rank 0 writes what the test compares to its fp32 reference (OUT, torch.save).
+
+MODE ``clip``: ``fit`` for STEPS steps with ``gradient_clip_val=CLIP`` and the callback; the final
+parameters, fp32 masters and Adam moments, gathered whole. MODE ``resume``: an uninterrupted run, and
+a run saved with ``trainer.save_checkpoint`` after HALF steps and resumed with ``fit(ckpt_path=...)``
+in a fresh module and trainer; both runs' final parameters and masters. MODE ``no_callback``: the
+save and resume without the callback (the refusal it meets).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+GLOBAL_BATCH, STEPS, HALF, LR, CLIP = 8, 6, 3, 1e-3, 0.1
+
+
+def data() -> TensorDataset:
+    """One epoch of HALF global batches: the save after HALF steps falls at an epoch's end (Lightning
+    replays a loader without state from its epoch's start on a resume)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(GLOBAL_BATCH * HALF, 12, generator=g)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True).tanh())
+
+
+def initial_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 1)).to(torch.bfloat16)
+
+
+def module_class():
+    import pytorch_lightning as pl
+
+    from nxd_smp import MixedPrecisionConfig, Zero1Optimizer
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = initial_model()
+            self.norms: list[float] = []
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return (self.net(x.bfloat16()).float() - y).pow(2).mean()
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.norms.append(float(self.optimizers().optimizer.grad_norm))
+
+        def configure_optimizers(self):
+            return Zero1Optimizer(self.parameters(), torch.optim.AdamW, lr=LR, compile_update=False,
+                                  mixed_precision=MixedPrecisionConfig(use_master_weights_in_ckpt=True))
+
+    return Module
+
+
+def trainer(epochs: int, callback: bool, clip: float | None = None):
+    """Lightning's trainer for ``epochs`` epochs of HALF steps (a save after a whole epoch: Lightning
+    resumes a run stopped by ``max_steps`` at an epoch's last batch inside that epoch again)."""
+    import pytorch_lightning as pl
+
+    from nxd_smp.interop.lightning import Zero1LightningCallback
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return pl.Trainer(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",
+                      max_epochs=epochs, gradient_clip_val=clip, logger=False, enable_checkpointing=False,
+                      use_distributed_sampler=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[Zero1LightningCallback()] if callback else [])
+
+
+def loader() -> DataLoader:
+    """This rank's part of each global batch, in order (Lightning's own distributed sampler is off: the
+    global batch of step s is rows [s * GLOBAL_BATCH, (s + 1) * GLOBAL_BATCH), at any DP size)."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    per_rank = GLOBAL_BATCH // world
+    x, y = data().tensors
+    rows = [s * GLOBAL_BATCH + rank * per_rank + i for s in range(len(x) // GLOBAL_BATCH) for i in range(per_rank)]
+    return DataLoader(TensorDataset(x[rows], y[rows]), batch_size=per_rank, shuffle=False)
+
+
+def gathered_state(module) -> dict:
+    """The parameters, and per parameter its fp32 master and moments, whole (every rank's range joined)."""
+    from nxd_smp.core.flat_shard import FlatShard
+
+    opt = module.optimizers().optimizer
+    names = [n for n, _ in module.net.named_parameters()]
+    pieces = {}
+    for number, entry in opt.state_dict()["state"].items():
+        pieces[names[number]] = {k: (v.start, v.local.clone()) for k, v in entry.items() if isinstance(v, FlatShard)}
+    everyone = [pieces]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, pieces)
+    whole = {}
+    for name, p in module.net.named_parameters():
+        for key in everyone[0][name]:
+            flat = torch.zeros(p.numel())
+            for rank_pieces in everyone:
+                start, local = rank_pieces[name][key]
+                flat[start:start + local.numel()] = local
+            whole[f"{name}/{key}"] = flat.view(p.shape)
+    return {"params": {n: p.detach().clone() for n, p in module.net.named_parameters()}, "state": whole}
+
+
+def main(out: str, mode: str) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    Module = module_class()
+    result: dict = {}
+    if mode == "clip":
+        module = Module()
+        trainer(STEPS // HALF, True, CLIP).fit(module, loader())
+        opt = module.optimizers().optimizer
+        result = {**gathered_state(module), "max_norm": opt.max_norm, "clipping": opt.grad_clipping,
+                  "norms": module.norms}
+    elif mode in ("resume", "no_callback"):
+        callback = mode == "resume"
+        uninterrupted = Module()
+        trainer(STEPS // HALF, callback).fit(uninterrupted, loader())
+        result["uninterrupted"] = gathered_state(uninterrupted)
+        folder = tempfile.mkdtemp() if not dist.is_initialized() or dist.get_rank() == 0 else None
+        if dist.is_initialized():
+            shared = [folder]
+            dist.broadcast_object_list(shared, src=0)
+            folder = shared[0]
+        path = os.path.join(folder, "half.ckpt")
+        first = Module()
+        half = trainer(1, callback)
+        half.fit(first, loader())
+        half.save_checkpoint(path)
+        resumed = Module()
+        with torch.no_grad():  # (everything must come from the checkpoint)
+            for p in resumed.parameters():
+                p.add_(0.5)
+        try:
+            trainer(STEPS // HALF, callback).fit(resumed, loader(), ckpt_path=path)
+            result["resumed"] = gathered_state(resumed)
+        except Exception as e:  # noqa: BLE001 - the refusal is what the test reads
+            result["refused"] = f"{type(e).__name__}: {e}"
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save(result, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
