@@ -239,7 +239,7 @@ print("checked")
 ''',
     "Carrying a checkpoint over to DCP": '''
 from nxd_smp.checkpoint import read_checkpoint
-masters = read_checkpoint("ckpt")["optimizer"]["master_weights"]
+masters = read_checkpoint("dp_ckpt")["optimizer"]["master_weights"]
 for n, p in fp32.named_parameters():
     assert p.dtype == torch.float32 and torch.equal(p.detach(), masters[n]), n
 print("checked")
@@ -259,6 +259,22 @@ expected, norms = smp_reference(initial, data, lambda m, x: m(x.bfloat16()).floa
 _updated_like_the_reference(dict(model.named_parameters()), expected, dict(initial.named_parameters()), lr=1e-3,
                             steps=3)
 assert abs(float(opt.grad_norm) - norms[-1]) <= 1e-2 * norms[-1]
+print("checked")
+''',
+    # 4 ranks under torchrun: TorchTitan's CheckpointManager saved every step, the optimizer stepped 3 times
+    "TorchTitan, and torch's distributed state dict": '''
+import os
+assert sorted(os.listdir("titan_run/checkpoint")) == ["step-1", "step-2", "step-3"]
+zero1 = optimizers.optimizers[0]
+assert (zero1.world_size, zero1.tensor_parallel_size) == (2, 2)
+assert all(float(s["step"]) == 3 for s in zero1.state.values())
+print("checked")
+''',
+    # 2 ranks under torchrun: the resume continued from the checkpoint's state (step 4, then 4 more)
+    "PyTorch Lightning": '''
+zero1 = resumed.optimizers[0]
+assert resumed.global_step == 8 and zero1.world_size == 2 and zero1.max_norm == 0.5
+assert all(float(s["step"]) == 8 for s in zero1.state.values())
 print("checked")
 ''',
     "InternEvo's NaiveAMPModel": '''
@@ -302,7 +318,9 @@ LAUNCHED = {"An NxD Llama-style setup: tensor and sequence parallelism with ZeRO
             "The Trainer at DP > 1, with its checkpoints": 2,
             "accelerate at DP > 1, with save_state and load_state": 2,
             "Tensor parallelism with ZeRO-1 on DTensor": 4,
-            "FSDP2 instead: the fully sharded form": 2}
+            "FSDP2 instead: the fully sharded form": 2,
+            "TorchTitan, and torch's distributed state dict": 4,
+            "PyTorch Lightning": 2}
 PRINTS = {"An NxD Llama-style setup: tensor and sequence parallelism with ZeRO-1": "grad norm",
           "Tensor parallelism with ZeRO-1 on DTensor": "grad norm",
           "FSDP2 instead: the fully sharded form": "refused: the parameters belong to a model sharded by FSDP2"}
@@ -310,8 +328,14 @@ PRINTS = {"An NxD Llama-style setup: tensor and sequence parallelism with ZeRO-1
 
 def test_every_loop_has_a_snippet_and_a_check():
     headings = [h for h, _ in snippets()]
-    assert len(headings) == len(set(headings)) == 19 and set(headings) == set(CHECKS), headings
+    assert len(headings) == len(set(headings)) == 21 and set(headings) == set(CHECKS), headings
     assert set(SETUPS) <= set(headings)
+
+
+def framework_of(code: str) -> str | None:
+    """The framework the snippet imports that only the native environment installs (``make test-native``)."""
+    return next((m for m in ("torchtitan", "pytorch_lightning") if re.search(rf"^\s*(import|from) {m}\b", code, re.M)),
+                None)
 
 
 def runs_torch_xla(code: str) -> bool:
@@ -322,6 +346,8 @@ def runs_torch_xla(code: str) -> bool:
 @pytest.mark.parametrize("heading, code", [
     pytest.param(h, c, id=h, marks=[pytest.mark.requires_xla] if runs_torch_xla(c) else []) for h, c in snippets()])
 def test_the_snippet_computes_what_it_says(tmp_path, heading, code):
+    if framework_of(code):
+        pytest.importorskip(framework_of(code))
     path = f"{ROOT / 'tests' / 'stand_ins'}:{ROOT}" if heading in STAND_INS else str(ROOT)
     env = {**os.environ, "PYTHONPATH": path, "USE_TORCH_XLA": "0"}
     setup = SETUPS.get(heading, "")
