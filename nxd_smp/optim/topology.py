@@ -193,8 +193,9 @@ _FULLY_SHARDED = (
 
 #: The names of a ``device_mesh``'s data-parallel dimension, first found first: ``"dp"`` (nxd_smp's, and
 #: TorchTitan's flattened data-parallel dimension, which ``mesh["dp"]`` resolves though ``mesh_dim_names``
-#: lacks it) or TorchTitan's ``"dp_replicate"``; and of its tensor-parallel one.
-DATA_DIMS = ("dp", "dp_replicate")
+#: lacks it), TorchTitan's ``"dp_replicate"``, or its ``"batch"`` (0.3's data-loading dimension, the
+#: data-parallel ranks); and of its tensor-parallel one.
+DATA_DIMS = ("dp", "dp_replicate", "batch")
 TENSOR_DIMS = ("tp",)
 
 
@@ -231,7 +232,7 @@ def _mesh_groups(mesh: object) -> tuple[object, object]:
         raise ValueError(
             f"device_mesh has dimensions {dict(zip(names, mesh.shape))}: {', '.join(f'{n!r} of size {k}' for n, k in others)} "
             f"is neither the data-parallel dimension it shards over ({data[0]!r}) nor tensor parallelism. A "
-            f"'dp_shard' dimension is FSDP2's ({_FULLY_SHARDED}); context parallelism is "
+            f"'dp_shard' or 'fsdp' dimension is FSDP2's ({_FULLY_SHARDED}); context parallelism is "
             f"context_parallel_groups=mesh['cp'].get_group() with process_group and grad_norm_groups.")
     return data[1].get_group(), (tensor[1].get_group() if tensor else None)
 
