@@ -61,3 +61,48 @@ def test_a_device_mesh_that_is_no_mesh_is_refused_by_type():
 
     with pytest.raises(TypeError, match="DeviceMesh"):
         Zero1Optimizer(nn.Linear(2, 2).parameters(), torch.optim.AdamW, device_mesh=("dp", "tp"))
+
+
+def tp_peers_state(rank: int, world: int) -> dict:
+    """Each rank's state dict handed to its tensor-parallel peer: the same DP rank, layout and ranges, but
+    another part of each split tensor."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from nxd_smp import CheckpointError, Zero1Optimizer
+    from nxd_smp.core.flat_shard import FlatShard
+
+    warnings.simplefilter("ignore")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)).to(torch.bfloat16)
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, device_mesh=mesh, compile_update=False)
+    model(torch.randn(4, 8).bfloat16()).float().pow(2).mean().backward()
+    opt.step()
+    mine = opt.state_dict()
+    everyone = [None] * world
+    torch.distributed.all_gather_object(everyone, mine)  # (pickled: plain tensors and the record)
+    peer = everyone[rank ^ 1]  # the other tensor-parallel rank of this data-parallel rank
+    results = {}
+    for how, state in (("pickled", peer), ("flat shards", {**mine, "state": {
+            number: {key: FlatShard(v.local, v.start, v.local_shape, tuple(v.shape),
+                                    tuple((o + v.local_shape[0]) % v.shape[0] if i == 0 else o
+                                          for i, o in enumerate(v.global_offset)))
+                     if isinstance(v, FlatShard) and v.shape != v.local_shape else v for key, v in entry.items()}
+            for number, entry in mine["state"].items()}})):
+        try:
+            opt.load_state_dict(state)
+            results[how] = "loaded"
+        except CheckpointError as e:
+            results[how] = str(e)
+    opt.load_state_dict(mine)
+    return results
+
+
+def test_a_tensor_parallel_peers_state_is_refused():
+    for rank, result in enumerate(run_ranks(4, tp_peers_state)):
+        assert "model_parallel_rank" in result["pickled"], (rank, result["pickled"])
+        assert "this rank's part is" in result["flat shards"], (rank, result["flat shards"])

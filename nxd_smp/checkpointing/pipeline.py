@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from ..backend.agreement import agree
+from ..core.dtensors import global_offset
 from ..core.errors import CheckpointError
-from ..optim import rank_state
 from ..core.flat_shard import FlatShard
+from ..optim import rank_state
 from ..optim.rank_state import MASTER_KEY, RECORD_KEY, SCALER_KEY, STATE_DICT_FORMAT, layout_signature
 from ..optim.state_fit import describe, torch_group_problems
 from ..zero1_optimizer import Zero1Optimizer
@@ -268,8 +269,10 @@ def read_rank_state(targets: Targets, state_dict: Any, request: Request) -> Stag
     record = state_dict.get(RECORD_KEY)
     placed_by_record = isinstance(record, Mapping) and record.get("format") == STATE_DICT_FORMAT
     if placed_by_record:
+        here = optimizer.topology.coordinate
         problems += [f"{key} {describe(record.get(key))} (this optimizer: {mine})"
-                     for key, mine in (("world_size", optimizer.world_size), ("rank", optimizer.rank))
+                     for key, mine in (("world_size", optimizer.world_size), ("rank", optimizer.rank),
+                                       ("model_parallel_rank", [here.tensor, here.pipeline]))
                      if record.get(key) != mine or isinstance(record.get(key), bool)]
         if record.get("layout") != layout_signature(optimizer.bucket_layouts):
             problems.append("bucket layout (parameters, shapes, dtypes, groups or bucket size differ)")
@@ -284,6 +287,7 @@ def read_rank_state(targets: Targets, state_dict: Any, request: Request) -> Stag
     names = request.optimizer.names  # (param-group order: the order of the groups' ``params``)
     name_of = {key: name for g, names_g in zip(groups, request.optimizer.groups)
                for key, name in zip(g["params"], names_g)}
+    param_of = dict(zip(targets.names(), optimizer.managed_params))
     state: dict[str, dict[str, Any]] = {name: {} for name in names}
     masters: dict[str, Pieces] = {}
     bad = []
@@ -299,7 +303,7 @@ def read_rank_state(targets: Targets, state_dict: Any, request: Request) -> Stag
             elif value.dim() == 0 and not isinstance(value, FlatShard):
                 state[name][field] = Whole(value)
             else:
-                found = _range_of(value, request.optimizer, name, placed_by_record)
+                found = _range_of(value, request.optimizer, name, param_of[name], placed_by_record)
                 if isinstance(found, str):
                     bad.append(f"{name}/{field}: {found}")
                 elif field == MASTER_KEY:
@@ -331,16 +335,20 @@ def _numbering_problems(groups: list, live_groups: list) -> list[str]:
     return problems
 
 
-def _range_of(value: torch.Tensor, request: Any, name: str, placed_by_record: bool) -> Pieces | str:
-    """``value``, one moment or master of parameter ``name``, as the ``Pieces`` this rank installs: a
-    ``FlatShard`` whose range is this rank's, or (``placed_by_record``) a plain 1-D tensor as long as
-    this rank's range; else what is wrong."""
+def _range_of(value: torch.Tensor, request: Any, name: str, param: torch.Tensor, placed_by_record: bool
+              ) -> Pieces | str:
+    """``value``, one moment or master of parameter ``name`` (the live ``param``), as the ``Pieces`` this
+    rank installs: a ``FlatShard`` of this rank's range of this rank's part (its place in the whole tensor
+    included: a tensor-parallel peer's is another part), or (``placed_by_record``) a plain 1-D tensor as
+    long as this rank's range; else what is wrong."""
     shape = request.shapes[name]
     slots = request.slots.get(name, [])
     wanted = (slots[0].start, slots[0].end) if slots else None
     if isinstance(value, FlatShard):
-        if value.local_shape != tuple(shape):
-            return f"a range of a parameter of shape {value.local_shape}, this one's is {tuple(shape)}"
+        where = (tuple(value.shape), value.global_offset)
+        if value.local_shape != tuple(shape) or where != (tuple(param.shape), global_offset(param)):
+            return (f"a range of a part {value.local_shape} at {value.global_offset} of a tensor {tuple(value.shape)}, "
+                    f"this rank's part is {tuple(shape)} at {global_offset(param)} of {tuple(param.shape)}")
         start, data = value.start, value.local
         if (start, value.end) != (wanted or (start, start)):
             return (f"elements [{start}, {value.end}), this rank holds "

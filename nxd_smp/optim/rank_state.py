@@ -99,7 +99,8 @@ def rank_state(optimizer: Any) -> dict[str, Any]:
     ``FlatShard``: this rank's flat range, over copies of the shards), with ``master`` (the master
     weight's range) under ``use_master_weights_in_ckpt``; ``param_groups`` with the hyperparameters
     (the first group holds the loss scaler's state as ``loss_scaler``); and ``nxd_smp``, what a
-    ``torch.save`` of it needs to load again (format, DP size and rank, layout, precision)."""
+    ``torch.save`` of it needs to load again (format, DP size and rank, tensor- and pipeline-parallel
+    ranks, layout, precision)."""
     inner = optimizer.inner_optimizer
     places = param_ranges(optimizer)
     copies: list[dict[str, torch.Tensor]] = []
@@ -124,6 +125,8 @@ def rank_state(optimizer: Any) -> dict[str, Any]:
         groups[0][SCALER_KEY] = optimizer.loss_scaler.state_dict()
     return {"state": state, "param_groups": groups,
             RECORD_KEY: {"format": STATE_DICT_FORMAT, "world_size": optimizer.world_size, "rank": optimizer.rank,
+                         "model_parallel_rank": [optimizer.topology.coordinate.tensor,
+                                                 optimizer.topology.coordinate.pipeline],
                          "mixed_precision": optimizer.mixed_precision.to_dict(),
                          "layout": layout_signature(optimizer.bucket_layouts)}}
 
