@@ -144,15 +144,17 @@ class FlatShard(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        this = args[0]
-        if name in ("detach", "alias"):
+        this = args[0] if args and isinstance(args[0], FlatShard) else None
+        if this is None:
+            pass  # (a FlatShard as another operand: refused below)
+        elif name in ("detach", "alias"):
             return this._with(this._local)
-        if name in _COPYING:
+        elif name in _COPYING:
             return this._with(func(this._local, *args[1:], **kwargs))
-        if name in ("new_empty", "empty_like"):  # (DCP's staging copies the attributes in afterwards)
+        elif name in ("new_empty", "empty_like"):  # (DCP's staging copies the attributes in afterwards)
             return this._with(torch.empty(0, dtype=kwargs.get("dtype") or this.dtype,
                                           device=kwargs.get("device") or this._local.device))
-        if name == "copy_" and isinstance(args[1], FlatShard) and (args[1].start, args[1].end) == (this.start, this.end):
+        elif name == "copy_" and isinstance(args[1], FlatShard) and (args[1].start, args[1].end) == (this.start, this.end):
             this._local.copy_(args[1]._local, **kwargs)
             return this
         raise TypeError(
