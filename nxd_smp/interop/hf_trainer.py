@@ -61,8 +61,8 @@ class Zero1TrainerCallback(TrainerCallback):
       ``max_norm`` the optimizer was built with).
     * At each log the Trainer's ``grad_norm`` (0: it saw no ``.grad``) is replaced, in what its
       printer and ``report_to`` integrations log and in ``state.log_history``, by the optimizer's fp32
-      norm of the last step before clipping (given the ``trainer``, the callback moves itself first at
-      the start of training; without it, only the callbacks added after it see the norm). (So the warning a ``clip_grad_norm_`` without ``.grad``
+      norm of the last step before clipping (given the ``trainer``, a small callback of its own runs first at
+      each log; without it, only the callbacks added after this one see the norm). (So the warning a ``clip_grad_norm_`` without ``.grad``
       gives, ``nxd_smp.optim.clip_watch``, is not given for this Trainer.)
 
     * Given the ``trainer`` (``trainer.add_callback(Zero1TrainerCallback(trainer))``), at the
@@ -96,6 +96,10 @@ class Zero1TrainerCallback(TrainerCallback):
                     f"optimizers=(Zero1Optimizer(...), None) to the Trainer."
                 )
             zero1.register_load_state_dict_pre_hook(self._load_beside)
+            # the norm goes into the logs first, before the printer and the report_to integrations (callbacks
+            # the Trainer added before this one); this one stays where it is added, after DefaultFlowCallback,
+            # whose decisions (should_save) it reads
+            trainer.callback_handler.callbacks.insert(0, _NormFirst(self))
 
     def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         zero1 = zero1_optimizer_of(optimizer)  # (accelerate and NxD's wrapper hold it in .optimizer)
@@ -106,13 +110,6 @@ class Zero1TrainerCallback(TrainerCallback):
                 f"Trainer, or drop the callback."
             )
         self._optimizer = zero1
-        if self._trainer is not None:  # first from now on: the printer and the report_to integrations, callbacks
-            # added before this one, then log the norm this sets (moved within the list being iterated: the
-            # callbacks after this one still get this event, once)
-            callbacks = self._trainer.callback_handler.callbacks
-            if any(c is self for c in callbacks):
-                callbacks.remove(self)
-                callbacks.insert(0, self)
         silence(zero1.managed_params)  # (the Trainer's clip_grad_norm_ finds no .grad: the callback stands in)
         max_grad_norm = args.max_grad_norm
         clip = max_grad_norm is not None and max_grad_norm > 0
@@ -195,6 +192,11 @@ class Zero1TrainerCallback(TrainerCallback):
         return STATE_LOADED
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self.log_norm(state, logs)
+
+    def log_norm(self, state: Any, logs: dict[str, Any] | None) -> None:
+        """The optimizer's norm of the last step in ``logs`` and the history's last entry (the same value
+        again where it is already there)."""
         if logs is None or "grad_norm" not in logs or self._optimizer is None or self._optimizer.grad_norm is None:
             return
         value = float(self._optimizer.grad_norm)  # a host sync, at logging time only
@@ -202,3 +204,13 @@ class Zero1TrainerCallback(TrainerCallback):
         last = state.log_history[-1] if state.log_history else None
         if last is not None and last.get("step") == state.global_step and "grad_norm" in last:
             last["grad_norm"] = value
+
+
+class _NormFirst(TrainerCallback):
+    """The first callback at each log: the ``Zero1TrainerCallback``'s norm, before anything prints or reports."""
+
+    def __init__(self, owner: Zero1TrainerCallback) -> None:
+        self._owner = owner
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self._owner.log_norm(state, logs)
