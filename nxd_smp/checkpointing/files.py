@@ -354,7 +354,7 @@ class Folder:
         making the same directory at once all get it."""
         parts = check_name(name, str(self.where()))
         folder = self
-        for i, part in enumerate(parts):
+        for part in parts:
             try:  # (made here, or by another rank writing into the same folder at the same moment)
                 child = folder.mkdir(part)
             except FileExistsError:

@@ -111,10 +111,12 @@ class FlatShard(torch.Tensor):
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
         properties = TensorProperties.create_from_tensor(self._local)
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
-                                                      properties=properties, size=self.shape))
-                for offsets, sizes, _ in self._boxes()]
+        items = []
+        for offsets, sizes, _ in self._boxes():
+            chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+            items.append(WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                                   tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.shape)))
+        return items
 
     def __create_chunk_list__(self) -> list[Any]:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -154,7 +156,8 @@ class FlatShard(torch.Tensor):
         elif name in ("new_empty", "empty_like"):  # (DCP's staging copies the attributes in afterwards)
             return this._with(torch.empty(0, dtype=kwargs.get("dtype") or this.dtype,
                                           device=kwargs.get("device") or this._local.device))
-        elif name == "copy_" and isinstance(args[1], FlatShard) and (args[1].start, args[1].end) == (this.start, this.end):
+        elif name == "copy_" and isinstance(args[1], FlatShard) and (args[1].start, args[1].end) == (
+                this.start, this.end):
             this._local.copy_(args[1]._local, **kwargs)
             return this
         raise TypeError(

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from pytorch_lightning import Callback
+from torch.utils._pytree import tree_map_only
 
 from ..core.errors import CheckpointError
 from ..optim.clip_watch import silence
@@ -41,16 +42,6 @@ __all__ = ["Zero1LightningCallback"]
 
 #: What the callback puts in a Lightning checkpoint's ``optimizer_states`` for a nxd_smp optimizer.
 RANKS_FORMAT = "nxd_smp.lightning_ranks/1"
-
-
-def _on_host(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, Mapping):
-        return {k: _on_host(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_on_host(v) for v in value)
-    return value
 
 
 class Zero1LightningCallback(Callback):
@@ -91,7 +82,7 @@ class Zero1LightningCallback(Callback):
         for i, optimizer in enumerate(trainer.optimizers[:len(states)]):
             if zero1_optimizer_of(optimizer) is None:
                 continue
-            local = _on_host(states[i])
+            local = tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), states[i])  # (FlatShards stay)
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
                 dist.gather_object(local, gathered, dst=0)

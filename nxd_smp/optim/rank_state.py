@@ -24,7 +24,7 @@ import torch
 
 from ..core.dtensors import global_offset, local_shape
 from ..core.flat_shard import FlatShard
-from ..core.layout import BucketLayout
+from ..core.layout import BucketLayout, Piece
 from .param_groups import index_groups
 from .state_fit import torch_state_dict
 
@@ -67,15 +67,17 @@ def layout_signature(layouts: Sequence[BucketLayout]) -> list[dict[str, Any]]:
     ]
 
 
-def param_ranges(optimizer: Any) -> dict[int, tuple[int, Any]]:
-    """Per managed parameter (by its position in ``optimizer.managed_params``) that this rank's shards
-    hold a part of: its bucket and the ``Piece`` (the flat range of the parameter, where it sits in the
-    shard). A parameter lies in one bucket and a shard is contiguous: at most one piece each."""
-    out = {}
+def param_places(optimizer: Any) -> list[tuple[int, Piece | None]]:
+    """Per managed parameter (in ``optimizer.managed_params``' order): its bucket, and the ``Piece`` of it
+    this rank's shard holds (its flat range, where it sits in the shard), None where it holds none. A
+    parameter lies in one bucket and a shard is contiguous: at most one piece each."""
+    places: list[tuple[int, Piece | None]] = [(-1, None)] * len(optimizer.managed_params)
     for b, layout in enumerate(optimizer.bucket_layouts):
+        for i in layout.param_indices:
+            places[i] = (b, None)
         for piece in layout.pieces(optimizer.rank):
-            out[layout.param_indices[piece.index]] = (b, piece)
-    return out
+            places[layout.param_indices[piece.index]] = (b, piece)
+    return places
 
 
 def param_numbers(optimizer: Any) -> dict[int, int]:
@@ -83,14 +85,10 @@ def param_numbers(optimizer: Any) -> dict[int, int]:
     return {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
 
 
-def _flat_shard(value: torch.Tensor, param: torch.Tensor, place: tuple[int, Any] | None) -> FlatShard:
-    """This rank's range of ``param`` out of the shard-shaped ``value`` (empty where it holds none)."""
-    shape, offset = tuple(local_shape(param)), global_offset(param)
-    if place is None:
-        return FlatShard(value[:0], 0, shape, tuple(param.shape), offset)
-    piece = place[1]
-    return FlatShard(value[piece.shard_start:piece.shard_start + piece.param_end - piece.param_start],
-                     piece.param_start, shape, tuple(param.shape), offset)
+def _in_shard(value: torch.Tensor, piece: Piece | None) -> torch.Tensor:
+    """The view of shard-shaped ``value`` where ``piece`` lies (empty for None)."""
+    return value[:0] if piece is None else value[piece.shard_start:piece.shard_start + piece.param_end
+                                                 - piece.param_start]
 
 
 def rank_state(optimizer: Any) -> dict[str, Any]:
@@ -102,21 +100,18 @@ def rank_state(optimizer: Any) -> dict[str, Any]:
     ``torch.save`` of it needs to load again (format, DP size and rank, tensor- and pipeline-parallel
     ranks, layout, precision)."""
     inner = optimizer.inner_optimizer
-    places = param_ranges(optimizer)
-    copies: list[dict[str, torch.Tensor]] = []
-    for b, shard in enumerate(optimizer.inner_shards):
-        copies.append({key: value.detach().clone() for key, value in inner.state.get(shard, {}).items()
-                       if isinstance(value, torch.Tensor)})
+    copies = [{key: value.detach().clone() for key, value in inner.state.get(shard, {}).items()
+               if isinstance(value, torch.Tensor)} for shard in optimizer.inner_shards]
     if optimizer.mixed_precision.use_master_weights_in_ckpt:
-        for b, master in enumerate(optimizer.master_shards):
-            copies[b][MASTER_KEY] = master.detach().clone()
-    bucket_of = {i: b for b, layout in enumerate(optimizer.bucket_layouts) for i in layout.param_indices}
+        for copy, master in zip(copies, optimizer.master_shards):
+            copy[MASTER_KEY] = master.detach().clone()
     numbers = param_numbers(optimizer)
     state: dict[int, dict[str, Any]] = {}
-    for i, param in enumerate(optimizer.managed_params):
-        entry = {}
-        for key, value in copies[bucket_of[i]].items():
-            entry[key] = value.clone() if value.dim() == 0 else _flat_shard(value, param, places.get(i))
+    for param, (b, piece) in zip(optimizer.managed_params, param_places(optimizer)):
+        whole = (tuple(local_shape(param)), tuple(param.shape), global_offset(param))
+        entry = {key: value.clone() if value.dim() == 0 else
+                 FlatShard(_in_shard(value, piece), 0 if piece is None else piece.param_start, *whole)
+                 for key, value in copies[b].items()}
         if entry:
             state[numbers[id(param)]] = entry
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [numbers[id(p)] for p in g["params"]]}
@@ -141,16 +136,14 @@ class ParamStates(Mapping):
 
     def __init__(self, optimizer: Any):
         self._optimizer = optimizer
-        self._where: dict[int, tuple[int, int, Any]] | None = None  # id(param) -> (index, bucket, piece)
+        self._where: dict[int, tuple[int, int, Piece | None]] | None = None  # id(param) -> (index, bucket, piece)
         self._master_cache: tuple[int, list[torch.Tensor]] | None = None
 
-    def _place(self, param: Any) -> tuple[int, int, Any]:
+    def _place(self, param: Any) -> tuple[int, int, Piece | None]:
         if self._where is None:
             optimizer = self._optimizer
-            places = param_ranges(optimizer)
-            bucket_of = {i: b for b, layout in enumerate(optimizer.bucket_layouts) for i in layout.param_indices}
-            self._where = {id(p): (i, bucket_of[i], places.get(i, (None, None))[1])
-                           for i, p in enumerate(optimizer.managed_params)}
+            self._where = {id(p): (i, *place) for i, (p, place) in enumerate(zip(optimizer.managed_params,
+                                                                                param_places(optimizer)))}
         place = self._where.get(id(param))
         if place is None or self._optimizer._managed[place[0]] is not param:
             raise KeyError(param)
@@ -171,13 +164,8 @@ class ParamStates(Mapping):
         live = dict(optimizer.inner_optimizer.state.get(optimizer.inner_shards[b], {}))
         if optimizer.mixed_precision.use_master_weights_in_ckpt:  # (what its state dict holds for it, too)
             live[MASTER_KEY] = self._masters()[b]
-        out = {}
-        for key, value in live.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                value = value[:0] if piece is None else \
-                    value[piece.shard_start:piece.shard_start + piece.param_end - piece.param_start]
-            out[key] = value
-        return out
+        return {key: _in_shard(value, piece) if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+                for key, value in live.items()}
 
     def __iter__(self):
         return iter(self._optimizer.managed_params if self._optimizer._initialized else [])

@@ -230,7 +230,8 @@ def _mesh_groups(mesh: object) -> tuple[object, object]:
               if mesh.size(i) > 1 and name not in chosen and not set(mesh[name].mesh.flatten().tolist()) <= data_ranks]
     if others:
         raise ValueError(
-            f"device_mesh has dimensions {dict(zip(names, mesh.shape))}: {', '.join(f'{n!r} of size {k}' for n, k in others)} "
+            f"device_mesh has dimensions {dict(zip(names, mesh.shape))}: "
+            f"{', '.join(f'{n!r} of size {k}' for n, k in others)} "
             f"is neither the data-parallel dimension it shards over ({data[0]!r}) nor tensor parallelism. A "
             f"'dp_shard' or 'fsdp' dimension is FSDP2's ({_FULLY_SHARDED}); context parallelism is "
             f"context_parallel_groups=mesh['cp'].get_group() with process_group and grad_norm_groups.")
