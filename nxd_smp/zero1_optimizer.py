@@ -29,9 +29,8 @@ from typing import Any
 
 import torch
 
+from .core.errors import ConfigError
 from .backend import GroupSpec, NormGroupSpec
-from .backend.eager import DEFAULT_BUCKET_CAP_MB  # noqa: F401 - (the previous release's names here)
-from .backend.xla import DEFAULT_BUCKET_CAP_MB as DEFAULT_XLA_BUCKET_CAP_MB  # noqa: F401
 from .core.dtensors import local_tensor
 from .core.environment import check_master_weights_storage
 from .core.layout import BucketKey, BucketLayout, plan_buckets
@@ -219,7 +218,7 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
     @property
     def state(self) -> ParamStates:
         """Per managed parameter, its optimizer state as this rank holds it (``optim.rank_state.ParamStates``:
-        views of this rank's range of each moment, the bucket's counters), read-only; never empty once
+        views of this rank's range of each moment, its own counters), read-only; never empty once
         built (the state is made at construction), so no framework steps the optimizer to create one."""
         if "_param_states" not in self.__dict__:
             self.__dict__["_param_states"] = ParamStates(self)
@@ -296,6 +295,13 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         self._require_initialized()
         return list(self._masters.shards)
 
+    def param_counters(self, index: int) -> dict[str, Any] | None:
+        """The inner optimizer's counters (Adam's ``step``) of the ``index``-th managed parameter where
+        they are its own, None where they are its bucket's (every parameter stepped alike so far, or on
+        XLA): ``optim.step_counters``."""
+        self._require_initialized()
+        return self._inner_step.counters.param_counters(index)
+
     def load_master_shards(self, shards: Sequence[torch.Tensor]) -> None:
         """Set the master shards (shaped as ``master_shards``) and make every rank's parameters
         ``master.to(param dtype)``. Every rank of the group calls it."""
@@ -312,7 +318,7 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         indices = list(range(len(self._managed))) if params is None else []
         for p in [] if params is None else params:
             if id(p) not in position:
-                raise ValueError(f"a tensor of shape {tuple(p.shape)} is not managed by this optimizer; pass "
+                raise ConfigError(f"a tensor of shape {tuple(p.shape)} is not managed by this optimizer; pass "
                                  f"parameters it was built with (requires_grad=True).")
             indices.append(position[id(p)])
         self._masters.rebuild(indices, only_changed_values=False)
@@ -363,7 +369,7 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
             sr_generator=self._backend.random_generator(self._config.sr_seed) if plan.stochastic else None,
             masters=self._masters, backend=self._backend,
             compiled=CompiledAdamW.where_it_applies(self._inner, self._backend.device, self._config.compile_update)
-            if self._inner_settings.may_compile else None)
+            if self._inner_settings.may_compile else None, layouts=self._layouts)
         self._inner_step.create_state([layout.shard_numel for layout in self._layouts])
         self._norm_buckets = {role: [b for b, layout in enumerate(self._layouts) if layout.key.role == role]
                               for role in NORM_ROLES}
@@ -390,8 +396,9 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         callable, as torch's ``ZeroRedundancyOptimizer`` passes it on) go to the inner optimizer's
         ``step``. Parameters changed in place since the last step are taken up first
         (``adopt_param_changes``). Managed parameters with ``requires_grad=False`` now are left as
-        they are (their masters, states and values; their gradients out of the norm); the
-        bias-correction ``step`` counter is their bucket's and advances.
+        they are (their masters, states, step counters and values; their gradients out of the norm),
+        as torch.optim leaves a parameter without a gradient (on XLA the ``step`` counter is their
+        bucket's and advances: ``optim.step_counters``).
 
         Under ``torch.compile`` (of ``opt.step``, or of a function that calls it) the step runs
         eagerly, as this code is written: dynamo never traces it (its collectives, host bookkeeping

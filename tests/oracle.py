@@ -118,8 +118,9 @@ class Scenario:
     # replaces the previous set (``()`` unfreezes them). torch.optim's meaning: a frozen parameter
     # gets no gradient, so the step skips it (no update, no state change) and the norm leaves it out.
     freeze: tuple[tuple[int, tuple[str, ...]], ...] = ()
-    # The bias-correction step counter of a bucket, not of a parameter (nxd_smp's): every existing
-    # state's ``step`` is the number of steps taken, frozen or not.
+    # Calibration only: a bias-correction step counter of the bucket's rather than the parameter's
+    # (every existing state's ``step`` is the number of steps taken, frozen or not), which the tests
+    # show gives another result than torch's per-parameter counter that nxd_smp keeps.
     bucket_step_counter: bool = False
 
     @property

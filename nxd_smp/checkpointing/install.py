@@ -46,7 +46,8 @@ def install(staged: Staged, plan: Plan, targets: Targets) -> Callable[[], None]:
         if targets.zero1 is not None:
             undos.append(targets.zero1.install_local(
                 _bucket_state(staged.optimizer, plan, targets), [g for g in staged.optimizer.groups],
-                staged.optimizer.scaler if targets.zero1.loss_scaler is not None else None))
+                staged.optimizer.scaler if targets.zero1.loss_scaler is not None else None,
+                _param_counters(staged.optimizer, plan, targets)))
         elif isinstance(targets.optimizer, torch.optim.Optimizer) and staged.torch_optimizer is not None:
             undos.append(_install_torch_optimizer(targets.optimizer, staged.torch_optimizer))
     except BaseException:
@@ -135,7 +136,8 @@ def _pieces_by_bucket(targets: Targets, names: list[str]) -> list[list[tuple[str
 
 def _bucket_state(staged: StagedOptimizer, plan: Plan, targets: Targets) -> dict[int, dict[str, Any]]:
     """The inner optimizer's state per bucket shard: each moment a shard built from the parameters'
-    pieces, each counter from the bucket's first parameter with state (a parameter without state,
+    pieces, each counter from the bucket's first parameter with state (each parameter's own counters
+    are installed beside it: ``_param_counters``; a parameter without state,
     which got no gradient in the saved run, starts from zero moments with its bucket's count; a
     bucket none of whose parameters has state takes its group's, or any parameter's, count)."""
     zero1 = targets.zero1
@@ -164,6 +166,24 @@ def _bucket_state(staged: StagedOptimizer, plan: Plan, targets: Targets) -> dict
             entry[key] = _shard(staged, key, values, targets, b, shard_dtypes[b], layout.shard_numel, pieces[b])
         state[b] = entry
     return state
+
+
+def _param_counters(staged: StagedOptimizer, plan: Plan, targets: Targets) -> list[dict[str, Any] | None]:
+    """Each managed parameter's counters (Adam's ``step``) as saved, None for a parameter without
+    state (its bucket's where every other count is equal, else a fresh state at its next step, as
+    torch.optim's): every parameter keeps its own count, as torch.optim's do."""
+    out: list[dict[str, Any] | None] = []
+    for name in targets.names():
+        saved = staged.state.get(name)
+        if not saved:
+            out.append(None)
+            continue
+        entry = {}
+        for key in plan.counters.get(name, []):
+            value = saved[key].tensor if isinstance(saved[key], Whole) else saved[key]
+            entry[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+        out.append(entry)
+    return out
 
 
 def _masters(staged: StagedOptimizer | None, targets: Targets) -> list[torch.Tensor] | None:

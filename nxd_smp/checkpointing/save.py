@@ -172,7 +172,7 @@ def _write_and_publish(state: Mapping[str, torch.Tensor], small: Mapping[str, by
     def publish(written: list) -> None:
         root, version = opened
         entries = {}
-        for part_entries, _ in written:  # replicated scalars (a bucket's step) come from several ranks
+        for part_entries, _ in written:  # replicated scalars (a parameter's step) come from several ranks
             for key, entry in part_entries.items():
                 entries.setdefault(key, entry)
         files = {file: v for _, part_files in written for file, v in part_files.items()}

@@ -536,24 +536,35 @@ def entries_to_save(model: nn.Module, optimizer: Zero1Optimizer | None, with_mas
     # Whole shards to the host at once (one transfer each on XLA), cut into pieces there.
     live = [(b, key, value) for b, shard in enumerate(shards) for key, value in inner.state.get(shard, {}).items()]
     live += [(b, None, master) for b, master in enumerate(optimizer.master_shards)] if with_masters else []
-    host, copied_shards = backend.to_host([value for _, _, value in live])
+    # each parameter's own counters, where they are not its bucket's (``optim.step_counters``)
+    own = [(i, key, value) for i in range(len(names)) for key, value in (optimizer.param_counters(i) or {}).items()
+           if isinstance(value, torch.Tensor)]
+    host, copied_shards = backend.to_host([value for _, _, value in live] + [value for _, _, value in own])
     shard_state: list[dict[Any, torch.Tensor]] = [{} for _ in shards]
     for (b, key, _), value in zip(live, host):
         shard_state[b][key] = value
+    counters: dict[int, dict[str, torch.Tensor]] = {}
+    for (i, key, _), value in zip(own, host[len(live):]):
+        counters.setdefault(i, {})[key] = value
+
+    def counter(i: int, b: int, key: str) -> torch.Tensor:
+        return counters.get(i, {}).get(key, shard_state[b][key])
+
+    index_of = {name: i for i, name in enumerate(names)}
     for b, name, piece in named_pieces(layouts, optimizer.rank, names):
         span = slice(piece.shard_start, piece.shard_start + piece.numel)
         for key, value in shard_state[b].items():
             if key is None:
                 state[master_key(name, piece.param_start)] = value[span]
             elif value.dim() == 0:
-                state[state_key(name, key)] = value
+                state[state_key(name, key)] = counter(index_of[name], b, key)
             else:
                 state[state_key(name, key, piece.param_start)] = value[span]
     if optimizer.rank == 0:  # a parameter of no elements is no rank's piece: its 0-dim state from rank 0
         for b, layout in enumerate(layouts):
             for i, numel in zip(layout.param_indices, layout.numels):
                 if numel == 0:
-                    state.update({state_key(names[i], key): value for key, value in shard_state[b].items()
+                    state.update({state_key(names[i], key): counter(i, b, key) for key, value in shard_state[b].items()
                                   if key is not None and value.dim() == 0})
     bucket_keys = {names[i]: sorted(key for key in inner.state.get(shard, {}))
                    for layout, shard in zip(layouts, shards) for i in layout.param_indices}

@@ -20,7 +20,10 @@ masters into the parameters (cast, gathered on every rank):
 
 Parameters frozen at step time (``frozen.FrozenElements``) keep their elements of the shards, of
 every shard-shaped state tensor and, on the compiled path, of the parameters' shards: kept before
-the kernel runs and put back before the publication, the same for every kernel.
+the kernel runs and put back before the publication, the same for every kernel. Their step counters
+stand still, as torch's per-parameter ones do (``step_counters``): once parameters have stepped at
+different steps, each shard goes to the inner optimizer as one view per run of parameters with equal
+counters, with those counters, and runs of frozen parameters are left out of its step.
 
 It also keeps the wrapper's param groups and the inner optimizer's in step: the wrapper's
 are the truth before a step (LR schedulers act on them), and what the inner step adds or
@@ -38,8 +41,10 @@ from ..backend import Backend
 from .compiled_adamw import CompiledAdamW
 from .frozen import FrozenElements
 from .masters import MasterWeights
+from ..core.layout import BucketLayout
 from .rounding import stochastic_round
 from .state_fit import zero_state
+from .step_counters import StepCounters, is_moment
 
 
 def copy_group_settings(sources: Sequence[dict[str, Any]], targets: Sequence[dict[str, Any]]) -> None:
@@ -65,6 +70,8 @@ class InnerStep:
             ``grad_scale`` only where the backend's device does (``fused_grad_scale``), else the
             gradients are scaled before it.
         compiled: the compiled one-pass update standing in for ``inner.step()`` where it runs.
+        layouts: the buckets (their pieces in this rank's shard: each parameter's own step counters,
+            ``step_counters``); None keeps one counter per shard.
     """
 
     def __init__(
@@ -77,9 +84,13 @@ class InnerStep:
         masters: MasterWeights | None = None,
         backend: Backend | None = None,
         compiled: CompiledAdamW | None = None,
+        layouts: Sequence[BucketLayout] | None = None,
     ):
         self.inner = inner
         self.shards = list(shards)
+        self.counters = StepCounters(
+            layouts or [], 0 if backend is None else backend.rank, lambda b: self.inner.state.get(self.shards[b], {}),
+            enabled=layouts is not None and (backend is None or backend.host_rank_slices))
         self.masters, self.backend, self.compiled = masters, backend, compiled
         # the fused kernel divides by ``grad_scale`` where its device takes one (else: scaled before)
         takes_grad_scale = backend is None or backend.fused_grad_scale
@@ -129,7 +140,8 @@ class InnerStep:
         parameters (their masters, states and parameters) are put back before the publication,
         whichever kernel ran."""
         self.pull_hyperparameters(wrapper_groups)
-        if inner_args or not self._compiled_update(grads, coef, found_inf, frozen):
+        self.counters.track(() if frozen is None else frozen.frozen)
+        if inner_args or self.counters.split or not self._compiled_update(grads, coef, found_inf, frozen):
             self.masters.begin_update()  # (remainders: the fp32 masters exist from here to publish)
             restore = None if frozen is None else frozen.keep(self._targets)
             self(grads, coef, found_inf, inner_args)
@@ -176,7 +188,7 @@ class InnerStep:
         if self.fused and not self.stochastic_rounding:
             self._set_grad_scale(coef)
             self.inner.found_inf = None if found_inf is None else found_inf.float()
-            self._run(grads, inner_args)  # the fused kernels skip and undo ``step`` themselves
+            self._run(grads, inner_args, found_inf)  # the fused kernels skip and undo ``step`` themselves
             self.inner.found_inf = None
             return
         before = self._snapshot() if found_inf is not None else None
@@ -185,7 +197,7 @@ class InnerStep:
             grads = [g.float() for g in grads]
         if coef is not None:
             torch._foreach_mul_(grads, coef)
-        self._run(grads, inner_args)
+        self._run(grads, inner_args, found_inf)
         if self.stochastic_rounding:
             self._round_back(widened)
         if before is not None:
@@ -199,19 +211,84 @@ class InnerStep:
             device = self.shards[0].device
             self.inner.grad_scale = torch.as_tensor(coef, dtype=torch.float32, device=device).reciprocal()
 
-    def _run(self, grads: list[torch.Tensor], inner_args: dict[str, Any]) -> None:
+    def _run(self, grads: list[torch.Tensor], inner_args: dict[str, Any], found_inf: torch.Tensor | None) -> None:
+        if self.counters.split:
+            self._run_by_runs(grads, inner_args, found_inf)
+            return
         for shard, grad in zip(self.shards, grads):
             shard.grad = grad
         self.inner.step(**inner_args)
         for shard in self.shards:
             shard.grad = None
 
+    def _run_by_runs(self, grads: list[torch.Tensor], inner_args: dict[str, Any],
+                     found_inf: torch.Tensor | None) -> None:
+        """The inner step over one view of each shard per run whose history steps now (``step_counters``):
+        each with its history's counters and views of the bucket's moments as its state (a history
+        without counters yet, of a class that makes its state at the first step, gets none: the
+        class makes it, and its moments are copied into the bucket's). Runs of frozen parameters are
+        not in the step."""
+        counters, inner = self.counters, self.inner
+        position = {id(shard): b for b, shard in enumerate(self.shards)}
+        originals = [group["params"] for group in inner.param_groups]
+        placed: list[tuple[int, Any, torch.Tensor]] = []  # (bucket, run, view)
+        try:
+            for group in inner.param_groups:
+                views = []
+                for shard in group["params"]:
+                    b = position[id(shard)]
+                    moments = {k: v for k, v in inner.state.get(shard, {}).items() if is_moment(v)}
+                    for run in counters.runs(b):
+                        if not counters.steps_now(run.history):
+                            continue
+                        view = shard[run.start:run.end]
+                        view.grad = grads[b][run.start:run.end]
+                        kept = counters.counters(run.history)
+                        if kept is not None:
+                            inner.state[view] = {**{k: v.clone() if isinstance(v, torch.Tensor) else v
+                                                    for k, v in kept.items()},
+                                                 **{k: v[run.start:run.end] for k, v in moments.items()}}
+                        views.append(view)
+                        placed.append((b, run, view))
+                group["params"] = views
+            inner.step(**inner_args)
+        finally:
+            for group, params in zip(inner.param_groups, originals):
+                group["params"] = params
+            stepped = [(b, run, inner.state.pop(view, {})) for b, run, view in placed]
+            for _, _, view in placed:
+                view.grad = None
+        for b, run, state in stepped:
+            if state:
+                self._keep_run_state(b, run, state)
+        counters.advance_elsewhere({run.history for _, run, _ in placed}, found_inf)
+
+    def _keep_run_state(self, b: int, run: Any, state: dict[str, Any]) -> None:
+        """A run's state after the step: its counters its history's, its moments in the bucket's (made
+        where the step created them: zeros elsewhere, the value of a fresh state)."""
+        shard = self.shards[b]
+        bucket = self.inner.state[shard]
+        numel = shard.numel()
+        for key, value in state.items():
+            if not is_moment(value):
+                continue
+            flat = bucket.get(key)
+            if not is_moment(flat):
+                flat = bucket[key] = torch.zeros(numel, dtype=value.dtype, device=value.device)
+            part = flat[run.start:run.end]
+            if part.data_ptr() != value.data_ptr():
+                part.copy_(value)
+        counters = {k: v for k, v in state.items() if not is_moment(v)}
+        self.counters.record(run.history, counters)
+        for key, value in counters.items():  # (the bucket's keys are the state's keys: a first step made them)
+            bucket.setdefault(key, value.detach().clone() if isinstance(value, torch.Tensor) else value)
+
     def state_tensors(self) -> list[torch.Tensor]:
         """The shards and every tensor of the inner optimizer's state."""
         out = list(self.shards)
         for shard in self.shards:
             out.extend(v for v in self.inner.state.get(shard, {}).values() if isinstance(v, torch.Tensor))
-        return out
+        return out + self.counters.tensors()
 
     def _snapshot(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         return {id(t): (t, t.detach().clone()) for t in self.state_tensors()}

@@ -107,11 +107,13 @@ def rank_state(optimizer: Any) -> dict[str, Any]:
             copy[MASTER_KEY] = master.detach().clone()
     numbers = param_numbers(optimizer)
     state: dict[int, dict[str, Any]] = {}
-    for param, (b, piece) in zip(optimizer.managed_params, param_places(optimizer)):
+    for i, (param, (b, piece)) in enumerate(zip(optimizer.managed_params, param_places(optimizer))):
         whole = (tuple(local_shape(param)), tuple(param.shape), global_offset(param))
         entry = {key: value.clone() if value.dim() == 0 else
                  FlatShard(_in_shard(value, piece), 0 if piece is None else piece.param_start, *whole)
                  for key, value in copies[b].items()}
+        entry.update({key: value.detach().clone() for key, value in (optimizer.param_counters(i) or {}).items()
+                      if isinstance(value, torch.Tensor)})  # (its own step, where it is not its bucket's)
         if entry:
             state[numbers[id(param)]] = entry
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [numbers[id(p)] for p in g["params"]]}
@@ -128,8 +130,7 @@ def rank_state(optimizer: Any) -> dict[str, Any]:
 
 class ParamStates(Mapping):
     """``Zero1Optimizer.state``: per managed parameter, its state as this rank holds it (each moment a
-    1-D view of this rank's range of the live shard, empty where it holds none; the counters the
-    bucket's; with ``use_master_weights_in_ckpt`` its ``master`` weight, as its state dict holds it),
+    1-D view of this rank's range of the live shard, empty where it holds none; its counters; with ``use_master_weights_in_ckpt`` its ``master`` weight, as its state dict holds it),
     read-only. It is never empty once the optimizer is built: torch's
     ``_init_optim_state`` (``get_optimizer_state_dict``) steps an optimizer whose ``state`` is empty to
     create one."""
@@ -160,8 +161,9 @@ class ParamStates(Mapping):
         optimizer = self._optimizer
         if not optimizer._initialized:
             raise KeyError(param)
-        _, b, piece = self._place(param)
+        index, b, piece = self._place(param)
         live = dict(optimizer.inner_optimizer.state.get(optimizer.inner_shards[b], {}))
+        live.update(optimizer.param_counters(index) or {})
         if optimizer.mixed_precision.use_master_weights_in_ckpt:  # (what its state dict holds for it, too)
             live[MASTER_KEY] = self._masters()[b]
         return {key: _in_shard(value, piece) if isinstance(value, torch.Tensor) and value.dim() > 0 else value
@@ -279,17 +281,21 @@ class RankLocalState:
             hook(self)
 
     def install_local(self, state: Mapping[int, Mapping[str, Any]], hyperparameters: Sequence[Mapping[str, Any]],
-                      scaler_state: Any = None) -> Callable[[], None]:
+                      scaler_state: Any = None, counters: Sequence[Mapping[str, Any] | None] | None = None
+                      ) -> Callable[[], None]:
         """The first half of an install, of a state the checkpoint layer's check passed: the inner
-        optimizer's state by bucket (its tensors become the optimizer's own), each param group's
-        ``hyperparameters`` (over the live group; kernel options stay the live ones), the loss scaler's
-        state. Local to this rank; returns the undo (the old objects put back: torch's
-        ``load_state_dict`` replaces ``state`` and ``param_groups`` with new ones)."""
+        optimizer's state by bucket (its tensors become the optimizer's own), each managed parameter's
+        ``counters`` (None: its bucket's), each param group's ``hyperparameters`` (over the live group;
+        kernel options stay the live ones), the loss scaler's state. Local to this rank; returns the
+        undo (the old objects put back: torch's ``load_state_dict`` replaces ``state`` and
+        ``param_groups`` with new ones)."""
         inner = self.inner_optimizer
         before = (inner.state, inner.param_groups, [dict(g) for g in self.param_groups],
                   None if self.loss_scaler is None else self.loss_scaler.state_dict())
+        counters_before = self._inner_step.counters.snapshot()
 
         def undo() -> None:
+            counters_before()
             inner.__dict__.update(state=before[0], param_groups=before[1])
             for group, old in zip(self.param_groups, before[2]):
                 group.clear()
@@ -304,6 +310,7 @@ class RankLocalState:
                      for i, p in zip(numbers, g["params"]) if bucket_of[id(p)] in state}
             loaded = torch_state_dict(inner.param_groups, hyperparameters, by_id)
             inner.load_state_dict(loaded)
+            self._inner_step.counters.load(counters or [None] * len(self.managed_params))
             for group, installed in zip(self.param_groups, loaded["param_groups"]):
                 group.update({k: v for k, v in installed.items() if k != "params"})
             if scaler_state is not None:
