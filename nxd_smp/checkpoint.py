@@ -46,11 +46,10 @@ from .checkpointing.pipeline import (
 )
 from .checkpointing.save import save
 from .checkpointing.staged import Staged, Targets
-from .checkpointing.staged import managed_param_names, param_group_names  # noqa: F401 - (the previous release's names here)
 from .checkpointing.tools import consolidate, inspect_checkpoint, read_checkpoint
 from .checkpointing.versions import version_prefix
 from .checkpointing.writer import finalize_checkpoint, finish_save_in_flight, save_in_flight
-from .core.errors import CheckpointError
+from .core.errors import CheckpointError, ConfigError
 from .zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
 
 __all__ = [
@@ -106,7 +105,7 @@ def stateful_objects(scheduler: Any, stateful: Mapping[str, Any] | None) -> dict
             raise TypeError(f"stateful must be a dict of name -> object, got {type(stateful).__name__}.")
         for name, obj in stateful.items():
             if not isinstance(name, str) or name == SCHEDULER:
-                raise ValueError(f"stateful names must be strings other than {SCHEDULER!r} (pass the scheduler as "
+                raise ConfigError(f"stateful names must be strings other than {SCHEDULER!r} (pass the scheduler as "
                                  f"scheduler=...), got {name!r}.")
             objects[name] = obj
     if scheduler is not None:
@@ -167,14 +166,14 @@ def _tagged(path: str | os.PathLike, tag: Any) -> Path:
         raise TypeError(f"tag must be a str (or an int step), got {type(tag).__name__}.")
     tag = str(tag)
     if not tag or tag.startswith(".") or os.sep in tag or (os.altsep and os.altsep in tag):
-        raise ValueError(f"tag must be a plain folder name (no path separator, not starting with '.'), got {tag!r}.")
+        raise ConfigError(f"tag must be a plain folder name (no path separator, not starting with '.'), got {tag!r}.")
     return Path(path) / tag
 
 
 def _check_nxd_only_args(num_workers: Any, **flags: Any) -> None:
     """NxD's arguments that have no effect here, still checked to be what NxD takes."""
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be a positive int, got {num_workers!r}.")
+        raise ConfigError(f"num_workers must be a positive int, got {num_workers!r}.")
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}.")
@@ -273,13 +272,13 @@ def save_checkpoint(
                          use_zero1_dcp=use_zero1_dcp,
                          avoid_saving_lower_precision_weights=avoid_saving_lower_precision_weights)
     if user_content is not None and extra is not None:
-        raise ValueError("pass user_content= or extra= (the same thing under NxD's and nxd_smp's names), not both.")
+        raise ConfigError("pass user_content= or extra= (the same thing under NxD's and nxd_smp's names), not both.")
     extra = user_content if user_content is not None else extra
     if num_kept_ckpts == -1:
         num_kept_ckpts = None
     if num_kept_ckpts is not None and (isinstance(num_kept_ckpts, bool) or not isinstance(num_kept_ckpts, int)
                                        or num_kept_ckpts < 1):
-        raise ValueError(f"num_kept_ckpts must be a positive int, -1 or None, got {num_kept_ckpts!r}.")
+        raise ConfigError(f"num_kept_ckpts must be a positive int, -1 or None, got {num_kept_ckpts!r}.")
     if tag is not None:
         _tag_directories[this_replica()] = path.parent
     if state_dicts:
@@ -463,7 +462,8 @@ def load_full_optimizer_state(
     Args:
         state: ``{parameter name: {key: tensor shaped like the parameter, or 0-dim}}`` (the layout
             ``read_checkpoint`` returns; ``{}`` for a parameter without state yet, which then starts
-            from zero moments with its bucket's step count).
+            from zero moments with its bucket's step count, or, where the other parameters' counts
+            differ, from a fresh state as torch.optim's does).
         hyperparameters: one dict per param group (lr, betas, ...), in group order; kernel choices such
             as ``fused`` are ignored.
         master_weights: ``{parameter name: tensor shaped like the parameter}``, or None to rebuild the

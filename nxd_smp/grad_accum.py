@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .core.errors import ConfigError
 from .backend.base import PendingShard
 from .core.dtensors import local_grad, local_shape
 from .core.layout import BucketLayout
@@ -214,7 +215,7 @@ class MainGradBuffers(GradientSource):
             ValueError: ``index`` is None (the parameter asked for is not managed).
         """
         if index is None:
-            raise ValueError("this parameter is not managed by the optimizer; pass one it was built with.")
+            raise ConfigError("this parameter is not managed by the optimizer; pass one it was built with.")
         if self._fresh[index]:
             if self.contiguous:
                 self._acc[index].zero_()

@@ -299,6 +299,6 @@ class Zero1Config(OptimizerConfig):
         """``bucket_cap_mb`` in fp32 elements (at least 1), None for no limit; the bucket
         size must have been chosen (``bucket_cap_mb`` not None)."""
         if self.bucket_cap_mb is None:
-            raise ValueError("bucket_cap_mb is not chosen yet: replace(config, bucket_cap_mb=...) first.")
+            raise ConfigError("bucket_cap_mb is not chosen yet: replace(config, bucket_cap_mb=...) first.")
         cap = self.bucket_cap_mb * 2**20 / 4
         return None if math.isinf(cap) else max(1, int(cap))

@@ -158,14 +158,14 @@ def cross_entropy(
     targets that are not ``ignore_index``.
     """
     if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}.")
+        raise ConfigError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}.")
     if logits.shape[:-1] != target.shape:
-        raise ValueError(
+        raise ConfigError(
             f"logits {tuple(logits.shape)} and target {tuple(target.shape)} do not match: logits "
             f"must be target's shape plus a vocabulary dimension."
         )
     if target.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"target must hold class indices (int64), got {target.dtype}.")
+        raise ConfigError(f"target must hold class indices (int64), got {target.dtype}.")
     flat = logits.reshape(-1, logits.shape[-1])
     losses = _CrossEntropy.apply(flat, target.reshape(-1).long(), ignore_index)
     if reduction == "none":

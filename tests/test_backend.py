@@ -11,7 +11,8 @@ import pytest
 
 from nxd_smp.backend.base import replica_partition
 from nxd_smp.backend.base import check_replica_groups, is_replica_groups
-from nxd_smp.backend.coordination import CoordinationError, ThreadCoordinator
+from nxd_smp.backend.coordination import ThreadCoordinator
+from nxd_smp.core.errors import CoordinationError
 
 PACKAGE = Path(__file__).resolve().parents[1] / "nxd_smp"
 

@@ -9,7 +9,6 @@ import importlib
 import re
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -32,8 +31,7 @@ LAYERS = [
     ["interop.torch_xla", "interop.native_torch", "interop.nxd", "interop.loop_checkpoints", "interop.accelerate",
      "interop.ddp", "interop.hf_trainer", "interop.lightning", "interop.torchtitan", "interop"],
     ["cli"],
-    ["package", "trainer", "hf_trainer", "loop_checkpoints", "native_torch", "xla_state_dict", "nxd_patch",
-     "runtime_env"],
+    ["package"],
 ]
 SIDEWAYS = {
     ("interop.nxd", "interop.torch_xla"),  # NxD's ZeRO-1 files are torch_xla's per-rank dicts
@@ -47,8 +45,6 @@ SIDEWAYS = {
 LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 #: The five entry modules of the design card, and the top of the package.
 ENTRY = {"zero1_optimizer", "mixed_precision_config", "grad_accum", "checkpoint", "precision_ops"}
-#: Documented import paths of earlier releases, kept for one release as re-exports.
-SHIMS = {"trainer", "hf_trainer", "loop_checkpoints", "native_torch", "xla_state_dict", "nxd_patch", "runtime_env"}
 
 
 def module_name(path: Path) -> str:
@@ -163,7 +159,7 @@ def readme_rooms() -> dict[str, str]:
 
 def test_the_readmes_rooms_table_is_the_tree():
     rooms = readme_rooms()
-    tree = {part for part in LAYER_OF if part not in SHIMS and part != "package"}
+    tree = {part for part in LAYER_OF if part != "package"}
     assert set(rooms) == tree, f"missing from the table {sorted(tree - set(rooms))}, not in the tree " \
                                f"{sorted(set(rooms) - tree)}"
 
@@ -178,21 +174,26 @@ def lines(path: Path) -> int:
     return len(path.read_text().splitlines())
 
 
-def test_the_top_holds_the_entry_modules_the_cli_and_short_shims_only():
-    top = {p.stem: p for p in PACKAGE.glob("*.py")}
-    shims = {name for name in SHIMS if lines(top[name]) <= 20}
-    assert shims == SHIMS, f"shims longer than 20 lines: {sorted(SHIMS - shims)}"
-    others = set(top) - ENTRY - {"__init__", "__main__"} - shims
-    assert len(others) <= 7, f"{len(others)} modules at the top beyond the entry modules: {sorted(others)}"
+def test_the_top_holds_the_entry_modules_and_the_cli_only():
+    """nxd_smp has had no release: no re-export of an earlier import path sits at the top (DESIGN §3)."""
+    top = {p.stem for p in PACKAGE.glob("*.py")}
+    assert top == ENTRY | {"__init__", "__main__", "cli"}, sorted(top - ENTRY)
 
 
 def test_the_error_classes_are_defined_once_in_the_core():
+    """Every exception class a part raises is defined in ``core/errors.py`` (a private signal that never
+    leaves its module, ``_Refused``, aside)."""
+    from nxd_smp.core import errors as errors_module
+    exceptions = {name for name, value in vars(errors_module).items()
+                  if isinstance(value, type) and issubclass(value, BaseException)}
     defined = {}
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef) and node.name in ("ConfigError", "CheckpointError"):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_") and any(
+                    getattr(base, "id", getattr(base, "attr", "")).endswith(("Error", "Exception", "Warning"))
+                    for base in node.bases):
                 defined.setdefault(node.name, []).append(str(path.relative_to(PACKAGE)))
-    assert defined == {"ConfigError": ["core/errors.py"], "CheckpointError": ["core/errors.py"]}
+    assert defined == {name: ["core/errors.py"] for name in exceptions}, defined
     import nxd_smp
     from nxd_smp.checkpoint import CheckpointError
     from nxd_smp.core import errors
@@ -292,7 +293,7 @@ def test_the_public_surface_is_what_the_readme_documents():
         if any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in n.targets)
                for n in ast.parse(path.read_text()).body):
             with_all.add(module_name(path))
-    assert with_all == set(DOCUMENTED) | {f"nxd_smp.{s}" for s in SHIMS}, sorted(with_all)
+    assert with_all == set(DOCUMENTED), sorted(with_all)
 
 
 def test_the_package_and_its_tools_import_in_a_fresh_process():
@@ -301,15 +302,12 @@ def test_the_package_and_its_tools_import_in_a_fresh_process():
         "import nxd_smp.cli, nxd_smp.interop.torch_xla, nxd_smp.interop.native_torch\n"
         "import nxd_smp.interop.torchtitan\n"
         "assert not {'transformers', 'pytorch_lightning', 'torchtitan'} & set(sys.modules), 'import nxd_smp pulled in a framework'\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    warnings.simplefilter('always')\n"
-        "    import nxd_smp.runtime_env, nxd_smp.trainer, nxd_smp.xla_state_dict\n"
-        "print(sorted(str(w.message).split(' moved')[0] for w in caught))\n"
+        "print('imported')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=PACKAGE.parent)
     assert out.returncode == 0, out.stderr
-    assert "['nxd_smp.runtime_env', 'nxd_smp.trainer', 'nxd_smp.xla_state_dict']" in out.stdout
+    assert "imported" in out.stdout
 
 
 # Names the README documents, where it documents them.
@@ -343,40 +341,6 @@ DOCUMENTED = {
     "nxd_smp.interop.torchtitan": ["build_zero1_optimizers"],
     "nxd_smp.interop.lightning": ["Zero1LightningCallback"],
 }
-#: The documented paths of the previous release and their whole __all__ there (at 1732418), kept for one more.
-KEPT = {
-    "nxd_smp.trainer": ["ClippedOptimizer", "NxDOptimizer", "configs_from_nxd_dict", "initialize_parallel_optimizer",
-                        "neuronx_distributed_config"],
-    "nxd_smp.runtime_env": ["SR_VARIABLE", "XLA_DOWNCAST_BF16", "XLA_USE_BF16", "check_master_weights_storage",
-                            "set_stochastic_rounding", "xla_bf16_variable", "xla_device_type", "xla_runtime_started"],
-    "nxd_smp.xla_state_dict": ["export_xla", "full_state", "import_xla"],
-    "nxd_smp.native_torch": ["export_safetensors", "export_torch", "import_torch"],
-    "nxd_smp.loop_checkpoints": ["load_beside", "read_reference", "register_accelerate_hooks", "save_beside"],
-    "nxd_smp.nxd_patch": ["NXD_NAMES", "patch_neuronx_distributed"],
-    "nxd_smp.hf_trainer": ["Zero1TrainerCallback", "skip_ddp_allreduce"],
-}
-
-
-#: The modules that stay where they were, with the names of their previous release's __all__ (at
-#: 1732418) that are no longer in it: each still imports from there.
-STAYED = {
-    "nxd_smp.backend": ["CoordinationError", "Coordinator", "GroupSpec", "NormGroupSpec", "PendingShard",
-                        "norm_backends", "replica_partition", "this_replica"],
-    "nxd_smp.checkpoint": ["last_tag_directory", "managed_param_names", "param_group_names"],
-    # (NeuronZero1Optimizer went up to nxd_smp.interop.nxd: the optimizer layer imports no interop)
-    "nxd_smp.zero1_optimizer": ["zero1_optimizer_of", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_XLA_BUCKET_CAP_MB"],
-}
-
-
-@pytest.mark.parametrize("module", sorted(STAYED))
-def test_the_previous_releases_names_still_import_from_the_modules_that_stayed(module):
-    mod = importlib.import_module(module)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # a renamed one says its new name
-        missing = [name for name in STAYED[module] if getattr(mod, name, None) is None]
-    assert not missing, f"{module} lost {missing}"
-
-
 #: Documented modules that import a framework the pinned environment does not install (the native one does).
 NEEDS = {"nxd_smp.interop.lightning": "pytorch_lightning"}
 
@@ -391,13 +355,3 @@ def test_documented_names_are_importable_where_documented(module):
         assert getattr(mod, name) is not None, f"{module}.{name}"
     with pytest.raises(AttributeError):
         getattr(mod, "no_such_name")
-
-
-@pytest.mark.parametrize("module", sorted(KEPT))
-def test_last_releases_import_paths_still_work_and_say_where_they_moved(module):
-    sys.modules.pop(module, None)
-    with pytest.warns(DeprecationWarning, match="moved to"):
-        mod = importlib.import_module(module)
-    assert sorted(mod.__all__) == sorted(KEPT[module])
-    for name in KEPT[module]:
-        assert getattr(mod, name) is not None, f"{module}.{name}"

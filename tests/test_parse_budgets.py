@@ -37,7 +37,8 @@ import torch
 
 from nxd_smp import CheckpointError
 from nxd_smp.checkpointing import reader
-from nxd_smp.checkpointing.budget import Budget, BudgetError
+from nxd_smp.checkpointing.budget import Budget
+from nxd_smp.core.errors import BudgetError
 from nxd_smp.checkpointing.reader import load_bytes, load_pickle
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,22 +24,11 @@ import torch
 import torch.distributed as dist
 
 from ..core.environment import xla_runtime_started
-from .base import Backend, GroupSpec, NormGroupSpec, PendingShard, is_replica_groups, replica_partition  # noqa: F401
-from .coordination import CoordinationError, Coordinator  # noqa: F401 - (the previous release's names here)
+from .base import Backend, GroupSpec, NormGroupSpec, is_replica_groups
 from .eager import EagerBackend
 from .xla import XlaBackend
 
 __all__ = ["Backend", "EagerBackend", "XlaBackend", "select_backend"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "norm_backends":  # the previous release's name, for one release
-        import warnings
-
-        warnings.warn("nxd_smp.backend.norm_backends is now group_backends; the old name goes in the next release.",
-                      DeprecationWarning, stacklevel=2)
-        return group_backends
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def select_backend(device: torch.device, group: GroupSpec = None, *, pin_layout: bool = True) -> Backend:

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Union
 import torch
 import torch.distributed as dist
 
+from ..core.errors import ConfigError
+
 if TYPE_CHECKING:
     from ..core.layout import BucketLayout
     from .coordination import Coordinator
@@ -41,10 +43,10 @@ def check_replica_groups(groups: Sequence[Sequence[int]], world_size: int) -> li
     """
     groups = [list(g) for g in groups]
     if not groups or any(not g for g in groups) or len({len(g) for g in groups}) != 1:
-        raise ValueError(f"replica groups must be non-empty lists of ranks, all the same size, got {groups}.")
+        raise ConfigError(f"replica groups must be non-empty lists of ranks, all the same size, got {groups}.")
     flat = sorted(r for g in groups for r in g)
     if flat != list(range(world_size)):
-        raise ValueError(
+        raise ConfigError(
             f"replica groups {groups} do not split the {world_size} ranks into groups (each rank "
             f"exactly once); pass groups that cover ranks 0..{world_size - 1}, e.g. NxD's "
             f"get_data_parallel_replica_groups()."
@@ -66,7 +68,7 @@ def replica_partition(ranks: Sequence[int], world_size: int) -> list[list[int]]:
     ranks = sorted(ranks)
     n = len(ranks)
     if n == 0 or world_size % n or ranks[0] < 0 or ranks[-1] >= world_size or len(set(ranks)) != n:
-        raise ValueError(
+        raise ConfigError(
             f"the process group's ranks {ranks} cannot be one of equal groups of a world of {world_size}."
         )
     if ranks == list(range(ranks[0], ranks[0] + n)) and ranks[0] % n == 0:
@@ -74,7 +76,7 @@ def replica_partition(ranks: Sequence[int], world_size: int) -> list[list[int]]:
     stride = world_size // n
     if ranks == list(range(ranks[0], world_size, stride)) and ranks[0] < stride:
         return [list(range(start, world_size, stride)) for start in range(stride)]
-    raise ValueError(
+    raise ConfigError(
         f"the process group's ranks {ranks} are neither consecutive blocks nor an evenly strided "
         f"slice of the {world_size} ranks, so the other groups of the step cannot be inferred; pass "
         f"every group as replica groups (a list of lists of ranks) instead."

@@ -29,13 +29,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..core.errors import ConfigError, CoordinationError
+
 
 #: How long a rank waits for the others at one exchange (torch.distributed's default).
 TIMEOUT_S = 1800.0
-
-
-class CoordinationError(RuntimeError):
-    """A rank did not take part in an exchange (it failed, or it waited past the timeout)."""
 
 
 def _json(obj: Any) -> Any:
@@ -93,7 +91,7 @@ class ProcessGroupCoordinator(Coordinator):
         self.ranks = sorted(ranks)
         me = dist.get_rank()
         if me not in self.ranks:
-            raise ValueError(f"this process (global rank {me}) is not in the group {self.ranks}.")
+            raise ConfigError(f"this process (global rank {me}) is not in the group {self.ranks}.")
         self.rank, self.size = self.ranks.index(me), len(self.ranks)
         self._group: dist.ProcessGroup | None = None
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..core.errors import ConfigError
 from ..core.dtensors import DeviceMesh
 from ..core.layout import BucketLayout
 from ..core.memory import staggered_empty
@@ -60,7 +61,7 @@ def _from_replica_groups(groups: Sequence[Sequence[int]]) -> dist.ProcessGroup |
     if not _dist_active():
         if [list(g) for g in groups] == [[0]]:
             return None
-        raise ValueError(
+        raise ConfigError(
             f"replica groups {[list(g) for g in groups]} were given but torch.distributed is not initialised; "
             f"call torch.distributed.init_process_group(...) first, or pass None."
         )
@@ -83,13 +84,13 @@ def _check_group(group: object) -> dist.ProcessGroup | None:
         return None
     if DeviceMesh is not None and isinstance(group, DeviceMesh):
         if group.ndim != 1:
-            raise ValueError(f"a {group.ndim}-dimensional DeviceMesh was given as the process group; pass its "
+            raise ConfigError(f"a {group.ndim}-dimensional DeviceMesh was given as the process group; pass its "
                              f"data-parallel dimension (mesh['dp']) or device_mesh=mesh.")
         group = group.get_group()
     if is_replica_groups(group):
         return _from_replica_groups(group)
     if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(
+        raise ConfigError(
             f"this process (global rank {dist.get_rank()}) is not a member of the given process "
             f"group (torch.distributed.new_group returned NON_GROUP_MEMBER here); pass the "
             f"data-parallel group that contains this rank."
@@ -100,12 +101,12 @@ def _check_group(group: object) -> dist.ProcessGroup | None:
             f"lists of ranks) or None, got {type(group).__name__}."
         )
     if not _dist_active():
-        raise ValueError(
+        raise ConfigError(
             "a process_group was given but torch.distributed is not initialised; call "
             "torch.distributed.init_process_group(...) first."
         )
     if dist.get_rank(group) < 0:
-        raise ValueError(
+        raise ConfigError(
             f"this process (global rank {dist.get_rank()}) is not a member of the given "
             f"process_group; pass the data-parallel group that contains this rank."
         )

@@ -16,12 +16,7 @@ multiple.
 
 from __future__ import annotations
 
-from ..core.errors import CheckpointError
-
-
-class BudgetError(CheckpointError):
-    """A parse asked for more memory or work than its file's size allows: a crafted (or damaged)
-    file. The message names the file, the budget and what its size allowed."""
+from ..core.errors import BudgetError
 
 
 class Budget:

@@ -17,9 +17,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
-from ..core.errors import CheckpointError
+from ..core.errors import CheckpointError, UnsafeFileError
 from .files import Folder
-from .reader import UnsafeFileError, load_pickle
+from .reader import load_pickle
 from .storage import check_spans
 
 METADATA_FILE = ".metadata"

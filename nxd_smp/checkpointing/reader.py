@@ -95,8 +95,8 @@ from typing import Any
 
 import torch
 
-from ..core.errors import CheckpointError
-from .budget import Budget, BudgetError
+from ..core.errors import BudgetError, CheckpointError, UnsafeFileError
+from .budget import Budget
 from .files import Folder
 from .typed_json import DTYPES
 
@@ -144,11 +144,6 @@ _MEASURED = {op[0] for op in (pickle.BINUNICODE, pickle.SHORT_BINUNICODE, pickle
                               pickle.INT, pickle.FLOAT)}
 _DICT_ITEM, _SET_ITEM, _LIST_ITEM = 48, 64, 8  # a set keeps its table at most half full, and grows it 4x
 _TENSOR, _PARAMETER = 400, 600  # a tensor's (a parameter's) Python object and TensorImpl: measured 330 (540)
-
-
-class UnsafeFileError(CheckpointError):
-    """A file asks to build an object that loading must not build (it could run code or allocate
-    more than the file holds)."""
 
 
 class XserReference:

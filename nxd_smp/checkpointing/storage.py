@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..core.errors import CheckpointError
+from ..core.errors import CheckpointError, ChecksumError
 from .budget import Budget
 from .check import check_cast, is_size
 from .files import Folder, check_name
@@ -43,10 +43,6 @@ JSON_LIMIT = 1 << 30
 #: Files (and threads) per rank: two overlap one file's checksum with the other's writes.
 IO_THREADS = max(1, min(4, os.cpu_count() or 1))
 _CHUNK = 64 << 20  # bytes per write/read call: large, and the GIL is released for each
-
-
-class ChecksumError(CheckpointError):
-    """The bytes read back are not the bytes written (CRC-32 mismatch, truncation)."""
 
 
 # ---------------------------------------------------------------------------- writing

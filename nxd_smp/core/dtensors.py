@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .errors import ConfigError
+
 try:  # torch.distributed is optional in some builds
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
@@ -70,14 +72,14 @@ def param_mesh(params: Sequence[torch.Tensor]) -> Any:
         if not is_dtensor(p):
             continue
         if any(not (placement.is_shard() or placement.is_replicate()) for placement in p.placements):
-            raise ValueError(
+            raise ConfigError(
                 f"a DTensor parameter of shape {tuple(p.shape)} has placements {tuple(p.placements)}; a parameter "
                 f"must be Shard or Replicate on each mesh dimension (as parallelize_module leaves them)."
             )
         if not any(p.device_mesh == m for m in meshes):
             meshes.append(p.device_mesh)
     if len(meshes) > 1:
-        raise ValueError(
+        raise ConfigError(
             f"the DTensor parameters live on {len(meshes)} different device meshes ({meshes}); nxd_smp shards one "
             f"tensor-parallel mesh over data parallelism. Parallelize the whole model over one mesh (e.g. "
             f"mesh['tp']) and pass the data-parallel dimension as device_mesh=mesh."
@@ -109,7 +111,7 @@ def tensor_parallel_layout(module: torch.nn.Module) -> dict[str, Any] | None:
     if mesh is None:
         return None
     if mesh.ndim != 1:
-        raise ValueError(f"the model's DTensors live on a {mesh.ndim}-dimensional mesh; nxd_smp checkpoints a model "
+        raise ConfigError(f"the model's DTensors live on a {mesh.ndim}-dimensional mesh; nxd_smp checkpoints a model "
                          f"parallelized over one tensor-parallel dimension.")
     split = {}
     for key, value in state.items():

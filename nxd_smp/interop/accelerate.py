@@ -9,6 +9,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from ..core.errors import ConfigError
 from ..zero1_optimizer import zero1_optimizer_of
 from .loop_checkpoints import require_zero1, load_beside, read_reference, save_beside
 
@@ -39,7 +40,7 @@ def register_accelerate_hooks(accelerator: Any, model: nn.Module, optimizer: Any
         """Where accelerate keeps the optimizer (the reference is written only if it does)."""
         prepared = [zero1_optimizer_of(o) for o in getattr(accelerator, "_optimizers", [])]
         if zero1 not in prepared:
-            raise ValueError("the nxd_smp optimizer was not prepared by this Accelerator: call "
+            raise ConfigError("the nxd_smp optimizer was not prepared by this Accelerator: call "
                              "accelerator.prepare(optimizer) before save_state/load_state.")
         return prepared.index(zero1)
 

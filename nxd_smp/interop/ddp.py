@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..core.errors import ConfigError
 from ..zero1_optimizer import zero1_optimizer_of
 
 
@@ -44,7 +45,7 @@ def skip_ddp_allreduce(model: Any, optimizer: Any = None) -> bool:
         managed = {id(p) for p in zero1_optimizer_of(optimizer).managed_params}
         others = [n for n, p in model.module.named_parameters() if p.requires_grad and id(p) not in managed]
         if others:
-            raise ValueError(f"the optimizer does not manage {others[:8]}: their gradients need DDP's all-reduce; "
+            raise ConfigError(f"the optimizer does not manage {others[:8]}: their gradients need DDP's all-reduce; "
                              f"keep it, or give the optimizer every parameter that takes a gradient.")
     if model not in _SKIPPED:
         model.register_comm_hook(None, _return_bucket)

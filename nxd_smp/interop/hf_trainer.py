@@ -43,6 +43,7 @@ from transformers import TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..core.errors import ConfigError
 from ..checkpointing.files import write_output_file
 from ..optim.clip_watch import silence
 from ..zero1_optimizer import STATE_LOADED, Zero1Optimizer, zero1_optimizer_of
@@ -125,12 +126,12 @@ class Zero1TrainerCallback(TrainerCallback):
             skip_ddp_allreduce(getattr(self._trainer, "model_wrapped", None), zero1)
         saving = getattr(args, "save_strategy", "no") != "no" and not getattr(args, "save_only_model", False)
         if self._trainer is not None and saving and getattr(state, "is_hyper_param_search", False):
-            raise ValueError(
+            raise ConfigError(
                 "Zero1TrainerCallback(trainer) writes nxd_smp's checkpoint into output_dir/checkpoint-N, and a "
                 "hyperparameter search saves into a folder per trial: search with save_strategy='no'."
             )
         if self._trainer is None and zero1.world_size > 1 and saving:
-            raise ValueError(
+            raise ConfigError(
                 f"at DP {zero1.world_size} the Trainer's checkpoints keep rank 0's optimizer shard only: give the "
                 f"callback the trainer, trainer.add_callback(Zero1TrainerCallback(trainer)), and every rank's state is "
                 f"saved beside them (or set save_strategy='no')."

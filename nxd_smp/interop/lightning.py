@@ -33,7 +33,7 @@ import torch.distributed as dist
 from pytorch_lightning import Callback
 from torch.utils._pytree import tree_map_only
 
-from ..core.errors import CheckpointError
+from ..core.errors import CheckpointError, ConfigError
 from ..optim.clip_watch import silence
 from ..zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
 from .ddp import skip_ddp_allreduce
@@ -62,7 +62,7 @@ class Zero1LightningCallback(Callback):
         value, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
         if value is not None and value > 0:
             if algorithm is not None and str(getattr(algorithm, "value", algorithm)) != "norm":
-                raise ValueError(f"gradient_clip_algorithm={algorithm!r}: nxd_smp's optimizer clips the fp32 norm of "
+                raise ConfigError(f"gradient_clip_algorithm={algorithm!r}: nxd_smp's optimizer clips the fp32 norm of "
                                  f"the whole model inside step(); use gradient_clip_algorithm='norm' (the default).")
             for zero1 in optimizers:
                 zero1.set_clipping(True, float(value))

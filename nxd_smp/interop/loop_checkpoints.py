@@ -120,7 +120,7 @@ class _ReferenceHooks:
         if held is not None and held["id"] == reference["id"]:
             return STATE_LOADED  # what it names is this state: nothing to do
         loaded = "" if held is None else f" (the one loaded is save {held['id']})"
-        raise ValueError(
+        raise CheckpointError(
             f"this state dict only refers to the nxd_smp checkpoint {reference['checkpoint']!r} saved beside the "
             f"file it came from (save {reference['id']}, DP {reference['dp_size']}), which holds every rank's "
             f"optimizer state and was not loaded{loaded}. {HOW_TO_LOAD}"
@@ -171,7 +171,7 @@ class _SaveIdentity:
     def load_state_dict(self, state: Any) -> None:
         if state != {"id": self.save_id}:
             found = state.get("id") if isinstance(state, dict) else state
-            raise ValueError(f"it holds save {found!r}, but the optimizer file beside it refers to save "
+            raise CheckpointError(f"it holds save {found!r}, but the optimizer file beside it refers to save "
                              f"{self.save_id!r}: the folder mixes two saves")
 
 

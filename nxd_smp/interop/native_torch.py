@@ -46,7 +46,7 @@ from ..checkpointing.check import group_hyperparameters, is_shape, name_differen
 from ..checkpointing.dcp_index import METADATA_FILE, DcpEntry, read_dcp_index
 from ..checkpointing.files import Folder, check_output, write_output_directory, write_output_file
 from ..checkpointing.pipeline import full_state, run
-from ..checkpointing.reader import UnsafeFileError
+from ..core.errors import UnsafeFileError
 from ..checkpointing.staged import Request, Staged, Targets
 from ..checkpointing.storage import INDEX_FILE, read_record
 from ..checkpointing.tools import read_whole_checkpoint

@@ -32,7 +32,7 @@ from ..checkpointing.pipeline import full_state, run
 from ..checkpointing.reader import load_file
 from ..checkpointing.staged import Request, Staged, Targets
 from ..checkpointing.tools import read_checkpoint
-from ..core.errors import CheckpointError
+from ..core.errors import CheckpointError, ConfigError
 from ..optim.param_groups import index_groups
 from ..zero1_optimizer import Zero1Optimizer
 
@@ -70,7 +70,7 @@ def export_xla(path: str | os.PathLike, out_dir: str | os.PathLike, dp_size: int
             state, or 0-dim parameters (torch_xla cannot shard them); it is damaged.
     """
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise ValueError(f"dp_size must be a positive int, got {dp_size!r}.")
+        raise ConfigError(f"dp_size must be a positive int, got {dp_size!r}.")
     out = check_output(out_dir, overwrite=overwrite, directory=True)
     full = read_checkpoint(path)
     opt = full["optimizer"]
@@ -125,7 +125,7 @@ def import_xla(files: Sequence[str | os.PathLike], *, model: nn.Module, optimize
     if optimizer is None:
         raise TypeError("import_xla needs the optimizer to load into.")
     if isinstance(files, (str, os.PathLike)) or not files:
-        raise ValueError("import_xla needs the per-rank files (a list: one per DP rank, in rank order).")
+        raise ConfigError("import_xla needs the per-rank files (a list: one per DP rank, in rank order).")
     paths = [Path(f) for f in files]
     targets = Targets(model=model, optimizer=optimizer, objects={}, backend=optimizer.backend)
 

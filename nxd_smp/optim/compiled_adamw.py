@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..core.errors import ConfigError
 from ..core.memory import is_staggered, plain_alias, staggered_empty
 from .rounding import join_master, split_master
 
@@ -179,7 +180,7 @@ class CompiledAdamW:
         if applies_to(optimizer, device):
             return cls(optimizer)
         if required:
-            raise ValueError(
+            raise ConfigError(
                 "compile_update=True needs torch.optim.Adam or AdamW on CPU with fp32 master shards and "
                 "without amsgrad, maximize or differentiable; pass compile_update=None to use it only where "
                 "it applies."

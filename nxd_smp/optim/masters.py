@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..core.errors import ConfigError
 from ..backend import Backend
 from ..core.layout import BucketLayout
 from ..core.memory import staggered_empty
@@ -143,7 +144,7 @@ class MasterWeights:
         if len(shards) != len(self._layouts) or any(
             tuple(a.shape) != (layout.shard_numel,) for a, layout in zip(shards, self._layouts)
         ):
-            raise ValueError("master shards do not match this optimizer's layout.")
+            raise ConfigError("master shards do not match this optimizer's layout.")
         for master, saved in zip(self.shards, shards):
             if self.remainders is None:
                 master.copy_(saved)

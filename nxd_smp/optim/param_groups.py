@@ -33,7 +33,7 @@ def normalize_param_groups(params: Any) -> list[dict[str, Any]]:
         )
     groups = list(params)
     if not groups:
-        raise ValueError("Zero1Optimizer got an empty parameter list; pass model.parameters().")
+        raise ConfigError("Zero1Optimizer got an empty parameter list; pass model.parameters().")
     if not isinstance(groups[0], dict):
         groups = [{"params": groups}]
     normalised = []
@@ -71,7 +71,7 @@ def managed_params(groups: list[dict[str, Any]]) -> tuple[list[torch.Tensor], to
     for gi, group in enumerate(groups):
         for p in group["params"]:
             if id(p) in seen:
-                raise ValueError(
+                raise ConfigError(
                     f"a parameter of shape {tuple(p.shape)} is listed twice (param groups "
                     f"{seen[id(p)]} and {gi}); list each parameter once."
                 )
@@ -79,26 +79,26 @@ def managed_params(groups: list[dict[str, Any]]) -> tuple[list[torch.Tensor], to
             if not p.requires_grad:
                 continue
             if not p.is_leaf:
-                raise ValueError(
+                raise ConfigError(
                     f"a parameter of shape {tuple(p.shape)} is not a leaf tensor; the "
                     f"optimizer can only update leaves (e.g. nn.Parameter)."
                 )
             if p.dtype not in SUPPORTED_PARAM_DTYPES:
-                raise ValueError(
+                raise ConfigError(
                     f"a parameter of shape {tuple(p.shape)} has dtype {p.dtype}; Zero1Optimizer "
                     f"supports {[str(d) for d in SUPPORTED_PARAM_DTYPES]}. Cast the model, e.g. "
                     f"model.to(torch.bfloat16), or freeze that parameter."
                 )
             if p.is_sparse:
-                raise ValueError("sparse parameters are not supported; use dense parameters.")
+                raise ConfigError("sparse parameters are not supported; use dense parameters.")
             managed.append(p)
     if not managed:
-        raise ValueError(
+        raise ConfigError(
             "Zero1Optimizer got no trainable parameters (all have requires_grad=False)."
         )
     devices = sorted({str(p.device) for p in managed})
     if len(devices) > 1:
-        raise ValueError(
+        raise ConfigError(
             f"parameters are on several devices {devices}; move the whole model to one "
             f"device (each data-parallel rank owns one) before building the optimizer."
         )
@@ -116,7 +116,7 @@ def check_optimizer_class(optimizer_class: Any, *, sharded: bool = True) -> None
     for name in _NOT_ELEMENTWISE:
         refused = getattr(torch.optim, name, None)
         if refused is not None and issubclass(optimizer_class, refused):
-            raise ValueError(
+            raise ConfigError(
                 f"{optimizer_class.__name__} is not element-wise (its update of one element "
                 f"depends on others), so sharding it would change its result. Use an "
                 f"element-wise optimizer such as AdamW, Adam or SGD."

@@ -55,7 +55,7 @@ class PrecisionPlan:
 
     def __post_init__(self) -> None:
         if self.rounding not in ROUNDINGS:
-            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}.")
+            raise ConfigError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}.")
 
     @classmethod
     def resolve(

@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..core.errors import ConfigError
+
 _F32 = torch.float32
 
 
@@ -26,7 +28,7 @@ def stochastic_round(x: torch.Tensor, *, generator: torch.Generator | None = Non
     2^(e+1)), half that below a power of two, 2^-133 among subnormals), one uniform draw.
     """
     if x.dtype != _F32:
-        raise ValueError(f"stochastic_round takes fp32 input, got {x.dtype}.")
+        raise ConfigError(f"stochastic_round takes fp32 input, got {x.dtype}.")
     nearest = x.to(torch.bfloat16).float()
     diff = x - nearest  # exact: both are fp32 and close
     exponent = torch.floor(torch.log2(nearest.abs())).clamp(min=-126)  # log2(0) = -inf -> -126
@@ -62,7 +64,7 @@ def split_master(master: torch.Tensor, bitcast: Bitcast = _view) -> tuple[torch.
     backends give one that stays on the device).
     """
     if master.dtype != _F32:
-        raise ValueError(f"split_master takes an fp32 tensor, got {master.dtype}.")
+        raise ConfigError(f"split_master takes an fp32 tensor, got {master.dtype}.")
     bits = bitcast(master, torch.int32)
     # Right shifts only of multiples of 2^16 (torch_xla shifts negative numbers toward zero).
     low = (bits << 16) >> 16  # the lower half, sign-extended: negative when it is 0x8000 or more
@@ -76,7 +78,7 @@ def join_master(param: torch.Tensor, remainder: torch.Tensor, bitcast: Bitcast =
     """The fp32 value that ``split_master`` turned into bf16 ``param`` and int16 ``remainder``.
     A remainder of zero gives ``param`` itself."""
     if param.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
-        raise ValueError(
+        raise ConfigError(
             f"join_master takes a bf16 parameter and an int16 remainder, got {param.dtype} and {remainder.dtype}."
         )
     high = bitcast(param, torch.int16).to(torch.int32)

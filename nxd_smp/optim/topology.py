@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.errors import ConfigError
 from ..backend import Backend, GroupSpec, NormGroupSpec, group_backends, select_backend
 from ..core.dtensors import DeviceMesh, fully_sharded, param_mesh
 from .norm import global_norm, sum_of_squares
@@ -103,14 +104,14 @@ class Topology:
                                 "process_group and grad_norm_groups, not beside them.")
             data, tensor = _mesh_groups(device_mesh)
         if fully_sharded(params):
-            raise ValueError(f"the parameters belong to {_FULLY_SHARDED}")
+            raise ConfigError(f"the parameters belong to {_FULLY_SHARDED}")
         mesh = param_mesh(params)
         if mesh is not None and tensor is None:
             tensor = _tensor_group_of(mesh)
         data_backend = select_backend(device, data, pin_layout=pin_layout)
         if mesh is not None:
             if not data_backend.holds_dtensors:
-                raise ValueError("DTensor parameters on an XLA device are not supported: on torch-xla use NxD's "
+                raise ConfigError("DTensor parameters on an XLA device are not supported: on torch-xla use NxD's "
                                  "tensor parallelism (its layers mark tensor_model_parallel) with grad_norm_groups.")
             _check_not_sharded_over(mesh, data_backend.global_ranks)
         tensor_backends = tuple(group_backends(tensor, device, pin_layout=pin_layout))
@@ -218,7 +219,7 @@ def _mesh_groups(mesh: object) -> tuple[object, object]:
     names = tuple(mesh.mesh_dim_names or ())
     data, tensor = _named(mesh, DATA_DIMS), _named(mesh, TENSOR_DIMS)
     if data is None:
-        raise ValueError(
+        raise ConfigError(
             f"device_mesh has dimensions {names or '(unnamed)'}; nxd_smp takes a mesh with a data-parallel dimension "
             f"named {' or '.join(map(repr, DATA_DIMS))} (the group it shards over; TorchTitan's flattened 'dp' "
             f"too) and optionally 'tp' (tensor parallelism), e.g. init_device_mesh(device_type, (dp, tp), "
@@ -229,7 +230,7 @@ def _mesh_groups(mesh: object) -> tuple[object, object]:
     others = [(name, mesh.size(i)) for i, name in enumerate(names)  # (what a flattened "dp" covers is data)
               if mesh.size(i) > 1 and name not in chosen and not set(mesh[name].mesh.flatten().tolist()) <= data_ranks]
     if others:
-        raise ValueError(
+        raise ConfigError(
             f"device_mesh has dimensions {dict(zip(names, mesh.shape))}: "
             f"{', '.join(f'{n!r} of size {k}' for n, k in others)} "
             f"is neither the data-parallel dimension it shards over ({data[0]!r}) nor tensor parallelism. A "
@@ -241,7 +242,7 @@ def _mesh_groups(mesh: object) -> tuple[object, object]:
 def _tensor_group_of(mesh: object) -> object:
     """The process group of the DTensor parameters' mesh: their tensor-parallel group."""
     if mesh.ndim != 1:
-        raise ValueError(
+        raise ConfigError(
             f"the DTensor parameters live on a {mesh.ndim}-dimensional mesh {mesh}; nxd_smp shards a model "
             f"parallelized over one tensor-parallel dimension (parallelize_module(model, mesh['tp'], plan)). "
             f"Pass device_mesh=mesh with dimensions ('dp', 'tp'). (A mesh with a data-parallel dimension is FSDP2's "
@@ -255,7 +256,7 @@ def _check_tensor_group(mesh: object, tensor_backends: Sequence[Backend]) -> Non
     ranks = sorted(mesh.mesh.flatten().tolist())
     given = sorted(tensor_backends[0].global_ranks) if len(tensor_backends) == 1 else None
     if mesh.ndim != 1 or ranks != given:
-        raise ValueError(
+        raise ConfigError(
             f"the DTensor parameters live on mesh {mesh} (ranks {ranks}), but the tensor-parallel group is "
             f"{given if given is not None else f'{len(tensor_backends)} groups'}: the norm adds their parts over "
             f"that group, so it must be their mesh. Parallelize the model over mesh['tp'] and pass device_mesh=mesh.")
@@ -268,7 +269,7 @@ def _check_not_sharded_over(mesh: object, data_ranks: Sequence[int]) -> None:
 
     shared = set(mesh.mesh.flatten().tolist()) & set(data_ranks) - {dist.get_rank()}
     if shared:
-        raise ValueError(
+        raise ConfigError(
             f"the model's DTensor parameters are spread over ranks {sorted(shared)}, which are also in the "
             f"data-parallel group {sorted(data_ranks)}. Two causes:\n"
             f"* tensor parallelism without its data-parallel group: pass device_mesh=mesh (dimensions "

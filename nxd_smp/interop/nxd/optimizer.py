@@ -73,7 +73,7 @@ class NeuronZero1Optimizer(Zero1Optimizer):
         elif optimizer_dtype in (torch.bfloat16, torch.float16):
             use_master_weights = False
         else:
-            raise ValueError(
+            raise ConfigError(
                 f"optimizer_dtype must be None, torch.float32, torch.float64, torch.bfloat16 "
                 f"or torch.float16, got {optimizer_dtype!r}."
             )
@@ -137,7 +137,7 @@ def _torch_xla_bucket_cap(reduce_scatter_mb: float, all_gather_mb: float) -> flo
     for name, value in (("bucket_cap_mb_reduce_scatter", reduce_scatter_mb),
                         ("bucket_cap_mb_all_gather", all_gather_mb)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise ValueError(f"{name} must be a number >= 0, got {value!r}.")
+            raise ConfigError(f"{name} must be a number >= 0, got {value!r}.")
     if reduce_scatter_mb == 0 or all_gather_mb == 0:
         return 0.0
     return float(min(reduce_scatter_mb, all_gather_mb))
