@@ -17,7 +17,9 @@ and keeps, for its shard only, the master weights and the inner optimizer's stat
 
 Decided once at construction: the options (a validated ``Zero1Config``), the precision plan (every
 dtype, ``optim.precision``), the topology (every group, ``optim.topology``), and the backend (the
-device: storage, collectives, ranks). The rank-local state dict is ``optim.rank_state``'s; NxD's
+device: storage, collectives, ranks). Built by ``init_zero``, it holds its parts: the master weights
+(``optim.masters``), the gradient source (``grad_accum``), the inner step (``optim.inner_step``) and
+this rank's state (``optim.rank_state``: the state dict, ``opt.state``'s view, the installs). NxD's
 ``NeuronZero1Optimizer`` signature and the training loops' checkpoints live in ``nxd_smp.interop``.
 """
 
@@ -51,13 +53,14 @@ from .optim.param_groups import (
     sequence_parallel_marked,
 )
 from .optim.precision import PrecisionPlan
-from .optim.rank_state import STATE_LOADED, ParamStates, RankLocalState
+from .optim import rank_state
+from .optim.rank_state import STATE_LOADED, ParamStates, RankState
 from .optim.topology import Topology
 
 __all__ = ["Zero1Optimizer", "STATE_LOADED"]
 
 
-class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
+class Zero1Optimizer(torch.optim.Optimizer):
     """A ZeRO-1 optimizer with standard mixed precision (docs/design.md says what it computes).
 
     Args:
@@ -194,26 +197,73 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
             self.init_zero()
 
     # ------------------------------------------------------------------ what it was built with
-    config = property(lambda self: self._config, doc="The validated options (a ``Zero1Config``).")
-    mixed_precision = property(lambda self: self._config.mixed_precision, doc="The ``MixedPrecisionConfig``.")
-    precision = property(lambda self: self._plan, doc="The precision plan: every dtype of the step, the rounding.")
-    topology = property(lambda self: self._topology, doc="Every group the step communicates over; this rank's place.")
-    backend = property(lambda self: self._backend, doc="The device: storage, collectives, ranks, coordination.")
-    world_size = property(lambda self: self._backend.world_size, doc="The data-parallel size.")
-    rank = property(lambda self: self._backend.rank, doc="This rank in the data-parallel group.")
-    process_group = property(lambda self: self._backend.process_group,
-                             doc="The torch.distributed data-parallel group (None: the default one, or XLA replicas).")
-    sequence_parallel = property(lambda self: self._topology.sequence_parallel,
-                                 doc="Marked parameters' gradients are summed over the tensor-parallel group.")
-    context_parallel_size = property(lambda self: self._topology.context_size,
-                                     doc="The context-parallel size the gradients are averaged over (1: none).")
-    tensor_parallel_size = property(lambda self: self._topology.tensor_size,
-                                    doc="The tensor-parallel size (``grad_norm_groups``; 1: none).")
-    loss_scaler = property(lambda self: self._scaler, doc="The ``DynamicLossScaler``, or None.")
-    grad_norm = property(lambda self: self._grad_norm,
-                         doc="The last step's global gradient norm before clipping (an fp32 tensor); None before.")
-    state_generation = property(lambda self: self._state_generation,
-                                doc="Changes whenever the state does (a step, a load): what a saved copy stands for.")
+    @property
+    def config(self) -> Zero1Config:
+        """The validated options."""
+        return self._config
+
+    @property
+    def mixed_precision(self) -> MixedPrecisionConfig:
+        return self._config.mixed_precision
+
+    @property
+    def precision(self) -> PrecisionPlan:
+        """The precision plan: every dtype of the step, the rounding."""
+        return self._plan
+
+    @property
+    def topology(self) -> Topology:
+        """Every group the step communicates over; this rank's place."""
+        return self._topology
+
+    @property
+    def backend(self) -> Any:
+        """The device: storage, collectives, ranks, coordination."""
+        return self._backend
+
+    @property
+    def world_size(self) -> int:
+        """The data-parallel size."""
+        return self._backend.world_size
+
+    @property
+    def rank(self) -> int:
+        """This rank in the data-parallel group."""
+        return self._backend.rank
+
+    @property
+    def process_group(self) -> Any:
+        """The torch.distributed data-parallel group (None: the default one, or XLA replicas)."""
+        return self._backend.process_group
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether marked parameters' gradients are summed over the tensor-parallel group."""
+        return self._topology.sequence_parallel
+
+    @property
+    def context_parallel_size(self) -> int:
+        """The context-parallel size the gradients are averaged over (1: none)."""
+        return self._topology.context_size
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The tensor-parallel size (``grad_norm_groups``; 1: none)."""
+        return self._topology.tensor_size
+
+    @property
+    def loss_scaler(self) -> DynamicLossScaler | None:
+        return self._scaler
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The last step's global gradient norm before clipping (an fp32 tensor); None before."""
+        return self._grad_norm
+
+    @property
+    def state_generation(self) -> int:
+        """Changes whenever the state does (a step, a load): what a saved copy stands for."""
+        return self._state_generation
 
     @property
     def state(self) -> ParamStates:
@@ -221,7 +271,8 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         views of this rank's range of each moment, its own counters), read-only; never empty once
         built (the state is made at construction), so no framework steps the optimizer to create one."""
         if "_param_states" not in self.__dict__:
-            self.__dict__["_param_states"] = ParamStates(self)
+            held = self.__dict__.get  # (None until init_zero builds it: lazy_init)
+            self.__dict__["_param_states"] = ParamStates(lambda: held("_rank_state"), self._current_masters)
         return self.__dict__["_param_states"]
 
     @state.setter
@@ -295,12 +346,19 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         self._require_initialized()
         return list(self._masters.shards)
 
-    def param_counters(self, index: int) -> dict[str, Any] | None:
-        """The inner optimizer's counters (Adam's ``step``) of the ``index``-th managed parameter where
-        they are its own, None where they are its bucket's (every parameter stepped alike so far, or on
-        XLA): ``optim.step_counters``."""
+    @property
+    def rank_state(self) -> RankState:
+        """This rank's state (``optim.rank_state.RankState``): the part the checkpoint layer installs a
+        checked state through."""
         self._require_initialized()
-        return self._inner_step.counters.param_counters(index)
+        return self._rank_state
+
+    def _current_masters(self) -> list[torch.Tensor]:
+        """The master shards, rebuilt once per state generation where they are (parameter remainders)."""
+        cached = self.__dict__.get("_masters_cache")
+        if cached is None or cached[0] != self._state_generation:
+            cached = self.__dict__["_masters_cache"] = (self._state_generation, self._masters.values())
+        return cached[1]
 
     def load_master_shards(self, shards: Sequence[torch.Tensor]) -> None:
         """Set the master shards (shaped as ``master_shards``) and make every rank's parameters
@@ -361,16 +419,23 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
                   MainGradBuffers if plan.fp32_accumulation else AutogradGrads)
         self._grads: GradientSource = source(params, self._layouts, topology, plan)
         inner_groups = [{**{k: v for k, v in group.items() if k not in ("params", "param_names")},
-                         "params": [m for layout, m in zip(self._layouts, self._masters.shards) if layout.key.group == gi]}
+                         "params": [m for layout, m in zip(self._layouts, self._masters.shards)
+                                    if layout.key.group == gi]}
                         for gi, group in enumerate(self.param_groups)]
         self._inner = self._optimizer_class(inner_groups, **self._inner_settings.kwargs)
         self._inner_step = InnerStep(
             self._inner, self._masters.shards, stochastic_rounding=plan.stochastic,
             sr_generator=self._backend.random_generator(self._config.sr_seed) if plan.stochastic else None,
             masters=self._masters, backend=self._backend,
-            compiled=CompiledAdamW.where_it_applies(self._inner, self._backend.device, self._config.compile_update)
+            compiled=CompiledAdamW.where_it_applies(self._inner, self._backend.device,
+                                                    self._config.compile_update)
             if self._inner_settings.may_compile else None, layouts=self._layouts)
         self._inner_step.create_state([layout.shard_numel for layout in self._layouts])
+        self._rank_state = RankState(
+            inner_step=self._inner_step, masters=self._masters, layouts=self._layouts, backend=self._backend,
+            coordinate=topology.coordinate, managed=params, param_groups=self.param_groups,
+            mixed_precision=self.mixed_precision, loss_scaler=self._scaler,
+            discard_gradients=lambda: self._grads.zero_grad(True), changed=self._state_changed)
         self._norm_buckets = {role: [b for b, layout in enumerate(self._layouts) if layout.key.role == role]
                               for role in NORM_ROLES}
         self._initialized = True
@@ -385,6 +450,61 @@ class Zero1Optimizer(RankLocalState, torch.optim.Optimizer):
         if not self._initialized:
             raise RuntimeError("this optimizer was built with lazy_init=True; call init_zero() before training or "
                                "using its state.")
+
+    # ------------------------------------------------------------------ the state dict
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (``RankState.state_dict``): the inner optimizer's state over its shards, each
+        parameter's counters, the hyperparameters, the layout it was written with, and the master shards
+        with ``use_master_weights_in_ckpt``. It loads at the same DP size and rank; ``nxd_smp.checkpoint``
+        moves across DP sizes. Parameters written in place since the last step are taken up first, so the
+        masters match the model. torch's state-dict hooks run around it: a pre-hook that returns a dict
+        gives the state dict instead (then nothing is built: a training loop's reference to a
+        checkpoint), and a post-hook may return another."""
+        state = None
+        for hook in list(self._optimizer_state_dict_pre_hooks.values()):
+            result = hook(self)
+            state = result if state is None else state
+        if state is None:
+            self.adopt_param_changes()
+            state = self.rank_state.state_dict()
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state)
+            state = state if result is None else result
+        return state
+
+    def check_state_dict(self, state_dict: Any) -> None:
+        """Raise if ``state_dict`` is not what ``state_dict()`` returns on this rank (same model,
+        layout, DP size and rank, a state the hyperparameters it installs keep); change nothing. It reads
+        and checks on this rank alone (``load_state_dict`` also has the ranks agree).
+
+        Raises:
+            CheckpointError (a ``ValueError``): naming every way it does not fit, and the fix.
+        """
+        self._require_initialized()
+        rank_state.load(self, state_dict, install=False)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what ``state_dict()`` returned on the same rank at the same DP size; every process of the
+        job calls it (the ranks agree world-wide: the tensor- and pipeline-parallel peers too). It is
+        read, checked, agreed on and installed as every checkpoint is (the checkpoint layer's pipeline):
+        if one rank's state dict does not fit, or the ranks of the data-parallel group would install
+        different hyperparameters or step counts, every rank refuses and nothing changes. With master
+        weights in it the parameters become ``master.to(param dtype)``; without, the masters are rebuilt
+        at the next step from the parameters loaded by then (a warning says precision was lost).
+        torch's load-state-dict hooks run around it; a pre-hook that installs the state itself returns
+        ``STATE_LOADED``.
+
+        Raises:
+            CheckpointError (a ``ValueError``): the state dict does not fit, naming how.
+        """
+        self._require_initialized()
+        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):  # (a hook may add one)
+            result = hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        if state_dict is not STATE_LOADED:
+            rank_state.load(self, state_dict, install=True)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     # ------------------------------------------------------------------ the step
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:

@@ -70,12 +70,12 @@ def test_while_the_reference_is_held_the_state_dict_builds_no_copy_of_the_state(
     model, opt = trained()
     save_beside(tmp_path, model, opt)
     built = []
-    real = nxd_smp.optim.rank_state.rank_state
-    monkeypatch.setattr(nxd_smp.optim.rank_state, "rank_state", lambda o: built.append(o) or real(o))
+    real = nxd_smp.optim.rank_state.RankState.state_dict
+    monkeypatch.setattr(nxd_smp.optim.rank_state.RankState, "state_dict", lambda held: built.append(held) or real(held))
     assert is_reference(opt.state_dict()) and built == []  # (with the masters it would clone them all)
     model(torch.randn(4, 8).bfloat16()).float().pow(2).mean().backward()
     opt.step()
-    assert not is_reference(opt.state_dict()) and built == [opt]
+    assert not is_reference(opt.state_dict()) and built == [opt.rank_state]
 
 
 def test_load_beside_restores_what_was_saved_and_then_accepts_the_reference(tmp_path):

@@ -228,7 +228,7 @@ def code_lines(pattern: str) -> dict[str, list[int]]:
     ("a DCP index unpickled", r"kind=\"dcp_metadata\"\)", ["checkpointing/dcp_index.py"]),
     ("a typed-JSON value decoded", r"\bdecode\(loads\(", ["checkpointing/smp_format.py"]),
     ("a staged state checked", r"\bcheck\(staged, targets\)", ["checkpointing/pipeline.py"]),
-    ("a checked state installed into the optimizer", r"\.install_local\(", ["checkpointing/install.py"]),
+    ("a checked state installed into the optimizer", r"\.rank_state\.install\(", ["checkpointing/install.py"]),
     ("a load's stages run (read, check, agree, install)", r"\bagree\(.*world_coordinator", ["checkpointing/pipeline.py"]),
     ("a state's keys probed from its optimizer class", r"def state_kinds\b", ["optim/state_fit.py"]),
     ("a gradient reduced at step time, outside the backend's collectives", r"\.reduce_scatter\(", ["grad_accum.py"]),

@@ -44,7 +44,7 @@ def install(staged: Staged, plan: Plan, targets: Targets) -> Callable[[], None]:
     try:
         undos.append(load_objects(targets.objects, staged.objects, staged.where("objects")))
         if targets.zero1 is not None:
-            undos.append(targets.zero1.install_local(
+            undos.append(targets.zero1.rank_state.install(
                 _bucket_state(staged.optimizer, plan, targets), [g for g in staged.optimizer.groups],
                 staged.optimizer.scaler if targets.zero1.loss_scaler is not None else None,
                 _param_counters(staged.optimizer, plan, targets)))
@@ -71,7 +71,7 @@ def commit(staged: Staged, plan: Plan, targets: Targets) -> None:
                 target.update(staged.fill[name])  # NxD's way: every saved entry set, in place
     zero1 = targets.zero1
     if zero1 is not None:
-        zero1.finish_install(_masters(staged.optimizer, targets), rebuild=targets.rebuild_masters,
+        zero1.rank_state.finish(_masters(staged.optimizer, targets), rebuild=targets.rebuild_masters,
                              discard_gradients=targets.discard_gradients)
 
 

@@ -537,7 +537,8 @@ def entries_to_save(model: nn.Module, optimizer: Zero1Optimizer | None, with_mas
     live = [(b, key, value) for b, shard in enumerate(shards) for key, value in inner.state.get(shard, {}).items()]
     live += [(b, None, master) for b, master in enumerate(optimizer.master_shards)] if with_masters else []
     # each parameter's own counters, where they are not its bucket's (``optim.step_counters``)
-    own = [(i, key, value) for i in range(len(names)) for key, value in (optimizer.param_counters(i) or {}).items()
+    held = optimizer.rank_state
+    own = [(i, key, value) for i in range(len(names)) for key, value in (held.param_counters(i) or {}).items()
            if isinstance(value, torch.Tensor)]
     host, copied_shards = backend.to_host([value for _, _, value in live] + [value for _, _, value in own])
     shard_state: list[dict[Any, torch.Tensor]] = [{} for _ in shards]
