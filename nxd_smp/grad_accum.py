@@ -12,6 +12,11 @@ Three sources, one per way the gradient is accumulated (the precision plan says 
 * ``ShardedMainGrads`` (``use_sharded_grad_acc``): only this rank's shard of the fp32 sum, each
   bucket reduce-scattered from the hooks as soon as backward has produced it.
 
+A fourth, ``ReplicatedGrads``, serves NxD's trainer wrapper with ZeRO-1 off: there a plain optimizer
+steps every parameter on every rank, so the gradient stays whole in ``.grad`` and is all-reduced in
+place, in NxD's order, through the same topology; the norm and the clip then run as every other
+source's (``Topology.global_norm`` by norm role, ``optim.norm``'s coefficient).
+
 With fp32 accumulation a post-accumulate-grad hook adds each micro-batch's gradient into
 the parameter's ``main_grad`` and frees ``param.grad``, so the low-precision gradient lives
 only for the duration of one backward (a torch ``clip_grad_norm_`` that then finds no ``.grad``
@@ -31,7 +36,7 @@ from __future__ import annotations
 import weakref
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -42,6 +47,8 @@ from .core.dtensors import local_grad, local_shape
 from .core.layout import BucketLayout
 from .core.memory import staggered_empty
 from .optim.clip_watch import ClipWatch
+from .optim.norm import NORM_ROLES, norm_role
+from .optim.param_groups import sequence_parallel_marked
 from .optim.precision import PrecisionPlan
 from .optim.topology import Topology
 
@@ -134,7 +141,10 @@ class AutogradGrads(GradientSource):
     wire dtype (a parameter without a gradient, and the padding, zero)."""
 
     def reduce(self) -> list[torch.Tensor]:
-        flats = [flatten_grads(self._params, layout, wire) for layout, wire in zip(self._layouts, self._wire)]
+        device = self._backend.device
+        flats = [concat_bucket(layout, [None if (p := self._params[i]).grad is None else local_grad(p, p.grad)
+                                        for i in layout.param_indices], wire, device)
+                 for layout, wire in zip(self._layouts, self._wire)]
         return self._in_master_dtype(self._reduce_flat(flats, [None] * len(flats)))
 
 
@@ -252,8 +262,9 @@ class MainGradBuffers(GradientSource):
 def concat_bucket(layout: BucketLayout, parts: Sequence[torch.Tensor | None], dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor:
     """Bucket ``layout``'s flat, padded tensor of ``dtype`` as one concatenation of ``parts``
-    (per parameter its tensor, or None for zeros); on XLA one concatenation beats slice
-    updates of a large buffer, which would each copy it."""
+    (per parameter its tensor, or None for zeros): the one flattener of every source that builds a
+    bucket at step time (on XLA one concatenation beats slice updates of a large buffer, which would
+    each copy it; on eager devices it is one pass, as the copies into a zeroed buffer were)."""
     flat = [
         torch.zeros(n, dtype=dtype, device=device) if part is None else part.reshape(-1).to(dtype)
         for part, n in zip(parts, layout.numels)
@@ -477,18 +488,34 @@ class ShardedMainGrads(GradientSource):
         return self._sums[b]
 
 
-def flatten_grads(
-    params: Sequence[torch.Tensor], layout: BucketLayout, dtype: torch.dtype
-) -> torch.Tensor:
-    """A new flat buffer (``layout.padded_numel`` elements of ``dtype``) holding the
-    ``.grad`` of the bucket's parameters; a parameter without a gradient and the padding
-    are zero."""
-    first = params[layout.param_indices[0]]
-    flat = torch.zeros(layout.padded_numel, dtype=dtype, device=first.device)
-    for i, index in enumerate(layout.param_indices):
-        grad = params[index].grad
-        grad = None if grad is None else local_grad(params[index], grad)
-        if grad is not None:
-            start, end = layout.param_range(i)
-            flat[start:end].copy_(grad.reshape(-1))
-    return flat
+class ReplicatedGrads:
+    """The gradient of a plain (unsharded) optimizer under NxD's trainer wrapper with ZeRO-1 off: every
+    rank holds the whole gradient in ``.grad``, all-reduced in place.
+
+    Args:
+        param_groups: returns the optimizer's param groups (asked at each step: a load or an added
+            group may replace them; the parameters with a ``.grad`` then are reduced).
+        topology: the groups.
+    """
+
+    def __init__(self, param_groups: Callable[[], Sequence[dict]], topology: Topology):
+        self._groups = param_groups
+        self._topology = topology
+
+    @torch.no_grad()
+    def reduce(self) -> dict[str, list[torch.Tensor]]:
+        """Every ``.grad`` reduced in place in NxD's order: the mean over context parallelism, the sum over
+        tensor parallelism of the parameters marked ``sequence_parallel_enabled``, the data-parallel
+        mean (bucketed, last parameters first). Returns them by norm role (``optim.norm.norm_role``)."""
+        with_grad = [p for group in self._groups() for p in group["params"] if p.grad is not None]
+        grads = [p.grad for p in with_grad]
+        self._topology.sum_model_parallel_(grads, [sequence_parallel_marked(p) for p in with_grad], per_parameter=True)
+        data = self._topology.data
+        if data.world_size > 1:
+            torch._foreach_div_(grads, float(data.world_size))
+            data.all_reduce_many_(grads[::-1])
+        pipeline = bool(self._topology.pipeline)
+        by_role: dict[str, list[torch.Tensor]] = {role: [] for role in NORM_ROLES}
+        for p in with_grad:
+            by_role[norm_role(p, pipeline_parallel=pipeline)].append(p.grad)
+        return by_role

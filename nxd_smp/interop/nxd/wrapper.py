@@ -21,7 +21,8 @@ import torch
 from ...backend import GroupSpec, NormGroupSpec
 from ...core.errors import ConfigError
 from ...mixed_precision_config import MixedPrecisionConfig, OptimizerConfig
-from ...optim.norm import NORM_ROLES, clip_coefficient, norm_role
+from ...grad_accum import ReplicatedGrads
+from ...optim.norm import NORM_ROLES, clip_coefficient
 from ...optim.param_groups import (
     check_optimizer_class,
     inner_hyperparameters,
@@ -153,6 +154,7 @@ class NxDOptimizer(torch.optim.Optimizer):
             raise ConfigError(missing_groups(["context_parallel_groups=<the context-parallel groups> "
                                               f"(context_parallel_size={nxd_config['context_parallel_size']})"]))
         self._topology = topology
+        self._grads = ReplicatedGrads(lambda: self.param_groups, topology)
         self._plan = PrecisionPlan.resolve(MixedPrecisionConfig(False, False), backend=topology.data)
 
     def __repr__(self) -> str:
@@ -247,33 +249,17 @@ class NxDOptimizer(torch.optim.Optimizer):
             loss = self.optimizer.step(closure, **kwargs)
             self._grad_norm = self.optimizer.grad_norm
             return loss
-        with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        grads = [p.grad for p in with_grad]
-        # 1. the mean over context parallelism; 2. the sum over tensor parallelism of the marked ones
-        self._topology.sum_model_parallel_(grads, [sequence_parallel_marked(p) for p in with_grad], per_parameter=True)
-        data = self._topology.data
-        if data.world_size > 1:  # 3. the data-parallel mean, last parameters first
-            torch._foreach_div_(grads, float(data.world_size))
-            data.all_reduce_many_(grads[::-1])
-        self._grad_norm = self._clip()
-        return self.optimizer.step(closure, **kwargs)  # 4.
-
-    def _clip(self) -> torch.Tensor:
-        """The norm of ``.grad`` over the model (tensor- and pipeline-parallel groups), fp32,
-        before clipping; the gradients clipped at ``max_grad_norm`` where clipping is on."""
-        pipeline = bool(self._topology.pipeline)
-        by_role: dict[str, list[torch.Tensor]] = {role: [] for role in NORM_ROLES}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    by_role[norm_role(p, pipeline_parallel=pipeline)].append(p.grad)
+        # 1.-3. the context-, sequence- and data-parallel reductions of .grad (its gradient source), the
+        # norm over the model and the clip, as every source's
+        by_role = self._grads.reduce()
         grads = [g for role in NORM_ROLES for g in by_role[role]]
         device = grads[0].device if grads else torch.device("cpu")
         norm = self._topology.global_norm(by_role, sharded=False, dtype=self._plan.norm, device=device)
         coef = clip_coefficient(norm, self._grad_clipping, self._max_norm)
         if grads and coef is not None:
             torch._foreach_mul_(grads, coef.to(grads[0].device))
-        return norm
+        self._grad_norm = norm
+        return self.optimizer.step(closure, **kwargs)  # 4.
 
 
 class ClippedOptimizer(NxDOptimizer):
