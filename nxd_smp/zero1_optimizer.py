@@ -156,17 +156,11 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
         groups, group_choices = group_kernel_choices(optimizer_class, normalize_param_groups(params))
         self._managed, device = managed_params(groups)
-        if topology is None:
-            topology = Topology.build(device, data=process_group, tensor=grad_norm_groups, pipeline=pipeline_groups,
-                                      context=context_parallel_groups, sequence_parallel=sequence_parallel,
-                                      device_mesh=device_mesh, params=self._managed, owner=type(self).__name__,
-                                      pin_layout=config.pin_layout)
-        elif not isinstance(topology, Topology) or any(g is not None for g in (
-                process_group, grad_norm_groups, pipeline_groups, context_parallel_groups, device_mesh)):
-            raise TypeError("topology must be a Topology, given instead of process_group, grad_norm_groups, "
-                            "pipeline_groups, context_parallel_groups and device_mesh (not beside them).")
-        self._topology = topology
-        self._backend = topology.data
+        self._topology = Topology.build(
+            device, data=process_group, tensor=grad_norm_groups, pipeline=pipeline_groups,
+            context=context_parallel_groups, sequence_parallel=sequence_parallel, device_mesh=device_mesh,
+            params=self._managed, owner=type(self).__name__, pin_layout=config.pin_layout, given=topology)
+        self._backend = self._topology.data
         self._plan = PrecisionPlan.resolve(config.mixed_precision, backend=self._backend,
                                            param_dtypes={p.dtype for p in self._managed},
                                            reduce_dtype=config.reduce_dtype, stochastic_rounding=stochastic_rounding)

@@ -653,3 +653,21 @@ def test_zero1_state_equals_the_plain_optimizers_after_a_step():
         torch.testing.assert_close(buffer[start:end], plain.state[p]["momentum_buffer"].reshape(-1))
     for a, b in zip(layer.parameters(), plain_layer.parameters()):
         torch.testing.assert_close(a, b)
+
+
+def test_groups_come_one_way_resolved_in_one_place():
+    """``topology=`` (the groups as one ``Topology``) is taken as it is by the optimizer and NxD's ZeRO-1-off
+    wrapper alike, and refused beside any group keyword or as anything but a Topology (``Topology.build``)."""
+    from nxd_smp import ClippedOptimizer
+    from nxd_smp.optim.topology import Topology
+
+    given = Topology.build(torch.device("cpu"))
+    model = torch.nn.Linear(4, 4)
+    assert Zero1Optimizer(model.parameters(), torch.optim.AdamW, topology=given, lr=1e-3).topology is given
+    clipped = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), topology=given)
+    assert clipped._topology is given
+    for wrong in ({"topology": given, "grad_norm_groups": [None]}, {"topology": "dp"}):
+        with pytest.raises(TypeError, match="topology must be a Topology"):
+            Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, **wrong)
+    with pytest.raises(TypeError, match="topology must be a Topology"):
+        ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), topology=given, pipeline_groups=[None])

@@ -80,9 +80,12 @@ class Topology:
         params: Sequence[torch.Tensor] = (),
         owner: str = "Zero1Optimizer",
         pin_layout: bool = True,
+        given: "Topology | None" = None,
     ) -> "Topology":
         """The topology of groups given in any form (None, a process group, a list of process
-        groups, torch_xla replica groups) for parameters on ``device``. ``sequence_parallel``:
+        groups, torch_xla replica groups) for parameters on ``device``: the one place every way of
+        passing groups is resolved (a caller's ``topology=`` arrives as ``given``, returned as it is,
+        and refused beside any group). ``sequence_parallel``:
         sum the gradients of ``params`` marked ``sequence_parallel_enabled`` over the
         tensor-parallel groups (off when none is marked).
 
@@ -98,6 +101,13 @@ class Topology:
                 parallelism without its data-parallel group named).
             ConfigError: sequence parallelism with marked parameters and no tensor-parallel group.
         """
+        if given is not None:
+            if not isinstance(given, Topology) or any(g is not None for g in (data, tensor, pipeline, context,
+                                                                              device_mesh)):
+                raise TypeError(f"{owner}'s topology must be a Topology, given instead of process_group, "
+                                f"grad_norm_groups, pipeline_groups, context_parallel_groups and device_mesh (not "
+                                f"beside them).")
+            return given
         if device_mesh is not None:
             if data is not None or tensor is not None:
                 raise TypeError("device_mesh names the data- and tensor-parallel groups; pass it instead of "

@@ -139,17 +139,13 @@ class NxDOptimizer(torch.optim.Optimizer):
                 "Zero1Optimizer; set zero_one_enabled=True, or pass a plain torch optimizer."
             )
         self._grad_clipping, self._max_norm = opt_cfg.grad_clipping, opt_cfg.max_grad_norm
-        if topology is None:
-            device = self.params[0].device if self.params else torch.device("cpu")
-            tensor_parallel_size = nxd_config.get("tensor_parallel_size")
-            topology = Topology.build(
-                device, data=process_group, tensor=grad_norm_groups, pipeline=pipeline_groups,
-                context=context_parallel_groups, params=self.params, owner="NxDOptimizer",
-                # an NxD config at tensor-parallel size 1 without a group: nothing to sum over
-                sequence_parallel=sequence_parallel and not (grad_norm_groups is None and tensor_parallel_size == 1))
-        elif groups_given and topology is not None and any(
-                g is not None for g in (process_group, grad_norm_groups, pipeline_groups, context_parallel_groups)):
-            raise TypeError("pass the groups as topology= or as the group keywords, not both.")
+        device = self.params[0].device if self.params else torch.device("cpu")
+        topology = Topology.build(
+            device, data=process_group, tensor=grad_norm_groups, pipeline=pipeline_groups,
+            context=context_parallel_groups, params=self.params, owner="NxDOptimizer", given=topology,
+            # an NxD config at tensor-parallel size 1 without a group: nothing to sum over
+            sequence_parallel=sequence_parallel and not (grad_norm_groups is None
+                                                         and nxd_config.get("tensor_parallel_size") == 1))
         if nxd_config.get("context_parallel_size", 1) > 1 and topology.context_size == 1:
             raise ConfigError(missing_groups(["context_parallel_groups=<the context-parallel groups> "
                                               f"(context_parallel_size={nxd_config['context_parallel_size']})"]))
