@@ -4,7 +4,7 @@
 Every figure the README quotes comes from one of those files: this prints the table from them,
 and ``--check README.md`` says whether the README's table is that table; ``--check-results
 docs/results.md`` whether that page shows each benchmark's command and its report as the script
-printed it (the ``command`` and ``report`` of each JSON file). ``tests/test_scripts.py`` runs both checks, so a figure cannot be
+printed it (the ``command`` and ``report`` of each JSON file). ``tests/integration/test_scripts.py`` runs both checks, so a figure cannot be
 typed in by hand or outlive a rerun.
 
     python scripts/results_table.py                   # print the table

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_dtensor.py: torch's tensor parallelism (DTensor, ``parallelize_module``)
+"""Rank functions for tests/integration/test_dtensor.py: torch's tensor parallelism (DTensor, ``parallelize_module``)
 with ZeRO-1 over the mesh's ``dp`` dimension, and NxD's hand-split tensor parallelism beside it.
 
 The mesh is ``(dp, tp)``: global rank ``2 * dp + tp`` for TP 2. Every rank of a data-parallel rank

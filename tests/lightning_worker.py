@@ -1,4 +1,4 @@
-"""PyTorch Lightning runs for tests/test_lightning.py, launched as its users launch them
+"""PyTorch Lightning runs for tests/integration/test_lightning.py, launched as its users launch them
 (``torchrun --nproc-per-node N -m tests.lightning_worker OUT MODE``: Lightning's DDP strategy finds
 torchrun's environment). Rank 0 writes what the test compares to its fp32 reference (OUT, torch.save).
 

@@ -1,4 +1,4 @@
-"""What the gloo ranks of tests/test_nxd_trainer.py run, and the plain fp32 reference they are
+"""What the gloo ranks of tests/integration/test_nxd_trainer.py run, and the plain fp32 reference they are
 compared with.
 
 The model is a transformer block's parameters as NxD's layers mark them: a LayerNorm weight

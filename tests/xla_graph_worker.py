@@ -1,4 +1,4 @@
-"""Child process of tests/test_xla_graphs.py: trains a bf16 MLP with nxd_smp on the XLA CPU device
+"""Child process of tests/integration/test_xla_graphs.py: trains a bf16 MLP with nxd_smp on the XLA CPU device
 at DP 1 in each loop shape in turn, with XLA's optimized HLO dumped to a folder, and saves what the
 parent checks: how many graphs XLA had dumped when each shape ended, the bucket sizes."""
 

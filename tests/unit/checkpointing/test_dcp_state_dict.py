@@ -1,0 +1,196 @@
+"""torch's distributed state-dict API and checkpoint (``get_optimizer_state_dict``,
+``set_optimizer_state_dict``, ``dcp.save``/``dcp.load``/``dcp.async_save``) over a ``Zero1Optimizer``,
+as TorchTitan, torchtune and Lightning's FSDP strategy call them.
+
+The oracle of a resume is the uninterrupted run itself: the same global batch at every DP size (as
+``test_checkpoint`` trains), so a run saved at DP 2 and resumed at DP 3 through DCP ends where the
+uninterrupted one does, within rounding, and at DP 2 bit for bit. The test is calibrated: a resume
+that loads the model but not the optimizer's state lands outside the same tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+
+from nxd_smp import CheckpointError, MixedPrecisionConfig, Zero1Optimizer
+from nxd_smp.core.flat_shard import FlatShard
+from tests.distributed import run_ranks
+from tests.oracle import assert_params_close, make_model, param_groups
+from tests.unit.checkpointing.test_checkpoint import build, params_of, train
+
+
+def snapshot(model, opt) -> dict:
+    return copy.deepcopy({"params": params_of(model), "masters": list(opt.master_shards),
+                          "inner": opt.inner_optimizer.state_dict()["state"],
+                          "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]})
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+# ---------------------------------------------------------------- no framework call changes the state
+@pytest.mark.parametrize("steps", [0, 2])
+def test_the_state_dict_api_never_steps_the_optimizer(steps):
+    """torch's ``_init_optim_state`` steps an optimizer whose ``state`` is empty (with zero gradients and
+    lr 0) before reading it: the state exists from construction, so nothing moves, not even the
+    gradient accumulated since the last step."""
+    model, opt = build()
+    train(model, opt, steps, 0)
+    assert len(opt.state) == len(opt.managed_params) and all(opt.state[p] for p in opt.managed_params)
+    from tests.oracle import batch, loss_fn
+
+    x, y = batch(0, 0, 9, 0)
+    loss_fn(model, x, y).backward()  # an accumulation in flight
+    accumulated = {n: opt.main_grad(p).clone() for n, p in model.named_parameters() if p.requires_grad}
+    before = snapshot(model, opt)
+    state = get_optimizer_state_dict(model, opt)
+    set_optimizer_state_dict(model, opt, state)
+    after = snapshot(model, opt)
+    assert [k for k in before if not same(before[k], after[k])] == []
+    assert all(torch.equal(opt.main_grad(p), accumulated[n]) for n, p in model.named_parameters() if p.requires_grad)
+
+
+def test_the_state_dict_is_torchs_shape_keyed_by_name_for_the_api():
+    model, opt = build()
+    train(model, opt, 1, 0)
+    state = get_optimizer_state_dict(model, opt)
+    managed = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(state["state"]) == managed and set(state) == {"state", "param_groups"}
+    weight = state["state"]["lin1.weight"]
+    assert isinstance(weight["exp_avg"], FlatShard) and weight["exp_avg"].shape == model.lin1.weight.shape
+    assert weight["step"].dim() == 0 and float(weight["step"]) == 1
+    assert torch.equal(weight["master"].local.view(model.lin1.weight.shape).bfloat16(), model.lin1.weight)
+
+
+def test_the_state_dict_hands_out_copies_and_torch_save_loads_it_weights_only():
+    """What ``state_dict()`` hands out is written in place by ``dcp.load``: a copy, never the live state.
+    ``torch.save`` writes plain tensors, which ``torch.load(weights_only=True)`` reads back anywhere."""
+    model, opt = build()
+    train(model, opt, 2, 0)
+    before = snapshot(model, opt)
+    state = opt.state_dict()
+    for entry in state["state"].values():
+        for value in entry.values():
+            (value.local if isinstance(value, FlatShard) else value).fill_(7.0)
+    assert same(before, snapshot(model, opt))
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert all(type(v) is torch.Tensor for entry in loaded["state"].values() for v in entry.values())
+    train(model, opt, 1, 2)
+    opt.load_state_dict(loaded)
+    assert same(before["masters"], list(opt.master_shards)) and same(before["inner"],
+                                                                    opt.inner_optimizer.state_dict()["state"])
+
+
+def test_a_state_of_another_range_or_shape_is_refused_without_changes():
+    model, opt = build()
+    train(model, opt, 1, 0)
+    before = snapshot(model, opt)
+    state = get_optimizer_state_dict(model, opt)
+    moved = state["state"]["lin1.weight"]["exp_avg"]
+    state["state"]["lin1.weight"]["exp_avg"] = FlatShard(moved.local[1:], moved.start + 1, moved.local_shape)
+    with pytest.raises(CheckpointError, match=r"lin1\.weight|elements"):
+        set_optimizer_state_dict(model, opt, state)
+    state = opt.state_dict()
+    state["state"][0]["exp_avg"] = torch.zeros(3)  # a plain tensor of another length
+    with pytest.raises(CheckpointError, match="elements"):
+        opt.load_state_dict(state)
+    assert same(before, snapshot(model, opt))
+
+
+# ---------------------------------------------------------------- dcp.save / dcp.load across DP sizes
+def dcp_save_then_continue(rank, world_size, path, async_save=False):
+    model, opt = build(seed=0)
+    train(model, opt, 3, 0, rank, world_size)
+    model_state, optim_state = get_state_dict(model, opt)
+    if async_save:
+        # (its own group, as TorchTitan gives it: the background write's collectives never meet the step's)
+        group = torch.distributed.new_group(backend="gloo")
+        future = dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=path, process_group=group)
+        train(model, opt, 2, 3, rank, world_size)  # training goes on while the checkpoint is written
+        future.result()
+    else:
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        train(model, opt, 2, 3, rank, world_size)
+    return params_of(model)
+
+
+def dcp_load_then_continue(rank, world_size, path, optimizer=True):
+    model, opt = build(seed=5)  # everything must come from the checkpoint
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, **({"optim": optim_state} if optimizer else {})}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state.get("optim", {})) \
+        if optimizer else model.load_state_dict(state["model"])
+    if not optimizer:
+        opt.rebuild_master_from_params()
+    train(model, opt, 2, 3, rank, world_size)
+    return params_of(model)
+
+
+@pytest.fixture(scope="module")
+def dcp_dp2_run(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("dcp") / "ckpt")
+    return path, run_ranks(2, dcp_save_then_continue, path)
+
+
+def test_dcp_resume_at_the_same_dp_size_is_bit_exact(dcp_dp2_run):
+    path, uninterrupted = dcp_dp2_run
+    resumed = run_ranks(2, dcp_load_then_continue, path)
+    for rank in range(2):
+        assert all(torch.equal(resumed[rank][n], v) for n, v in uninterrupted[rank].items()), rank
+
+
+def test_dcp_resume_from_dp2_at_dp3_matches_within_rounding_and_not_without_the_optimizer(dcp_dp2_run):
+    path, uninterrupted = dcp_dp2_run
+    resumed = run_ranks(3, dcp_load_then_continue, path)
+    assert_params_close(resumed[0], uninterrupted[0], max_ulp=2, max_flip_fraction=0.05)
+    model_only = dcp_load_then_continue(0, 1, path, optimizer=False)  # calibration: fresh moments
+    with pytest.raises(AssertionError):
+        assert_params_close(model_only, uninterrupted[0], max_ulp=2, max_flip_fraction=0.05)
+
+
+def test_dcp_async_save_at_dp3_resumes_at_dp1(tmp_path):
+    path = str(tmp_path / "ckpt")
+    uninterrupted = run_ranks(3, dcp_save_then_continue, path, True)
+    resumed = run_ranks(1, dcp_load_then_continue, path)
+    assert_params_close(resumed[0], uninterrupted[0], max_ulp=2, max_flip_fraction=0.05)
+
+
+def test_save_and_load_must_agree_on_masters(tmp_path):
+    """"Masters when asked" is one setting on both sides: a checkpoint saved without masters, loaded into
+    an optimizer that keeps them in its state dict, is DCP's own missing-key error, and nothing is installed."""
+    model = make_model(0)
+    opt = Zero1Optimizer(param_groups(model, lr_a=1e-2, lr_b=3e-2), torch.optim.AdamW, compile_update=False,
+                         mixed_precision=MixedPrecisionConfig(use_master_weights_in_ckpt=False))
+    train(model, opt, 1, 0)
+    state = get_optimizer_state_dict(model, opt)
+    assert all("master" not in entry for entry in state["state"].values())
+    dcp.save({"optim": state}, checkpoint_id=str(tmp_path / "ckpt"))
+    model2, opt2 = build(seed=5)
+    before = snapshot(model2, opt2)
+    template = {"optim": get_optimizer_state_dict(model2, opt2)}
+    with pytest.raises(BaseException, match="master"):  # (DCP's own: a RuntimeError, or on torch 2.13 its
+        # CheckpointException, a BaseException, naming the key)
+        dcp.load(template, checkpoint_id=str(tmp_path / "ckpt"))
+    assert same(before, snapshot(model2, opt2))
