@@ -135,6 +135,7 @@ class EagerBackend(Backend):
             self.rank, self.world_size = 0, 1
         self._flat_params: list[torch.Tensor] = []
         self._params: list[torch.Tensor] = []
+        self._home_pointers: list[int] = []  # where each parameter's storage starts in its flat buffer
         self._homes: dict[int, torch.Tensor] = {}  # parameter index -> its slice of a flat buffer
         self._coordinator: Coordinator | None = None
         self._world_coordinator: Coordinator | None = None
@@ -207,6 +208,7 @@ class EagerBackend(Backend):
                 params[index].data = flat[start:end].view(params[index].shape)
                 self._homes[index] = flat[start:end]
             self._flat_params.append(flat)
+        self._home_pointers = [self._homes[i].data_ptr() for i in range(len(self._params))]
 
     def param_shard(self, b: int) -> torch.Tensor:
         return self._shard(self._flat_params[b])
@@ -227,10 +229,13 @@ class EagerBackend(Backend):
         (``model.to(torch.device("cpu", 0))``, which the Trainer and accelerate call under
         torchrun, copies every CPU tensor; ``load_state_dict(assign=True)``) go back into their
         flat buffer with their new values; returns their indices."""
+        pointers = list(map(torch.Tensor.data_ptr, self._params))
+        if pointers == self._home_pointers:
+            return []  # (every step but one after model.to(...) or an assign)
         adopted = []
         for i, p in enumerate(self._params):
             home = self._homes[i]
-            if p.data_ptr() == home.data_ptr():
+            if pointers[i] == self._home_pointers[i]:
                 continue
             if p.dtype != home.dtype or p.device != home.device:
                 raise RuntimeError(

@@ -31,6 +31,7 @@ would be wrong: ``FrozenParams.now`` refuses the step.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -38,6 +39,8 @@ import torch
 
 from ..backend import Backend
 from ..core.layout import BucketLayout
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 #: Named tensors of this rank's shard of one bucket, whose frozen elements a step keeps.
 Targets = Callable[[int], dict[str, torch.Tensor]]
@@ -165,9 +168,9 @@ class FrozenParams:
                     f"optimizer cannot train it. Build the optimizer after unfreezing it (or pass every parameter "
                     f"that will train with requires_grad=True at the build, and freeze it afterwards)."
                 )
+        if all(map(_REQUIRES_GRAD, self._managed)):
+            return None  # (the common case: one attribute read per parameter)
         frozen = tuple(i for i, p in enumerate(self._managed) if not p.requires_grad)
-        if not frozen:
-            return None
         if self._last is None or self._last.frozen != frozen:
             self._last = FrozenElements(layouts, frozen, backend)
         return self._last

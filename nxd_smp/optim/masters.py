@@ -22,6 +22,8 @@ built over the whole bucket and cut with ``local_shard``.
 
 from __future__ import annotations
 
+import operator
+
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +35,9 @@ from ..core.memory import staggered_empty
 from .frozen import bucket_mask
 from .precision import PrecisionPlan
 from .rounding import join_master, split_master
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 class MasterWeights:
@@ -106,16 +111,27 @@ class MasterWeights:
                 for b, shard in enumerate(self.shards):
                     shard.data = self._join(b)
 
+    def _read_versions(self) -> list[int] | list[tuple[int, int]]:
+        """torch's in-place write counters of the parameters (one per parameter where the user writes the
+        tensors held, else the pair: a DTensor and its local part count their own writes). Read at every
+        step: one attribute per parameter, no more."""
+        if self._written_through is self._params:
+            return list(map(_VERSION, self._params))
+        return list(zip(map(_VERSION, self._written_through), map(_VERSION, self._params)))
+
     def record_versions(self) -> None:
         """What the parameters hold now is what the masters say (the optimizer wrote it)."""
-        self._versions = [(w._version, p._version) for w, p in zip(self._written_through, self._params)]
+        self._versions = self._read_versions()
 
     def changed(self) -> list[int]:
         """Parameters written in place since ``record_versions``, or whose storage was replaced
         and taken back (``Backend.adopt_param_storage``)."""
-        adopted = set(self._backend.adopt_param_storage())
-        return [i for i, (w, p) in enumerate(zip(self._written_through, self._params))
-                if i in adopted or (w._version, p._version) != self._versions[i]]
+        adopted = self._backend.adopt_param_storage()
+        versions = self._read_versions()
+        if not adopted and versions == self._versions:
+            return []  # (every step but one after an outside write)
+        adopted = set(adopted)
+        return [i for i, (now, then) in enumerate(zip(versions, self._versions)) if i in adopted or now != then]
 
     def publish(self) -> None:
         """The parameters become the masters (cast, gathered on every rank); with remainders
