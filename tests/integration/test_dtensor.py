@@ -57,15 +57,15 @@ def test_nxd_hand_split_and_dtensor_train_to_the_same_numbers(four):
 def test_what_a_mesh_build_refuses(two):
     got = two[0]["refusals"]
     kind, message = got["fsdp"]
-    assert kind == "ValueError" and "fully_shard" in message and "export-torch" in message
+    assert kind == "ConfigError" and "fully_shard" in message and "export-torch" in message
     assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in message
     kind, message = got["tp_no_dp"]
-    assert kind == "ValueError" and "device_mesh=mesh" in message
+    assert kind == "ConfigError" and "device_mesh=mesh" in message
     kind, message = got["names"]
-    assert kind == "ValueError" and "'dp'" in message and "replicas" in message
+    assert kind == "ConfigError" and "'dp'" in message and "replicas" in message
     assert got["beside"][0] == "TypeError"
     assert got["tp_only"] == got["dp_mesh"] == (1, 2)  # device_mesh=mesh, or process_group=mesh["dp"]
-    assert got["2d_mesh"][0] == "ValueError" and "mesh['dp']" in got["2d_mesh"][1]
+    assert got["2d_mesh"][0] == "ConfigError" and "mesh['dp']" in got["2d_mesh"][1]
 
 
 def test_steps_raise_no_warning(two):
