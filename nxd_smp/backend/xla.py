@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..core.errors import ConfigError
 from ..core.layout import BucketLayout
 from ..core.environment import XLA_DOWNCAST_BF16, XLA_USE_BF16, xla_bf16_variable
 from .base import Backend, GroupSpec, PendingShard, check_replica_groups, is_replica_groups, replica_partition
@@ -103,7 +104,7 @@ def _replica_groups(group: GroupSpec, world_size: int) -> list[list[int]]:
     if is_replica_groups(group):
         return check_replica_groups(group, world_size)
     if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(
+        raise ConfigError(
             "this process is not a member of the given process group (torch.distributed.new_group "
             "returned NON_GROUP_MEMBER here); pass the data-parallel group that contains this rank."
         )
@@ -156,7 +157,7 @@ class XlaBackend(Backend):
         self.device = device
         me, world = xr.global_ordinal(), xr.world_size()
         if dist.is_available() and dist.is_initialized() and dist.get_rank() != me:
-            raise ValueError(
+            raise ConfigError(
                 f"torch.distributed rank {dist.get_rank()} is XLA replica {me}: the process group's "
                 f"ranks cannot name replicas. Initialise it with init_process_group('xla', "
                 f"init_method='xla://'), or pass replica groups (lists of XLA ordinals)."
@@ -164,7 +165,7 @@ class XlaBackend(Backend):
         self.groups = _replica_groups(group, world)
         mine = [g for g in self.groups if me in g]
         if not mine:
-            raise ValueError(
+            raise ConfigError(
                 f"this process (ordinal {me}) is in none of the replica groups {self.groups}; "
                 f"pass groups that cover every rank."
             )
