@@ -43,11 +43,11 @@ train: $(STAMP)
 
 # Two workers (2 cores); a module's tests stay on one worker, the longest modules first (tests/conftest.py).
 test: $(STAMP)
-	$(PY) -m pytest -q tests -n 2 --dist loadscope $(ARGS)
+	$(PY) -m pytest -q tests -n 2 --dist loadscope --no-loadscope-reorder $(ARGS)
 
 # The same suite without torch-xla: its tests skip, naming `make test` as where they run.
 test-native: $(STAMP_NATIVE)
-	$(PY_NATIVE) -m pytest -q tests -n 2 --dist loadscope $(ARGS)
+	$(PY_NATIVE) -m pytest -q tests -n 2 --dist loadscope --no-loadscope-reorder $(ARGS)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_step.py $(ARGS)

@@ -31,11 +31,13 @@ def pytest_configure(config):
         "markers", "requires_xla: needs torch_xla; skipped where it is absent (make test runs it)")
 
 
-# ``make test`` runs two pytest-xdist workers with ``--dist loadscope``: a module's tests run on
-# one worker (its module-scoped fixtures, a replica child or a set of gloo ranks, are built
-# once), and the modules are handed out longest first so that no long one starts last.
-LONGEST_FIRST = ["test_benchmarks", "test_docs_snippets", "test_xla_replicas", "test_checkpoint",
-                 "test_training_loops", "test_scripts", "test_trainer_dp", "test_launch"]
+# ``make test`` runs two pytest-xdist workers with ``--dist loadscope --no-loadscope-reorder``: a
+# module's tests run on one worker (its module-scoped fixtures, a replica child or a set of gloo
+# ranks, are built once), and the modules are handed out longest first so that no long one starts
+# last (xdist would otherwise order them by their number of tests).
+LONGEST_FIRST = ["test_docs_snippets", "test_xla_replicas", "test_trainer_dp", "test_checkpoint", "test_training_loops",
+                 "test_launch", "test_param_semantics", "test_memory_options", "test_package", "test_zero1_oracle",
+                 "test_scripts"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,6 +5,7 @@ issue set, each single job in its one place, and a deliberate public surface."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import re
 import subprocess
@@ -62,6 +63,7 @@ def part_of(module: str) -> str:
     return names[0]
 
 
+@functools.cache
 def modules() -> dict[str, Path]:
     return {module_name(p): p for p in PACKAGE.rglob("*.py")}
 
@@ -91,6 +93,7 @@ def imports_of(path: Path, source: str | None = None) -> set[str]:
     return {m for m in found if m in known and m != module}
 
 
+@functools.cache
 def module_graph() -> dict[str, set[str]]:
     return {name: imports_of(path) for name, path in modules().items()}
 
@@ -202,6 +205,7 @@ def test_the_error_classes_are_defined_once_in_the_core():
     assert nxd_smp.CheckpointError is CheckpointError is errors.CheckpointError
 
 
+@functools.cache
 def code_lines(pattern: str) -> dict[str, list[int]]:
     """Where ``pattern`` matches outside comments and docstrings, by module."""
     found: dict[str, list[int]] = {}
