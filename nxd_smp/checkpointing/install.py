@@ -156,11 +156,7 @@ def _bucket_state(staged: StagedOptimizer, plan: Plan, targets: Targets) -> dict
             or (with_state[0] if with_state else None)
         if source is None:
             continue
-        entry: dict[str, Any] = {}
-        for key in plan.counters.get(source, []):
-            value = staged.state[source][key]
-            value = value.tensor if isinstance(value, Whole) else value
-            entry[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+        entry = _saved_counters(staged, plan, source)
         for key in plan.moments.get(source, []):
             values = {name: staged.state[name].get(key) for name, _ in pieces[b] if staged.state.get(name)}
             entry[key] = _shard(staged, key, values, targets, b, shard_dtypes[b], layout.shard_numel, pieces[b])
@@ -172,18 +168,17 @@ def _param_counters(staged: StagedOptimizer, plan: Plan, targets: Targets) -> li
     """Each managed parameter's counters (Adam's ``step``) as saved, None for a parameter without
     state (its bucket's where every other count is equal, else a fresh state at its next step, as
     torch.optim's): every parameter keeps its own count, as torch.optim's do."""
-    out: list[dict[str, Any] | None] = []
-    for name in targets.names():
-        saved = staged.state.get(name)
-        if not saved:
-            out.append(None)
-            continue
-        entry = {}
-        for key in plan.counters.get(name, []):
-            value = saved[key].tensor if isinstance(saved[key], Whole) else saved[key]
-            entry[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
-        out.append(entry)
-    return out
+    return [_saved_counters(staged, plan, name) if staged.state.get(name) else None for name in targets.names()]
+
+
+def _saved_counters(staged: StagedOptimizer, plan: Plan, name: str) -> dict[str, Any]:
+    """Parameter ``name``'s saved counters (the keys the check found counters), copies of its tensors."""
+    entry: dict[str, Any] = {}
+    for key in plan.counters.get(name, []):
+        value = staged.state[name][key]
+        value = value.tensor if isinstance(value, Whole) else value
+        entry[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+    return entry
 
 
 def _masters(staged: StagedOptimizer | None, targets: Targets) -> list[torch.Tensor] | None:

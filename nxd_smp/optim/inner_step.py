@@ -38,10 +38,10 @@ from typing import Any
 import torch
 
 from ..backend import Backend
+from ..core.layout import BucketLayout
 from .compiled_adamw import CompiledAdamW
 from .frozen import FrozenElements
 from .masters import MasterWeights
-from ..core.layout import BucketLayout
 from .rounding import stochastic_round
 from .state_fit import zero_state
 from .step_counters import StepCounters, is_moment
