@@ -511,8 +511,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
         ``step``. Parameters changed in place since the last step are taken up first
         (``adopt_param_changes``). Managed parameters with ``requires_grad=False`` now are left as
         they are (their masters, states, step counters and values; their gradients out of the norm),
-        as torch.optim leaves a parameter without a gradient (on XLA the ``step`` counter is their
-        bucket's and advances: ``optim.step_counters``).
+        as torch.optim leaves a parameter without a gradient (on XLA, with an inner class other than
+        Adam/AdamW in their default kernel, the ``step`` counter is their bucket's and advances:
+        ``optim.step_counters``).
 
         Under ``torch.compile`` (of ``opt.step``, or of a function that calls it) the step runs
         eagerly, as this code is written: dynamo never traces it (its collectives, host bookkeeping

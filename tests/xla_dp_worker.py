@@ -71,6 +71,14 @@ def _state_tensors(model, opt) -> list[torch.Tensor]:
     return out
 
 
+def _steps(model, opt) -> dict[str, float]:
+    """Each managed parameter's Adam ``step`` as the optimizer reports it (read after the run)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt = getattr(opt, "optimizer", opt)  # (NxD's wrapper holds the Zero1Optimizer)
+    return {names[id(p)]: float(opt.state[p]["step"]) for p in opt.managed_params
+            if "step" in opt.state.get(p, {})}
+
+
 def _aliased_since(count: int) -> int:
     """The most input buffers any graph compiled since the ``count``-th compilation donated to
     its outputs (torch_xla's ``InputOutputAliasCount``, one sample per compilation)."""
@@ -257,6 +265,7 @@ def train(rank: int, world: int, cases: list[Case], checkpoint_job: dict[str, An
             "scale": None if opt.loss_scaler is None else float(opt.loss_scaler.scale.cpu()),
             "buckets": len(opt.bucket_layouts),
             "aliased": _aliased_since(aliases_before),
+            "steps": _steps(model, opt),
         }
     if checkpoint_job is not None:
         results["checkpoints"] = checkpoints(rank, world, checkpoint_job)

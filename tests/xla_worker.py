@@ -4,12 +4,14 @@ Trains the oracle's parameters with the same optimizer on plain CPU and on the X
 device and reports the parameters, gradient norms and XLA metrics as a torch.save'd
 dict. The loss is ``sum(p * g)`` with fixed bf16 tensors ``g``, so both devices see
 bit-identical gradients: XLA computes bf16 model code with other intermediate rounding
-than eager, and this test is about the optimizer.
+than eager, and this test is about the optimizer. It also runs tests/unfreezing.py's schedule on
+the device (each parameter's own Adam ``step``).
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
 
 import torch
 
@@ -91,6 +93,39 @@ def run(name, build, device, steps, warmup):
     return params, [float(n.cpu()) for n in norms], marks
 
 
+def unfreezing(device, tmp: str) -> dict[str, dict]:
+    """tests/unfreezing.py's schedule on the XLA device, without and with a loss scaler (whose step
+    counters live on the device): trained through, and resumed from a checkpoint saved midway, on the
+    device and on the CPU. Each run's parameters and reported counters."""
+    import torch_xla
+
+    from nxd_smp import DynamicLossScaler, load_checkpoint, save_checkpoint
+    from tests.unfreezing import STEPS, counters, model, train, zero1
+
+    def build(on, scaled):
+        net = model().to(on)
+        scaler = DynamicLossScaler(init_scale=1.0, growth_interval=10**6) if scaled else None
+        return net, zero1(net, loss_scaler=scaler)
+
+    out = {}
+    for scaled in (False, True):
+        net, opt = build(device, scaled)
+        train(net, opt, 0, 6, torch_xla.sync)
+        path = f"{tmp}/{'scaled' if scaled else 'plain'}"
+        save_checkpoint(path, model=net, optimizer=opt)
+        saved = counters(net, opt)
+        train(net, opt, 6, STEPS, torch_xla.sync)
+        out[f"through_{scaled}"] = ({n: p.detach().cpu() for n, p in net.named_parameters()}, counters(net, opt), saved)
+        for on in (device, torch.device("cpu")):
+            net, opt = build(on, scaled)
+            load_checkpoint(path, model=net, optimizer=opt)
+            loaded = counters(net, opt)
+            train(net, opt, 6, STEPS, torch_xla.sync if on.type == "xla" else lambda: None)
+            out[f"resumed_{scaled}_on_{on.type}"] = ({n: p.detach().cpu() for n, p in net.named_parameters()},
+                                                     counters(net, opt), loaded)
+    return out
+
+
 def main(out_path: str) -> None:
     import torch_xla
 
@@ -105,6 +140,8 @@ def main(out_path: str) -> None:
             "xla": run(name, build, device, steps, warmup),
         }
     results["steps"], results["warmup"] = steps, warmup
+    with tempfile.TemporaryDirectory() as tmp:
+        results["unfreezing"] = unfreezing(device, tmp)
     torch.save(results, out_path)
 
 

@@ -13,10 +13,8 @@ False now: a Python loop over them, no device sync) and ``FrozenElements`` then
   published, whatever kernel ran. A state tensor the step created (a first step) gets zeros there,
   the value of a fresh state.
 
-The bias-correction ``step`` counter belongs to the shard (one per bucket, as the inner optimizer
-keeps it), not to the parameter: it advances while a parameter of the bucket is frozen, so a
-parameter unfrozen later continues with its shard's counter, where torch's per-parameter counter
-would have stood still.
+Their step counters (Adam's ``step``) stand still as torch's per-parameter ones do: that is
+``step_counters``' job, beside this one.
 
 On eager devices the frozen elements are cut from this rank's shard with host slices. On XLA a
 mask over the bucket, cut by the backend with the rank as data, selects them: the step's program

@@ -23,7 +23,8 @@ every shard-shaped state tensor and, on the compiled path, of the parameters' sh
 the kernel runs and put back before the publication, the same for every kernel. Their step counters
 stand still, as torch's per-parameter ones do (``step_counters``): once parameters have stepped at
 different steps, each shard goes to the inner optimizer as one view per run of parameters with equal
-counters, with those counters, and runs of frozen parameters are left out of its step.
+counters, with those counters, and runs of frozen parameters are left out of its step; on XLA the shard
+goes whole, with one counter per element.
 
 It also keeps the wrapper's param groups and the inner optimizer's in step: the wrapper's
 are the truth before a step (LR schedulers act on them), and what the inner step adds or
@@ -53,6 +54,15 @@ def copy_group_settings(sources: Sequence[dict[str, Any]], targets: Sequence[dic
         for key, value in source.items():
             if key not in ("params", "param_names"):  # (the wrapper's names, not the shards')
                 target[key] = value
+
+
+def takes_element_counters(inner: torch.optim.Optimizer) -> bool:
+    """Whether ``inner`` corrects each element by its own ``step`` when its counter holds one value per
+    element of the shard: torch's Adam and AdamW with their single-tensor kernel, which in its
+    ``capturable`` form (the step sets it for that step) uses ``step`` only in elementwise arithmetic
+    on the device (``step_counters``)."""
+    return type(inner) in (torch.optim.Adam, torch.optim.AdamW) and not any(
+        group.get("fused") or group.get("foreach") or group.get("differentiable") for group in inner.param_groups)
 
 
 class InnerStep:
@@ -88,9 +98,11 @@ class InnerStep:
     ):
         self.inner = inner
         self.shards = list(shards)
+        host_slices = backend is None or backend.host_rank_slices
         self.counters = StepCounters(
             layouts or [], 0 if backend is None else backend.rank, lambda b: self.inner.state.get(self.shards[b], {}),
-            enabled=layouts is not None and (backend is None or backend.host_rank_slices))
+            enabled=layouts is not None and (host_slices or takes_element_counters(inner)),
+            elementwise=not host_slices)
         self.masters, self.backend, self.compiled = masters, backend, compiled
         # the fused kernel divides by ``grad_scale`` where its device takes one (else: scaled before)
         takes_grad_scale = backend is None or backend.fused_grad_scale
@@ -212,14 +224,41 @@ class InnerStep:
             self.inner.grad_scale = torch.as_tensor(coef, dtype=torch.float32, device=device).reciprocal()
 
     def _run(self, grads: list[torch.Tensor], inner_args: dict[str, Any], found_inf: torch.Tensor | None) -> None:
-        if self.counters.split:
+        if self.counters.split and not self.counters.elementwise:
             self._run_by_runs(grads, inner_args, found_inf)
             return
+        # elementwise (XLA, once split): each shard's ``step`` one value per element, for this step
+        swapped = self._element_counters() if self.counters.split else []
+        made_capturable = [g for g in self.inner.param_groups if swapped and not g.get("capturable")]
+        for group in made_capturable:
+            group["capturable"] = True  # (the kernel's form that reads ``step`` on the device)
         for shard, grad in zip(self.shards, grads):
             shard.grad = grad
-        self.inner.step(**inner_args)
-        for shard in self.shards:
-            shard.grad = None
+        try:
+            self.inner.step(**inner_args)
+        finally:
+            for group in made_capturable:
+                group["capturable"] = False
+            for state, key, value in swapped:
+                state[key] = value
+            for shard in self.shards:
+                shard.grad = None
+        if self.counters.split:
+            self.counters.advance_elsewhere(set(), found_inf)
+
+    def _element_counters(self) -> list[tuple[dict[str, Any], str, Any]]:
+        """Each shard's counters replaced by one value per element (``StepCounters.element_counter``);
+        returns what to put back (state, key, the bucket's counter)."""
+        swapped = []
+        for b, shard in enumerate(self.shards):
+            state = self.inner.state.get(shard, {})
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and not is_moment(value):
+                    per_element = self.counters.element_counter(b, key, shard.device)
+                    if per_element is not None:
+                        swapped.append((state, key, value))
+                        state[key] = per_element
+        return swapped
 
     def _run_by_runs(self, grads: list[torch.Tensor], inner_args: dict[str, Any],
                      found_inf: torch.Tensor | None) -> None:

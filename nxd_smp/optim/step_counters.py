@@ -26,13 +26,20 @@ no longer do. ``StepCounters`` follows this on the host, from the frozen sets al
 A history none of whose parameters lies in this rank's shard is advanced by one per step taken
 (not skipped), so every rank reports every parameter's counters alike.
 
-On XLA the cut of a shard depends on the rank, which would give every rank its own program: there the
-counters stay the bucket's (``enabled=False``), and a parameter unfrozen after frozen steps is warned
-about once (docs/design.md).
+On XLA a cut of the shard would depend on the rank, and so give every rank its own program. There
+(``elementwise``) the shard is not cut: for the step, its counter is replaced by one value per element,
+each its parameter's history's, gathered from the histories' counters with an index of the shard's
+elements built once on the host per rank and uploaded as data (so the program is every rank's), and
+torch's Adam/AdamW, which uses ``step`` only in elementwise arithmetic, corrects each element by its own
+count. Frozen elements are put back after the step as on every path, and each history that steps now
+advances by one. Where the inner optimizer cannot take such a counter (another class, or a kernel that
+reads ``step`` on the host) the counters stay the bucket's (``enabled=False``), and a parameter unfrozen
+after frozen steps is warned about once (docs/design.md).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,15 +79,19 @@ class StepCounters:
         rank: this rank in the data-parallel group (its shard's pieces).
         bucket_state: the inner optimizer's state of bucket ``b``'s shard (the counters every history
             starts from when the first frozen set splits them).
-        enabled: keep per-parameter counters (eager devices); False keeps the buckets' (XLA).
+        enabled: keep per-parameter counters; False keeps the buckets' (and warns once).
+        elementwise: the step takes one counter per element of the shard (``element_counter``) instead
+            of one view of it per run (``runs``): where the cut would depend on the rank (XLA).
     """
 
     def __init__(self, layouts: Sequence[BucketLayout], rank: int,
-                 bucket_state: Callable[[int], Mapping[str, Any]], *, enabled: bool):
+                 bucket_state: Callable[[int], Mapping[str, Any]], *, enabled: bool, elementwise: bool = False):
         self._layouts = list(layouts)
         self._rank = rank
         self._bucket_state = bucket_state
         self.enabled = enabled
+        self.elementwise = elementwise
+        self._element_index: dict[int, torch.Tensor] = {}  # bucket -> its shard's parameter per element
         self._history: list[int] | None = None  # per managed parameter; None: all stepped alike so far
         # history -> its counters (absent: no state yet, a class that makes it at the first step)
         self._counters: dict[int, dict[str, Any]] = {}
@@ -116,6 +127,30 @@ class StepCounters:
         """Every counter tensor the histories hold (a skipped step puts them back too)."""
         return [v for counters in self._counters.values() for v in counters.values() if isinstance(v, torch.Tensor)]
 
+    def element_counter(self, b: int, key: str, device: torch.device) -> torch.Tensor | None:
+        """Counter ``key`` of every element of this rank's shard of bucket ``b`` on ``device`` (the
+        shard's): its parameter's history's, the padding's 0 (only while ``split`` and ``elementwise``).
+        The counters go to ``device`` as one small vector (data: counters kept on the host are uploaded,
+        not baked into the program) and are gathered there. None where a history has no tensor ``key``."""
+        layout = self._layouts[b]
+        values = [self._counters.get(self._history[i], {}).get(key) for i in layout.param_indices]
+        if not all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in values):
+            return None
+        values.append(torch.zeros_like(values[0]))  # (the padding's)
+        return torch.stack(values).to(device).index_select(0, self._index_of(b, device))
+
+    def _index_of(self, b: int, device: torch.device) -> torch.Tensor:
+        """Each element of this rank's shard of bucket ``b``: the position of its parameter in the bucket
+        (the padding: one past the last). Built once on the host and uploaded: data, not the program."""
+        index = self._element_index.get(b)
+        if index is None:
+            layout = self._layouts[b]
+            host = torch.full((layout.shard_numel,), len(layout.param_indices), dtype=torch.int32)
+            for piece in layout.pieces(self._rank):
+                host[piece.shard_start:piece.shard_start + piece.numel] = piece.index
+            index = self._element_index[b] = host.to(device)
+        return index
+
     # ------------------------------------------------------------------ following the frozen sets
     def track(self, frozen: Sequence[int]) -> None:
         """This step's frozen managed parameters (indices): a new frozen set splits every history into
@@ -128,10 +163,12 @@ class StepCounters:
             if unfrozen and not self._warned and any("step" in self._bucket_state(b) for b in range(len(self._layouts))):
                 self._warned = True
                 warnings.warn(
-                    "nxd_smp: parameters frozen for some steps train again; on an XLA device their optimizer's "
-                    "step counter is their bucket's, which went on while they were frozen (torch.optim's stands "
-                    "still), so Adam's bias correction differs from torch's for them. Unfreeze before the first "
-                    "step, or train on CPU/CUDA, where each parameter keeps its own counter.", stacklevel=5)
+                    "nxd_smp: parameters frozen for some steps train again; on an XLA device this inner optimizer "
+                    "(not torch.optim.Adam/AdamW with capturable=True and without fused or foreach) keeps one step "
+                    "counter per bucket, which went on while they were frozen (torch.optim's stands still), so "
+                    "its bias correction differs from torch's for them. Use torch.optim.Adam or AdamW with their "
+                    "default kernel, unfreeze before the first step, or train on CPU/CUDA, where every class "
+                    "keeps a counter per parameter.", stacklevel=5)
             return
         if self._history is None:
             if not frozen:
@@ -142,14 +179,15 @@ class StepCounters:
             self._counters = {} if start is None else {0: start}  # (a state without counters is started too)
         parts: dict[tuple[int, bool], int] = {}
         history = [parts.setdefault((h, i in frozen), len(parts)) for i, h in enumerate(self._history)]
-        self._counters = {new: counters_of(self._counters[old]) for (old, _), new in parts.items()
-                          if old in self._counters}
+        halves = Counter(old for old, _ in parts)  # (a history that does not part keeps its tensors)
+        self._counters = {new: self._counters[old] if halves[old] == 1 else counters_of(self._counters[old])
+                          for (old, _), new in parts.items() if old in self._counters}
         self._set(history)
         self._frozen_histories = {h for (_, is_frozen), h in parts.items() if is_frozen}
 
     def _set(self, history: list[int]) -> None:
         self._history = history
-        self._runs = [self._cut(layout) for layout in self._layouts]
+        self._runs = [] if self.elementwise else [self._cut(layout) for layout in self._layouts]
 
     def _cut(self, layout: BucketLayout) -> list[Run]:
         """This rank's shard of ``layout`` as runs of one history each (the padding with the last)."""
@@ -180,7 +218,7 @@ class StepCounters:
 
     def advance_elsewhere(self, local: set[int], found_inf: torch.Tensor | None) -> None:
         """Advance by one step (none where ``found_inf``) the ``step`` of each history that stepped now
-        but has no run in this rank's shard (``local``: the histories that do)."""
+        but has no run in this rank's shard (``local``: the histories that do; elementwise: none)."""
         for h, counters in self._counters.items():
             step = counters.get("step")
             if h in local or not isinstance(step, torch.Tensor) or not self.steps_now(h):
@@ -203,8 +241,19 @@ class StepCounters:
         self._counters = {}
         for i, h in enumerate(history):
             if per_param[i] is not None and h not in self._counters:
-                self._counters[h] = counters_of(per_param[i])
+                self._counters[h] = self._placed(counters_of(per_param[i]))
         self._set(history)
+
+    def _placed(self, counters: dict[str, Any]) -> dict[str, Any]:
+        """Loaded ``counters`` on the device and in the dtype of the buckets' counters of the same key
+        (a capturable or fused kernel keeps ``step`` on the parameters' device; a checkpoint holds it
+        on the CPU)."""
+        for key, value in counters.items():
+            like = next((state[key] for b in range(len(self._layouts))
+                         if isinstance((state := self._bucket_state(b)).get(key), torch.Tensor)), None)
+            if isinstance(value, torch.Tensor) and like is not None:
+                counters[key] = value.to(device=like.device, dtype=like.dtype)
+        return counters
 
     def snapshot(self) -> Callable[[], None]:
         """The call that puts the histories and counters back as they are now (a refused load's undo)."""

@@ -78,3 +78,17 @@ def test_an_overflow_is_skipped_in_graph_on_xla(results):
     cpu_marks, xla_marks = results["scaler"]["cpu"][2], results["scaler"]["xla"][2]
     assert xla_marks["scale"] == 8.0 and cpu_marks["scale"] == 8.0
     assert results["scaler"]["xla"][1][-2] == float("inf")  # the norm of that step
+
+
+@pytest.mark.parametrize("run", ["through", "resumed_on_xla", "resumed_on_cpu"])
+@pytest.mark.parametrize("scaled", [False, True], ids=["host_counters", "device_counters"])
+def test_each_parameter_keeps_its_own_adam_step_on_xla(results, run, scaled):
+    """Gradual unfreezing on the XLA device against torch.optim.AdamW (tests/unfreezing.py): each
+    parameter's counter, through a checkpoint saved midway and resumed on the device and on the CPU,
+    with the counters on the host (torch's default) or, under a loss scaler, on the device."""
+    from tests.unfreezing import STEPS, assert_matches_torch, reference
+
+    key = "through_" + str(scaled) if run == "through" else f"resumed_{scaled}_{run.split('_', 1)[1]}"
+    params, steps, at_six = results["unfreezing"][key]
+    assert_matches_torch(params, STEPS)
+    assert steps == reference(STEPS)[1] and at_six == reference(6)[1]

@@ -6,6 +6,7 @@ move nothing to the host inside a step. DP=8 runs in scripts/bench_xla.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -58,6 +59,10 @@ ORACLE_CASES = [
     # so the program stays one for every rank and compiles nothing new while the set holds.
     Case("adamw_frozen_layers", scenario("frozen", max_norm=0.5,
                                          freeze=((1, ("lin2.weight", "kernel", "temperature")),))),
+    # Frozen at the first step, unfrozen one by one before warm-up ends: each parameter's own Adam step
+    # (torch's), by a counter per element gathered with an index the rank uploads as data.
+    Case("adamw_unfrozen_again", scenario("unfrozen", max_norm=0.5,
+                                          freeze=((0, ("lin2.weight", "kernel")), (1, ("kernel",)), (2, ())))),
 ]
 PAIRS = Case("adamw_pairs_of_replicas", scenario("pairs", max_norm=0.5), groups=((0, 1), (2, 3)))
 FP16_OVERFLOW = Case("fp16_overflow_on_rank_1", scenario("fp16", max_norm=0.5), dtype=torch.float16,
@@ -123,6 +128,21 @@ DP4 = pytest.mark.parametrize("replicas", [4], indirect=True, ids=["dp4"])
 
 
 @DP4
+def test_each_parameter_keeps_its_own_adam_step_on_the_replicas(replicas):
+    """Unfrozen again on XLA: every rank reports torch's per-parameter counters (the steps each parameter
+    took), and the oracle with torch's counters is not the one with a counter of the bucket's."""
+    n, ranks, _ = replicas
+    case = next(c for c in ORACLE_CASES if c.name == "adamw_unfrozen_again")
+    s = case.scenario
+    for rank in ranks:
+        steps = rank[case.name]["steps"]
+        assert steps["lin1.weight"] == s.steps
+        assert steps["lin2.weight"] == s.steps - 1 and steps["kernel"] == s.steps - 2
+    per_param, _ = run_oracle(s, n)
+    bucket, _ = run_oracle(dataclasses.replace(s, bucket_step_counter=True), n)
+    assert any(not torch.equal(per_param[name], bucket[name]) for name in ("lin2.weight", "kernel"))
+
+
 def test_a_subset_of_replicas_per_group(replicas):
     n, ranks, _ = replicas
     for pair, data_ranks in ((0, [0, 1]), (1, [2, 3])):

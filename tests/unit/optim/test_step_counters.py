@@ -1,6 +1,7 @@
 """Adam's ``step`` per parameter, as torch keeps it: gradual unfreezing and a parameter toggled every
 other step (torch's ZeroRedundancyOptimizer parity test), against ``torch.optim.AdamW`` on the same
-gradients, at DP 1 and 2, through checkpoints moved across DP sizes and through the state dict.
+gradients, at DP 1 and 2, through checkpoints moved across DP sizes and through the state dict (the
+scenario: tests/unfreezing.py; on the XLA device: tests/integration/test_xla.py).
 
 The reference is torch's own optimizer over an fp32 model: nxd_smp's fp32 masters of an fp32 model
 are the parameters, so the two agree to the kernels' rounding. A counter of the bucket's instead
@@ -9,81 +10,15 @@ comparison can fail."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
-import torch.nn as nn
 
 import nxd_smp
-from nxd_smp import MixedPrecisionConfig, Zero1Optimizer, load_checkpoint, save_checkpoint
+from nxd_smp import load_checkpoint, save_checkpoint
 from tests.distributed import run_ranks
-
-STEPS = 14
-CAP = 0.0002  # ~50 fp32 elements: parameters share buckets and straddle shards
-
-
-def model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
-
-
-def frozen_at(step: int) -> set[str]:
-    """Gradual unfreezing from the top (the first layer for 9 steps, the second for 4) and the last
-    bias frozen every other step."""
-    names = set()
-    if step < 9:
-        names |= {"0.weight", "0.bias"}
-    if step < 4:
-        names |= {"2.weight"}
-    if step % 2 == 1:
-        names |= {"4.bias"}
-    return names
-
-
-def train(net: nn.Module, opt: torch.optim.Optimizer, start: int, stop: int) -> None:
-    named = dict(net.named_parameters())
-    for step in range(start, stop):
-        for name, p in named.items():
-            p.requires_grad_(name not in frozen_at(step))
-        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
-        net(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-
-def zero1(net: nn.Module, **kwargs) -> Zero1Optimizer:
-    return Zero1Optimizer(net.parameters(), torch.optim.AdamW, mixed_precision=MixedPrecisionConfig(
-        use_master_weights=True, use_fp32_grad_acc=True, use_master_weights_in_ckpt=True),
-        grad_clipping=False, bucket_cap_mb=CAP, lr=1e-2, weight_decay=0.1, **kwargs)
-
-
-def reference(stop: int, bucket_counter: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """torch.optim.AdamW's parameters and per-parameter ``step`` after ``stop`` steps; ``bucket_counter``:
-    every existing state's ``step`` set to the number of steps taken first (the counter nxd_smp does
-    not keep)."""
-    net = model()
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-    named = dict(net.named_parameters())
-    for step in range(stop):
-        if bucket_counter:
-            for state in opt.state.values():
-                state["step"].fill_(float(step))
-        train(net, opt, step, step + 1)
-    steps = {name: float(opt.state[p]["step"]) if p in opt.state else 0.0 for name, p in named.items()}
-    return {n: p.detach().clone() for n, p in named.items()}, steps
-
-
-def counters(net: nn.Module, opt: Zero1Optimizer) -> dict[str, float]:
-    names = {id(p): n for n, p in net.named_parameters()}
-    return {names[id(p)]: float(opt.state[p]["step"]) for p in opt.managed_params}
-
-
-def assert_matches_torch(params: dict[str, torch.Tensor], stop: int) -> None:
-    expected, _ = reference(stop)
-    bucket, _ = reference(stop, bucket_counter=True)
-    for name, value in params.items():
-        torch.testing.assert_close(value, expected[name], rtol=2e-5, atol=2e-6, msg=name)
-    # calibration: the bucket's counter moves the unfrozen layers visibly elsewhere
-    assert max(float((bucket[n] - expected[n]).abs().max()) for n in ("0.weight", "2.weight")) > 1e-3
+from tests.unfreezing import STEPS, assert_matches_torch, counters, model, reference, train, zero1
 
 
 # ---------------------------------------------------------------- against torch at DP 1 and 2
@@ -182,3 +117,31 @@ def test_a_refused_load_leaves_each_counter_as_it_was():
     with pytest.raises(nxd_smp.CheckpointError):
         opt.load_state_dict(state)
     assert counters(net, opt) == before
+
+
+# ---------------------------------------------------------------- where the counters cannot be per element
+def test_the_element_counters_are_for_torchs_adam_and_adamw_in_their_default_kernel():
+    from nxd_smp.optim.inner_step import takes_element_counters
+
+    params = [torch.zeros(3)]
+    assert takes_element_counters(torch.optim.AdamW(params)) and takes_element_counters(torch.optim.Adam(params))
+    assert takes_element_counters(torch.optim.Adam(params, capturable=True))
+    for other in (torch.optim.AdamW(params, foreach=True), torch.optim.AdamW(params, fused=True),
+                  torch.optim.RAdam(params), torch.optim.NAdam(params)):
+        assert not takes_element_counters(other), other
+
+
+def test_where_a_bucket_keeps_the_counter_an_unfreezing_is_warned_about_once():
+    from nxd_smp.core.layout import plan_buckets
+    from nxd_smp.optim.step_counters import StepCounters
+
+    layouts = plan_buckets([4, 4], [0, 0], world_size=1, cap_numel=100)
+    counters = StepCounters(layouts, 0, lambda b: {"step": torch.tensor(3.0)}, enabled=False, elementwise=True)
+    counters.track([1])  # (frozen: nothing to say yet)
+    with pytest.warns(UserWarning, match="keeps one step counter per bucket"):
+        counters.track([])
+    counters.track([1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        counters.track([])
+    assert not counters.split
