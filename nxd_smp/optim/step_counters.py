@@ -164,8 +164,8 @@ class StepCounters:
                 self._warned = True
                 warnings.warn(
                     "nxd_smp: parameters frozen for some steps train again; on an XLA device this inner optimizer "
-                    "(not torch.optim.Adam/AdamW with capturable=True and without fused or foreach) keeps one step "
-                    "counter per bucket, which went on while they were frozen (torch.optim's stands still), so "
+                    "(not torch.optim.Adam or AdamW in their default kernel, without foreach, fused or "
+                    "differentiable) keeps one step counter per bucket, which went on while they were frozen (torch.optim's stands still), so "
                     "its bias correction differs from torch's for them. Use torch.optim.Adam or AdamW with their "
                     "default kernel, unfreeze before the first step, or train on CPU/CUDA, where every class "
                     "keeps a counter per parameter.", stacklevel=5)

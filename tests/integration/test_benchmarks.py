@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.integration.test_scripts import ROOT
+ROOT = Path(__file__).resolve().parents[2]
+
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from memory_slope import MIN_PARAMS, check_sizes, slope  # noqa: E402

@@ -43,24 +43,14 @@ from nxd_smp.checkpoint import consolidate, inspect_checkpoint, read_checkpoint
 from nxd_smp.checkpointing.dcp_index import read_metadata
 from nxd_smp.checkpointing.files import Folder
 from nxd_smp.interop.torch_xla import export_xla, import_xla
+from tests.crafted import RANK_FILE, TAG, Exploit, index_of, reseal, save_native, save_xser, write_nxd_tag
 from tests.distributed import run_ranks
 from tests.hostile_worker import changes, live_sequential, snapshot, step
 from tests.nxd_layout import HYPER, backward, grads, scheduler_of
 from tests.nxd_layout import param_groups as nxd_param_groups
-from tests.integration.test_hostile_checkpoints import RANK_FILE, TAG, index_of, reseal, save_native, save_xser, write_nxd_tag
 from tests.xla_export_worker import make_model
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class Exploit:
-    """Unpickling it creates the directory ``marker``: the code a crafted file would run."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.mkdir, (self.marker,))
 
 
 class Counter:

@@ -39,11 +39,9 @@ import os
 import pickle
 import re
 import shutil
-import stat
 import subprocess
 import sys
 import traceback
-import types
 import warnings
 import zlib
 from collections.abc import Callable
@@ -53,7 +51,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -66,6 +63,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from nxd_smp import CheckpointError, MixedPrecisionConfig, Zero1Optimizer, save_checkpoint
 from nxd_smp.checkpointing.dcp_index import read_metadata
 from nxd_smp.checkpointing.files import Folder
+from tests.crafted import RANK_FILE, TAG, index_of, reseal, save_native, save_xser, write_nxd_tag
 from tests.distributed import run_ranks
 from tests.hostile_worker import assert_unchanged, changes, live, load, one_rank_fails_unexpectedly, snapshot, step
 from tests.nxd_layout import HYPER, backward, grads, scheduler_of
@@ -73,8 +71,6 @@ from tests.nxd_layout import param_groups as nxd_param_groups
 from tests.xla_export_worker import make_model
 
 ROOT = Path(__file__).resolve().parents[2]
-TAG = "tag_2"  # (not "step_2": a refusal naming the path would name "step" by accident)
-RANK_FILE = "dp_rank_00_tp_rank_00_pp_rank_00.pt"
 META, EXTRA, INDEX = "nxd_smp_meta.json", "extra.json", "nxd_smp_index.json"  # nxd_smp's format 3
 SCHEDULER_FILE, USER_CONTENT_FILE = "scheduler.pt", "user_content.pt"  # NxD's tag folders
 DCP_INDEX = ".metadata"  # import_torch's pickled index
@@ -83,72 +79,7 @@ GROWTH_LIMIT_MIB = 100
 CASE_LIMIT_S = 10  # a load of these folders takes well under a second
 
 
-# ---------------------------------------------------------------- writing the formats
-class XserReference:
-    """Stands for ``torch_xla.utils.serialization.TensorReference`` in an xser file, pickled
-    under that name without importing torch_xla (this process stays free of it)."""
-
-    def __init__(self, tid: int):
-        self.tid = tid
-
-
-class _XserPickler(pickle._Pickler):  # the Python pickler: its save_global can be overridden
-    def save_global(self, obj, name=None):
-        if obj is XserReference:
-            self.write(pickle.GLOBAL + b"torch_xla.utils.serialization\nTensorReference\n")
-            self.memoize(obj)
-        else:
-            super().save_global(obj, name)
-
-
-_XSER_PICKLE = types.SimpleNamespace(__name__="pickle", Pickler=_XserPickler)
-
-
-def save_xser(data: Any, path: Path) -> None:
-    """``data`` as NxD's ``use_xser=True`` writes it: each tensor in ``<path>.tensors/tensor_<i>.pt``
-    (numbered as the walk meets them), a reference in its place in ``path``."""
-    tensors = Path(f"{path}.tensors")
-    tensors.mkdir(parents=True, exist_ok=True)
-    info: dict[int, dict[str, Any]] = {}
-
-    def walk(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            tid = len(info)
-            torch.save(value, tensors / f"tensor_{tid}.pt")
-            info[tid] = {"dtype": value.dtype, "shape": value.shape, "expert_model_parallel": False}
-            return XserReference(tid)
-        if isinstance(value, dict):
-            return {k: walk(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(walk(v) for v in value)
-        return value
-
-    torch.save(walk(data), path, pickle_module=_XSER_PICKLE)
-    torch.save(info, f"{path}.info.pt")
-
-
-def write_nxd_tag(root: Path, model_state, optim_state, scheduler_state, *, xser: bool) -> Path:
-    """NxD's tag folder ``root/TAG`` of a ZeRO-1 run at DP 1 (tests/nxd_layout.py's layout)."""
-    tag = root / TAG
-    (tag / "model").mkdir(parents=True)
-    (tag / "optim").mkdir()
-    (tag / "checkpoint").write_text("1")
-    save = save_xser if xser else torch.save
-    save(dict(model_state), tag / "model" / RANK_FILE)
-    save(optim_state, tag / "optim" / RANK_FILE)
-    torch.save(scheduler_state, tag / "scheduler.pt")
-    torch.save({"step": 2}, tag / "user_content.pt")
-    (tag / "done").write_text("1")
-    return tag
-
-
-def save_native(directory: Path, model_state, optim_state) -> None:
-    """A native DCP directory ``{"model", "optim"}`` as a plain torch run saves it."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "torch.distributed is disabled", TypedStorage
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory, no_dist=True)
-
-
+# ---------------------------------------------------------------- healthy folders (the formats: tests/crafted.py)
 @dataclass
 class Healthy:
     """The healthy folders every hostile one starts from, and what they hold."""
@@ -205,20 +136,6 @@ def copy_of(healthy: Healthy, source: str, where: Path) -> Path:
 
 
 # ---------------------------------------------------------------- crafting: nxd_smp's format 3
-def reseal(version: Path, *names: str) -> None:
-    """Make the completion record vouch for the files ``names`` as they are now (a FIFO: as an
-    empty file), so that only the loader's own checks stand between them and the live objects."""
-    record_path = version / "COMPLETE.json"
-    record = json.loads(record_path.read_text())
-    for name in names:
-        if stat.S_ISFIFO(os.lstat(version / name).st_mode):
-            record["files"][name] = [0, 0]
-        else:
-            data = (version / name).read_bytes()
-            record["files"][name] = [len(data), zlib.crc32(data)]
-    record_path.write_text(json.dumps(record))
-
-
 def edit_json(path: Path, name: str, edit: Callable) -> None:
     """Rewrite the JSON file ``name`` of the checkpoint ``path`` with ``edit`` applied to its parsed
     (still encoded: tuples as ``{"$tuple": [...]}``) value in place, resealed."""
@@ -396,10 +313,6 @@ def index_edit(*edits: Callable) -> Callable:
     return lambda directory, healthy: edit_index(directory, *edits)
 
 
-def index_of(metadata, key: str) -> MetadataIndex:
-    return next(index for index in metadata.storage_data if index.fqn == key)
-
-
 def retarget(key: str, **changes: Any) -> Callable:
     """An index edit: ``key``'s storage record (a ``_StorageInfo``) with ``changes``."""
     def edit(metadata) -> None:
@@ -516,7 +429,7 @@ def duplicate_record(file: Path) -> None:
 def device_rebuild() -> Any:
     """torch's ``_rebuild_device_tensor_from_cpu_tensor`` of a stride-0 view of 2**28 elements: a
     few bytes, then a gigabyte when torch copies it."""
-    from tests.unit.checkpointing.test_strict_reader import Reduces
+    from tests.crafted import Reduces
 
     return Reduces(torch._utils._rebuild_device_tensor_from_cpu_tensor, torch.zeros(1).expand(2**28),
                    torch.float32, "cpu", False)
@@ -525,14 +438,14 @@ def device_rebuild() -> Any:
 def tensor_of_a_number(file: Path) -> None:
     """``file`` replaced by a torch.save archive of ``{"2.bias": torch.Tensor(2**29)}`` by NEWOBJ:
     2 GiB of uninitialised heap memory as a weight (torch's pickler never writes it; a hand does)."""
-    from tests.unit.checkpointing.test_strict_reader import archive
+    from tests.crafted import archive
 
     file.write_bytes(archive(b"\x80\x02}(X\x06\x00\x00\x002.biasctorch\nTensor\nJ\x00\x00\x00\x20\x85\x81u."))
 
 
 def bomb(levels: int) -> list:
     """``x = [x, x]`` ``levels`` deep: a few hundred bytes of pickle, 2**levels paths."""
-    from tests.unit.checkpointing.test_strict_reader import bomb as shared
+    from tests.crafted import bomb as shared
 
     return shared(levels)
 

@@ -24,39 +24,10 @@ from nxd_smp import (
 )
 from nxd_smp.checkpoint import consolidate, inspect_checkpoint
 from tests.distributed import run_ranks
-from tests.oracle import assert_params_close, batch, loss_fn, make_model, param_groups
+from tests.checkpoint_scenario import build, params_of, train
+from tests.oracle import assert_params_close, make_model
 
-GLOBAL_MICRO = 6  # micro-batches per step over all ranks: the same data at DP 1, 2, 3
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def build(seed=0, master_in_ckpt=True, master=True, optimizer=torch.optim.AdamW, memory_options=False, **kwargs):
-    """The model and optimizer the checkpoint tests move around. The compiled CPU update is off
-    here (a fresh process pays seconds to load it, and it changes nothing a checkpoint holds:
-    test_placement loads into it). ``memory_options``: sharded accumulation and remainders."""
-    if optimizer in (torch.optim.Adam, torch.optim.AdamW):
-        kwargs.setdefault("compile_update", False)
-    model = make_model(seed)
-    mp = MixedPrecisionConfig(use_master_weights=master, use_fp32_grad_acc=master,
-                              use_master_weights_in_ckpt=master_in_ckpt and master,
-                              use_sharded_grad_acc=memory_options, use_param_remainders=memory_options)
-    opt = Zero1Optimizer(param_groups(model, lr_a=1e-2, lr_b=3e-2), optimizer,
-                         mixed_precision=mp, bucket_cap_mb=0.0004, **kwargs)
-    return model, opt
-
-
-def train(model, opt, steps, start, rank=0, world_size=1):
-    per_rank = GLOBAL_MICRO // world_size
-    for step in range(start, start + steps):
-        for m in range(per_rank):
-            x, y = batch(0, 0, step, rank * per_rank + m)
-            (loss_fn(model, x, y) / per_rank).backward()
-        opt.step()
-        opt.zero_grad()
-
-
-def params_of(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 # ---------------------------------------------------------------- across DP sizes

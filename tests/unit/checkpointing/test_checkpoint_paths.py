@@ -27,7 +27,7 @@ from nxd_smp import (
 from nxd_smp.checkpoint import has_checkpoint, remove_checkpoint
 from nxd_smp.checkpointing.versions import COMPLETE_FILE, SAVES_FILE
 from nxd_smp.cli import main
-from tests.unit.checkpointing.test_checkpoint import build, train
+from tests.checkpoint_scenario import build, train
 
 ROOT = Path(__file__).resolve().parents[3]
 

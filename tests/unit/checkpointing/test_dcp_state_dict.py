@@ -27,7 +27,7 @@ from nxd_smp import CheckpointError, MixedPrecisionConfig, Zero1Optimizer
 from nxd_smp.core.flat_shard import FlatShard
 from tests.distributed import run_ranks
 from tests.oracle import assert_params_close, make_model, param_groups
-from tests.unit.checkpointing.test_checkpoint import build, params_of, train
+from tests.checkpoint_scenario import build, params_of, train
 
 
 def snapshot(model, opt) -> dict:

@@ -21,7 +21,7 @@ from nxd_smp import CheckpointError, load_checkpoint, save_checkpoint
 from nxd_smp.checkpointing import save as smp_save
 from nxd_smp.checkpointing.files import Folder
 from nxd_smp.interop.nxd import state_dicts
-from tests.unit.checkpointing.test_checkpoint import build, params_of, train
+from tests.checkpoint_scenario import build, params_of, train
 
 VICTIM = b"the victim's own bytes"
 

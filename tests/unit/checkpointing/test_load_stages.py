@@ -148,7 +148,7 @@ def as_built(opt) -> bool:
 
 # ---------------------------------------------------------------- agree: DP 2
 def _diverging_state_dicts(rank: int, world: int, root: str, into: str) -> str:
-    from tests.unit.checkpointing.test_checkpoint import build, train
+    from tests.checkpoint_scenario import build, train
 
     model, opt = build()
     train(model, opt, 1, 0, rank, world)
@@ -190,7 +190,7 @@ def test_ranks_that_would_install_different_values_refuse_together(into, tmp_pat
 def _masters_on_one_rank(rank: int, world: int) -> str:
     """Each rank's own state dict, rank 1's without its master shards: publishing the masters is a
     collective, so one rank publishing and the other rebuilding would leave the first waiting."""
-    from tests.unit.checkpointing.test_checkpoint import build, train
+    from tests.checkpoint_scenario import build, train
 
     model, opt = build()
     train(model, opt, 1, 0, rank, world)
@@ -213,7 +213,7 @@ def test_master_weights_in_one_ranks_state_dict_only_are_refused_together():
 def test_a_refusal_after_the_staging_puts_every_object_back(tmp_path):
     """A state the digest cannot read (NxD Training's optimizer dict with param groups that are no list) is
     refused before the install: the scheduler loaded with it is left as it was."""
-    from tests.unit.checkpointing.test_checkpoint import build
+    from tests.checkpoint_scenario import build
 
     model, opt = build()
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
@@ -297,7 +297,7 @@ class Ledger:
 
 
 def test_a_refusing_object_is_put_back_with_every_other(tmp_path):
-    from tests.unit.checkpointing.test_checkpoint import build, train
+    from tests.checkpoint_scenario import build, train
 
     model, opt = build()
     train(model, opt, 1, 0)
@@ -346,7 +346,7 @@ def test_a_scheduler_that_refuses_its_state_after_the_checks_is_never_half_appli
     the scheduler refuses it after applying it. Its dry run on a copy refuses first; a scheduler that
     cannot be copied refuses in the install, which puts it back. Either way nothing changes, and the next
     step does not set the file's learning rate."""
-    from tests.unit.checkpointing.test_checkpoint import build
+    from tests.checkpoint_scenario import build
 
     model, opt = build()
     scheduler = Picky(opt)
@@ -396,7 +396,7 @@ FORGERIES = {
 
 @pytest.mark.parametrize("case", sorted(FORGERIES))
 def test_the_offline_tools_refuse_a_forged_field_cleanly(case, tmp_path):
-    from tests.unit.checkpointing.test_checkpoint import build, train
+    from tests.checkpoint_scenario import build, train
 
     model, opt = build()
     train(model, opt, 1, 0)
@@ -415,7 +415,7 @@ def test_the_offline_tools_refuse_a_forged_field_cleanly(case, tmp_path):
 
 
 def test_inspect_counts_no_byte_behind_a_link(tmp_path):
-    from tests.unit.checkpointing.test_checkpoint import build
+    from tests.checkpoint_scenario import build
 
     model, opt = build()
     save_checkpoint(tmp_path / "c", model=model, optimizer=opt)

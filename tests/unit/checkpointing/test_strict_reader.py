@@ -24,6 +24,7 @@ import torch
 from nxd_smp import CheckpointError
 from nxd_smp.checkpointing.files import Folder
 from nxd_smp.checkpointing.reader import XserReference, load_bytes, load_file, load_pickle
+from tests.crafted import Reduces, archive, bomb
 
 SOURCE = "hostile.pt"
 
@@ -32,21 +33,6 @@ def saved(value: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return buffer.getvalue()
-
-
-def archive(pickled: bytes, records: dict[str, bytes] | None = None, *, extra: list[tuple[str, bytes]] = (),
-            compress: str | None = None) -> bytes:
-    """A torch.save-shaped zip: ``archive/data.pkl`` holding ``pickled``, ``archive/data/<key>``
-    for each record, then ``extra`` records as they are (duplicates included); ``compress``: the
-    one record written deflated."""
-    out = io.BytesIO()
-    with warnings.catch_warnings(), zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
-        warnings.simplefilter("ignore", UserWarning)  # zipfile warns of a duplicate name: that is the point
-        entries = [("archive/data.pkl", pickled), ("archive/byteorder", b"little")]
-        entries += [(f"archive/data/{k}", v) for k, v in (records or {}).items()] + list(extra)
-        for name, data in entries:
-            z.writestr(name, data, compress_type=zipfile.ZIP_DEFLATED if name == compress else zipfile.ZIP_STORED)
-    return out.getvalue()
 
 
 def float_storage(key: str, numel: int) -> bytes:
@@ -63,16 +49,6 @@ def assert_refused(data: bytes, *, kind: str = "state_dict", match: str = "") ->
         load_bytes(data, SOURCE, kind=kind)
     assert match in str(error.value), str(error.value)
     return str(error.value)
-
-
-class Reduces:
-    """Unpickling it calls ``fn(*args)``."""
-
-    def __init__(self, fn, *args):
-        self.fn, self.args = fn, args
-
-    def __reduce__(self):
-        return (self.fn, self.args)
 
 
 # ---------------------------------------------------------------- what a pickle asks to build
@@ -203,14 +179,6 @@ def test_a_record_past_the_file_or_damaged_is_refused(tmp_path):
 
 
 # ---------------------------------------------------------------- metadata as a tree
-def bomb(levels: int = 30) -> list:
-    """A list holding the previous level twice, ``levels`` deep: a few hundred bytes, 2**levels leaves."""
-    value: list = [1]
-    for _ in range(levels):
-        value = [value, value]
-    return value
-
-
 @pytest.mark.parametrize("kind", ["state_dict", "xser", "dcp_metadata"])
 def test_a_shared_reference_bomb_is_refused_in_every_kind(kind):
     if kind == "dcp_metadata":

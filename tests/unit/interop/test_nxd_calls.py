@@ -19,7 +19,7 @@ from nxd_smp.checkpoint import inspect_checkpoint, read_checkpoint
 from tests import nxd_stand_in
 from tests.distributed import run_ranks
 from tests.nxd_layout import HYPER, backward, grads, param_groups, scheduler_of
-from tests.integration.test_checkpoint_safety import Exploit
+from tests.crafted import Exploit
 from tests.xla_export_worker import make_model
 
 

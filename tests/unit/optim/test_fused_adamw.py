@@ -8,6 +8,7 @@ import torch
 from nxd_smp import Zero1Optimizer
 from nxd_smp.optim import compiled_adamw as fused_adamw
 from nxd_smp.optim.compiled_adamw import CompiledAdamW, applies_to
+from tests.crafted import compiler_missing
 from tests.oracle import batch, loss_fn, make_model
 
 
@@ -96,13 +97,6 @@ def test_zero1_uses_it_by_default_on_cpu_and_not_when_told_otherwise():
     assert Zero1Optimizer(model.parameters(), torch.optim.AdamW, fused=True)._inner_step.compiled is None
     with pytest.raises(ValueError, match="compile_update=True"):
         Zero1Optimizer(model.parameters(), torch.optim.SGD, lr=0.1, compile_update=True)
-
-
-def compiler_missing() -> Exception:
-    """What torch.compile raises on a machine without a working C++ compiler."""
-    from torch._dynamo.exc import BackendCompilerFailed
-
-    return BackendCompilerFailed(lambda *a: None, RuntimeError("InvalidCxxCompiler: no C++ compiler"), None)
 
 
 def test_a_missing_compiler_falls_back_to_the_stock_step(monkeypatch):

@@ -55,7 +55,7 @@ def test_empty_and_zero():
 
 
 def test_a_missing_compiler_warns_once_and_falls_back(monkeypatch):
-    from tests.unit.optim.test_fused_adamw import compiler_missing
+    from tests.crafted import compiler_missing
 
     def broken(fn):
         raise compiler_missing()

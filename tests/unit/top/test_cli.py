@@ -13,7 +13,7 @@ import torch
 
 from nxd_smp import save_checkpoint
 from nxd_smp.cli import main
-from tests.unit.checkpointing.test_checkpoint import build, train
+from tests.checkpoint_scenario import build, train
 
 ROOT = Path(__file__).resolve().parents[3]
 
