@@ -161,3 +161,45 @@ def compiler_missing() -> Exception:
     from torch._dynamo.exc import BackendCompilerFailed
 
     return BackendCompilerFailed(lambda *a: None, RuntimeError("InvalidCxxCompiler: no C++ compiler"), None)
+
+
+# ---------------------------------------------------------------- the healthy runs attacks start from
+def trained_run(root: Path):
+    """nxd_smp's AdamW over tests/nxd_layout.py's model, two steps with its scheduler, saved in
+    nxd_smp's format at ``root/nxd_smp/ckpt`` with master weights; returns (model, optimizer, scheduler)."""
+    from nxd_smp import MixedPrecisionConfig, Zero1Optimizer, save_checkpoint
+    from tests.hostile_worker import step
+    from tests.nxd_layout import HYPER, param_groups, scheduler_of
+    from tests.xla_export_worker import make_model
+
+    model = make_model()
+    opt = Zero1Optimizer(param_groups(model), torch.optim.AdamW, compile_update=False, bucket_cap_mb=0.0002,
+                         mixed_precision=MixedPrecisionConfig(use_master_weights_in_ckpt=True), **HYPER)
+    scheduler = scheduler_of(opt)
+    for s in range(2):
+        step(model, opt, s)
+        scheduler.step()
+    save_checkpoint(root / "nxd_smp" / "ckpt", model=model, optimizer=opt, scheduler=scheduler, extra={"step": 2})
+    return model, opt, scheduler
+
+
+def native_run(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The same model in fp32 under plain ``torch.optim.AdamW`` (its scheduler made, so its groups hold
+    ``initial_lr`` as the live optimizer's do), two steps, saved as a native DCP directory at
+    ``root/torch``; returns its model and optimizer state dicts."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.nxd_layout import HYPER, backward, grads, param_groups, scheduler_of
+    from tests.xla_export_worker import make_model
+
+    native = make_model().float()
+    native_opt = torch.optim.AdamW(param_groups(native), **HYPER)
+    scheduler_of(native_opt)
+    for s in range(2):
+        backward(native, grads(0, s, native))
+        native_opt.step()
+        native_opt.zero_grad()
+    msd, osd = get_state_dict(native, native_opt)
+    save_native(root / "torch", msd, osd)
+    return msd, osd
+

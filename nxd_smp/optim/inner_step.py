@@ -229,7 +229,7 @@ class InnerStep:
             return
         # elementwise (XLA, once split): each shard's ``step`` one value per element, for this step
         swapped = self._element_counters() if self.counters.split else []
-        made_capturable = [g for g in self.inner.param_groups if swapped and not g.get("capturable")]
+        made_capturable = [g for g in self.inner.param_groups if not g.get("capturable")] if swapped else []
         for group in made_capturable:
             group["capturable"] = True  # (the kernel's form that reads ``step`` on the device)
         for shard, grad in zip(self.shards, grads):

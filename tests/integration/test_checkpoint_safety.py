@@ -36,19 +36,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from nxd_smp import CheckpointError, MixedPrecisionConfig, Zero1Optimizer, load_checkpoint, save_checkpoint
+from nxd_smp import CheckpointError, Zero1Optimizer, load_checkpoint, save_checkpoint
 from nxd_smp.checkpoint import consolidate, inspect_checkpoint, read_checkpoint
 from nxd_smp.checkpointing.dcp_index import read_metadata
 from nxd_smp.checkpointing.files import Folder
 from nxd_smp.interop.torch_xla import export_xla, import_xla
-from tests.crafted import RANK_FILE, TAG, Exploit, index_of, reseal, save_native, save_xser, write_nxd_tag
+from tests.crafted import RANK_FILE, TAG, Exploit, index_of, native_run, reseal, save_xser, trained_run, write_nxd_tag
 from tests.distributed import run_ranks
-from tests.hostile_worker import changes, live_sequential, snapshot, step
-from tests.nxd_layout import HYPER, backward, grads, scheduler_of
-from tests.nxd_layout import param_groups as nxd_param_groups
-from tests.xla_export_worker import make_model
+from tests.hostile_worker import changes, live_sequential, snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,14 +98,7 @@ class Sources:
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> Sources:
     root = tmp_path_factory.mktemp("sources")
-    model = make_model()
-    opt = Zero1Optimizer(nxd_param_groups(model), torch.optim.AdamW, compile_update=False, bucket_cap_mb=0.0002,
-                         mixed_precision=MixedPrecisionConfig(use_master_weights_in_ckpt=True), **HYPER)
-    scheduler = scheduler_of(opt)
-    for s in range(2):
-        step(model, opt, s)
-        scheduler.step()
-    save_checkpoint(root / "nxd_smp" / "ckpt", model=model, optimizer=opt, scheduler=scheduler, extra={"step": 2})
+    model, opt, scheduler = trained_run(root)
     export_xla(root / "nxd_smp" / "ckpt", root / "xla", dp_size=2)
     (one_rank,) = export_xla(root / "nxd_smp" / "ckpt", root / "xla_dp1", dp_size=1)
     optim_state = torch.load(one_rank, weights_only=True)
@@ -117,15 +106,7 @@ def sources(tmp_path_factory) -> Sources:
     for layout in ("nxd", "xser"):
         write_nxd_tag(root / layout, weights, optim_state, scheduler.state_dict(), xser=layout == "xser")
     save_checkpoint(root / "state_dicts", TAG, model.state_dict(), opt.state_dict(), scheduler, {"step": 2})
-
-    native = make_model().float()
-    native_opt = torch.optim.AdamW(nxd_param_groups(native), **HYPER)
-    scheduler_of(native_opt)
-    for s in range(2):
-        backward(native, grads(0, s, native))
-        native_opt.step()
-        native_opt.zero_grad()
-    save_native(root / "torch", *get_state_dict(native, native_opt))
+    native_run(root)
     return Sources(root, weights, optim_state)
 
 

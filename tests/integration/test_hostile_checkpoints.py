@@ -58,17 +58,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from nxd_smp import CheckpointError, MixedPrecisionConfig, Zero1Optimizer, save_checkpoint
+from nxd_smp import CheckpointError
 from nxd_smp.checkpointing.dcp_index import read_metadata
 from nxd_smp.checkpointing.files import Folder
-from tests.crafted import RANK_FILE, TAG, index_of, reseal, save_native, save_xser, write_nxd_tag
+from tests.crafted import RANK_FILE, TAG, index_of, native_run, reseal, save_native, save_xser, trained_run, write_nxd_tag
 from tests.distributed import run_ranks
-from tests.hostile_worker import assert_unchanged, changes, live, load, one_rank_fails_unexpectedly, snapshot, step
-from tests.nxd_layout import HYPER, backward, grads, scheduler_of
-from tests.nxd_layout import param_groups as nxd_param_groups
-from tests.xla_export_worker import make_model
+from tests.hostile_worker import assert_unchanged, changes, live, load, one_rank_fails_unexpectedly, snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 META, EXTRA, INDEX = "nxd_smp_meta.json", "extra.json", "nxd_smp_index.json"  # nxd_smp's format 3
@@ -97,28 +93,12 @@ def healthy(tmp_path_factory) -> Healthy:
     from nxd_smp.interop.torch_xla import export_xla
 
     root = tmp_path_factory.mktemp("healthy")
-    model = make_model()
-    opt = Zero1Optimizer(nxd_param_groups(model), torch.optim.AdamW, compile_update=False, bucket_cap_mb=0.0002,
-                         mixed_precision=MixedPrecisionConfig(use_master_weights_in_ckpt=True), **HYPER)
-    scheduler = scheduler_of(opt)
-    for s in range(2):
-        step(model, opt, s)
-        scheduler.step()
-    save_checkpoint(root / "nxd_smp" / "ckpt", model=model, optimizer=opt, scheduler=scheduler, extra={"step": 2})
+    model, opt, scheduler = trained_run(root)
     (xla_file,) = export_xla(root / "nxd_smp" / "ckpt", root / "xla", dp_size=1)
     optim_state = torch.load(xla_file, weights_only=True)
     for layout in ("nxd", "xser"):
         write_nxd_tag(root / layout, model.state_dict(), optim_state, scheduler.state_dict(), xser=layout == "xser")
-
-    native = make_model().float()
-    native_opt = torch.optim.AdamW(nxd_param_groups(native), **HYPER)
-    scheduler_of(native_opt)  # (its groups then hold initial_lr, as the live optimizer's do)
-    for s in range(2):
-        backward(native, grads(0, s, native))
-        native_opt.step()
-        native_opt.zero_grad()
-    msd, osd = get_state_dict(native, native_opt)
-    save_native(root / "torch", msd, osd)
+    msd, osd = native_run(root)
 
     ours = {k: v.clone() for k, v in model.state_dict().items()}
     weights = {"nxd_smp": ours, "nxd": ours, "xser": ours, "torch": {k: v.to(torch.bfloat16) for k, v in msd.items()}}

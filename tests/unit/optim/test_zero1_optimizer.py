@@ -157,19 +157,25 @@ def test_optimizer_zero_grad_clears_main_grad_and_model_zero_grad_does_not():
     assert opt.main_grad(w).abs().sum() == 0
 
 
+def fp32_sum_of_micro_batch_grads(reference, step: int, micro: int) -> dict[str, torch.Tensor]:
+    """The fp32 sum of ``reference``'s gradients over ``micro`` micro-batches of ``step`` (rank 0's data)."""
+    expected = {n: torch.zeros(p.shape) for n, p in reference.named_parameters()}
+    for m in range(micro):
+        reference.zero_grad()
+        x, y = batch(0, 0, step, m)
+        loss_fn(reference, x, y).backward()
+        for n, p in reference.named_parameters():
+            if p.grad is not None:
+                expected[n] += p.grad.float()
+    return expected
+
+
 def test_main_grad_is_the_fp32_sum_of_micro_batch_gradients():
     model = make_model()
     reference = make_model()
     opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW)
     backward(model, micro=3)
-    expected = {n: torch.zeros(p.shape) for n, p in reference.named_parameters()}
-    for m in range(3):
-        reference.zero_grad()
-        x, y = batch(0, 0, 0, m)
-        loss_fn(reference, x, y).backward()
-        for n, p in reference.named_parameters():
-            if p.grad is not None:
-                expected[n] += p.grad.float()
+    expected = fp32_sum_of_micro_batch_grads(reference, step=0, micro=3)
     for n, p in model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(opt.main_grad(p), expected[n], rtol=0, atol=0)
@@ -423,14 +429,7 @@ def test_main_grad_holds_only_the_current_accumulation():
     backward(model, step=1, micro=3)
     reference = make_model()
     reference.load_state_dict(model.state_dict())
-    expected = {n: torch.zeros(p.shape) for n, p in reference.named_parameters()}
-    for m in range(3):
-        reference.zero_grad()
-        x, y = batch(0, 0, 1, m)
-        loss_fn(reference, x, y).backward()
-        for n, p in reference.named_parameters():
-            if p.grad is not None:
-                expected[n] += p.grad.float()
+    expected = fp32_sum_of_micro_batch_grads(reference, step=1, micro=3)
     for n, p in model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(opt.main_grad(p), expected[n], rtol=0, atol=0)
