@@ -174,15 +174,17 @@ class Topology:
         ``"split"`` tensors of ``norm.norm_role``; ``"shared"`` ones are left out), a 0-dim tensor
         of ``dtype`` (the plan's norm dtype) on every rank: the split parts added up over the
         tensor-parallel groups, then the total over the data-parallel group when the tensors are
-        this rank's ``sharded`` part, and over the pipeline stages."""
+        this rank's ``sharded`` part, and over the pipeline stages. On CPU the sums travel in
+        fp64 and the norm is rounded to ``dtype`` once, so it is the same at any DP size."""
         split = by_role.get("split", ())
+        exact = torch.float64 if device.type == "cpu" else dtype
         return global_norm(
-            sum_of_squares(list(by_role.get("replicated", ())), device, compiled, dtype=dtype),
-            sum_of_squares(list(split), device, compiled, dtype=dtype) if split else None,
+            sum_of_squares(list(by_role.get("replicated", ())), device, compiled, dtype=exact),
+            sum_of_squares(list(split), device, compiled, dtype=exact) if split else None,
             tensor_parallel=self.tensor,
             data_parallel=self.data if sharded else None,
             pipeline_parallel=self.pipeline,
-        )
+        ).to(dtype)
 
 
 def _sum_over(group: Backend, tensors: Sequence[torch.Tensor], per_parameter: bool) -> None:
