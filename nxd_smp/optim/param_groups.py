@@ -208,8 +208,9 @@ def inner_settings(
     device has one (CPU, CUDA) and the caller chose no variant, here or in a param group
     (``kernel_chosen``): the inner optimizer sees a few large flat tensors, where the fused kernel is
     the fastest and allocates no temporaries; low-precision shards keep the stock path, so legacy
-    mode rounds exactly as the stock optimizer. The compiled one-pass update stands in for the fused
-    kernel nxd_smp chose itself (``compile_update`` None), or always (True), or never (False).
+    mode rounds exactly as the stock optimizer. The compiled one-pass update may stand in for the
+    fused kernel nxd_smp chose itself (``compile_update`` None: where the shards are large enough,
+    ``CompiledAdamW.where_it_applies``), or always (True), or never (False).
     Building a throwaway instance validates the hyperparameters now.
 
     Raises:

@@ -10,6 +10,7 @@ import torch
 
 import nxd_smp
 from nxd_smp import ConfigError
+from nxd_smp.optim import compiled_adamw
 from tests.distributed import run_ranks
 from tests.nxd_trainer_worker import (
     ADAMW,
@@ -259,11 +260,13 @@ def test_init_zero_after_loading_weights_starts_the_next_step_from_them():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), pretrained.parameters()))
 
 
-def test_nxd_trainings_call_with_adamw_defaults_trains_as_the_plain_call():
+def test_nxd_trainings_call_with_adamw_defaults_trains_as_the_plain_call(monkeypatch):
     """NxD Training: ``initialize_parallel_optimizer(cfg, cls, groups, **torch_optimizer.defaults)``.
     torch 2.9's AdamW.defaults holds decoupled_weight_decay (dropped, as NxD drops it) and the
     kernel options at their defaults (no choice: the fused kernel and the compiled CPU update
-    stay on); it trains bit for bit as the same hyperparameters passed plainly."""
+    stay on, the latter from ``COMPILE_MIN_NUMEL`` elements, lowered here for the small model);
+    it trains bit for bit as the same hyperparameters passed plainly."""
+    monkeypatch.setattr(compiled_adamw, "COMPILE_MIN_NUMEL", 0)
     cfg = nxd_smp.neuronx_distributed_config(optimizer_config=ON)
     a, b = _lin(), _lin()
     torch_optimizer = torch.optim.AdamW(a.parameters(), lr=2e-3, weight_decay=0.05)
@@ -350,10 +353,12 @@ def test_optimum_neurons_wrapped_save_resumes_bit_for_bit(pair, async_save):
         assert got["metadata_kept"] and got["is_link"]
 
 
-def test_optimum_neurons_param_groups_choose_no_kernel_unless_the_user_did():
+def test_optimum_neurons_param_groups_choose_no_kernel_unless_the_user_did(monkeypatch):
     """optimum-neuron builds from a torch optimizer's ``param_groups``, which carry every kernel
     option: at the class default they choose nothing (the fused kernel and the compiled CPU
-    update stay), a user's own choice in them is kept."""
+    update stay, the latter from ``COMPILE_MIN_NUMEL`` elements, lowered here for the small
+    model), a user's own choice in them is kept."""
+    monkeypatch.setattr(compiled_adamw, "COMPILE_MIN_NUMEL", 0)
     for chosen, compiled in (({}, True), ({"foreach": True}, False), ({"fused": False}, False)):
         model = _lin()
         user_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **chosen)

@@ -74,7 +74,7 @@ def streams_of(opt: Zero1Optimizer) -> dict[str, list[torch.Tensor]]:
 def test_the_optimizer_places_every_stream_and_a_loaded_state_is_moved_into_place():
     mp = MixedPrecisionConfig(use_master_weights_in_ckpt=True)  # so the two runs go on identically
     m = model()
-    opt = Zero1Optimizer(m.parameters(), torch.optim.AdamW, mixed_precision=mp, lr=1e-3)
+    opt = Zero1Optimizer(m.parameters(), torch.optim.AdamW, mixed_precision=mp, lr=1e-3, compile_update=True)
     run_steps(m, opt, 2)
     for stream, tensors in streams_of(opt).items():
         assert all(is_staggered(t, stream) for t in tensors), stream
@@ -82,7 +82,7 @@ def test_the_optimizer_places_every_stream_and_a_loaded_state_is_moved_into_plac
     saved = opt.state_dict()
     m2 = model()
     m2.load_state_dict(m.state_dict())
-    opt2 = Zero1Optimizer(m2.parameters(), torch.optim.AdamW, mixed_precision=mp, lr=1e-3)
+    opt2 = Zero1Optimizer(m2.parameters(), torch.optim.AdamW, mixed_precision=mp, lr=1e-3, compile_update=True)
     opt2.load_state_dict(saved)
     for stream in ("exp_avg", "exp_avg_sq"):
         assert all(is_staggered(t, stream) for t in streams_of(opt2)[stream]), stream

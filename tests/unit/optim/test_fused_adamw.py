@@ -90,16 +90,30 @@ def _train(opt, model, steps=3):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def test_zero1_uses_it_by_default_on_cpu_and_not_when_told_otherwise():
-    model = make_model()
-    assert Zero1Optimizer(model.parameters(), torch.optim.AdamW)._inner_step.compiled is not None
-    assert Zero1Optimizer(model.parameters(), torch.optim.AdamW, compile_update=False)._inner_step.compiled is None
-    assert Zero1Optimizer(model.parameters(), torch.optim.AdamW, fused=True)._inner_step.compiled is None
+def test_zero1_uses_it_by_default_on_cpu_where_the_shards_are_large_enough_and_not_when_told_otherwise():
+    """``compile_update=None`` compiles from ``COMPILE_MIN_NUMEL`` shard elements on the rank (below it
+    torch's fused kernel is as fast), True always, False never; a variant the caller chose is theirs."""
+    def compiled(model, **kwargs):
+        return Zero1Optimizer(model.parameters(), torch.optim.AdamW, **kwargs)._inner_step.compiled is not None
+
+    small, large = make_model(), torch.nn.Linear(1024, 1024).bfloat16()  # 4.5K and 1.05M elements
+    assert sum(p.numel() for p in large.parameters()) >= fused_adamw.COMPILE_MIN_NUMEL > 100 * sum(
+        p.numel() for p in small.parameters())
+    assert compiled(large) and not compiled(small)
+    assert compiled(small, compile_update=True) and compiled(large, compile_update=True)
+    assert not compiled(large, compile_update=False) and not compiled(large, fused=True)
+    assert not compiled(large, foreach=True)
     with pytest.raises(ValueError, match="compile_update=True"):
-        Zero1Optimizer(model.parameters(), torch.optim.SGD, lr=0.1, compile_update=True)
+        Zero1Optimizer(small.parameters(), torch.optim.SGD, lr=0.1, compile_update=True)
 
 
-def test_a_missing_compiler_falls_back_to_the_stock_step(monkeypatch):
+@pytest.fixture
+def compiled_by_default(monkeypatch):
+    """``compile_update=None`` takes the compiled update for the small test model too."""
+    monkeypatch.setattr(fused_adamw, "COMPILE_MIN_NUMEL", 0)
+
+
+def test_a_missing_compiler_falls_back_to_the_stock_step(monkeypatch, compiled_by_default):
     expected = _train(*_opt_and_model(compile_update=False))
 
     def broken(fn=None):
@@ -114,7 +128,7 @@ def test_a_missing_compiler_falls_back_to_the_stock_step(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
-def test_a_real_error_in_the_kernel_surfaces(monkeypatch):
+def test_a_real_error_in_the_kernel_surfaces(monkeypatch, compiled_by_default):
     def broken(fn=None):
         def kernel(*args):
             raise RuntimeError("shapes do not match")
@@ -173,7 +187,7 @@ def test_a_step_under_a_users_dispatch_mode_runs_and_matches(tmp_path):
     for mode in (None, Counting()):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64)).bfloat16()
-        opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, max_norm=0.1)
+        opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, max_norm=0.1, compile_update=True)
         assert opt._inner_step.compiling
         for step in range(3):
             model(torch.randn(8, 64, generator=torch.Generator().manual_seed(step)).bfloat16()).float().pow(2).sum().backward()

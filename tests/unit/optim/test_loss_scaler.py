@@ -286,7 +286,7 @@ def test_scaled_fp16_training_matches_unscaled():
 
 
 def _overflow_worker(rank, world_size, variant):
-    kwargs = {"adamw_compiled": dict(optimizer_class=torch.optim.AdamW, lr=1e-2),
+    kwargs = {"adamw_compiled": dict(optimizer_class=torch.optim.AdamW, lr=1e-2, compile_update=True),
               "sgd_fused": dict(optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9),
               "adamw_stock": dict(optimizer_class=torch.optim.AdamW, lr=1e-2, foreach=False)}[variant]
     model = fp16_model()
