@@ -37,7 +37,7 @@ from .core.dtensors import local_tensor
 from .core.environment import check_master_weights_storage
 from .core.layout import BucketKey, BucketLayout, plan_buckets
 from .grad_accum import AutogradGrads, GradientSource, MainGradBuffers, ShardedMainGrads
-from .mixed_precision_config import MixedPrecisionConfig, Zero1Config, require_bool
+from .mixed_precision_config import MixedPrecisionConfig, Zero1Config
 from .optim.compiled_adamw import CompiledAdamW
 from .optim.frozen import FrozenParams
 from .optim.inner_step import InnerStep
@@ -88,10 +88,11 @@ class Zero1Optimizer(torch.optim.Optimizer):
             the others once.
         pipeline_groups: the pipeline-parallel groups: the stages' squares add up (a parameter marked
             ``shared=True``, NxD's tied weight, is counted by another stage).
-        sequence_parallel: sum the gradients of the parameters marked ``sequence_parallel_enabled``
-            over ``grad_norm_groups`` first, as NxD's trainer wrapper does (refused without them).
         context_parallel_groups: average every gradient over them first (NxD's wrapper under context
-            parallelism); where the data-parallel group spans them, its mean already does.
+            parallelism, a mesh's ``"cp"`` dimension); where the data-parallel group spans them, its
+            mean already does. NxD's sequence parallelism (the sum of the parameters its layers mark
+            ``sequence_parallel_enabled``) comes with NxD's call shapes: ``initialize_parallel_optimizer``
+            with a config that has it on, or ``NeuronZero1Optimizer(..., sequence_parallel=True)``.
         device_mesh: a ``DeviceMesh`` instead of the groups, its dimensions by name: ZeRO-1 over ``"dp"`` (or
             TorchTitan's ``"dp_replicate"``, or its flattened ``"dp"``), the norm over ``"tp"`` (optional);
             other dimensions of size 1 ignored. DTensor parameters are managed through their local parts.
@@ -128,7 +129,6 @@ class Zero1Optimizer(torch.optim.Optimizer):
         bucket_cap_mb: float | None = None,
         grad_norm_groups: NormGroupSpec = None,
         pipeline_groups: NormGroupSpec = None,
-        sequence_parallel: bool = False,
         context_parallel_groups: NormGroupSpec = None,
         topology: Topology | None = None,
         device_mesh: Any = None,
@@ -149,9 +149,14 @@ class Zero1Optimizer(torch.optim.Optimizer):
             grad_reduction=grad_reduction,
         )
         check_optimizer_class(optimizer_class)
+        if "sequence_parallel" in defaults:  # (else the inner class would refuse it without saying where it goes)
+            raise TypeError(
+                "Zero1Optimizer takes no sequence_parallel: NxD's sequence parallelism (the parameters its layers "
+                "mark sequence_parallel_enabled) comes with NxD's call shapes: initialize_parallel_optimizer with a "
+                "config that has sequence_parallel=True, or NeuronZero1Optimizer(..., sequence_parallel=True, "
+                "grad_norm_groups=...).")
         if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
             raise TypeError(f"loss_scaler must be a DynamicLossScaler or None, got {type(loss_scaler).__name__}.")
-        require_bool("Zero1Optimizer", "sequence_parallel", sequence_parallel)
         if config.mixed_precision.use_master_weights:
             check_master_weights_storage()
 
@@ -159,7 +164,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._managed, device = managed_params(groups)
         self._topology = Topology.build(
             device, data=process_group, tensor=grad_norm_groups, pipeline=pipeline_groups,
-            context=context_parallel_groups, sequence_parallel=sequence_parallel, device_mesh=device_mesh,
+            context=context_parallel_groups, device_mesh=device_mesh,
             params=self._managed, owner=type(self).__name__, pin_layout=config.pin_layout, given=topology)
         self._backend = self._topology.data
         self._plan = PrecisionPlan.resolve(config.mixed_precision, backend=self._backend,

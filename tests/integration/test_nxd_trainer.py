@@ -100,6 +100,8 @@ def test_sequence_parallel_without_a_tensor_parallel_group_is_refused():
     with pytest.raises(ConfigError, match="sequence_parallel_enabled.*tensor-parallel group"):
         nxd_smp.NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, use_grad_acc_hook=True)
     with pytest.raises(ConfigError, match="sequence_parallel_enabled"):
+        nxd_smp.NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, sequence_parallel=True)
+    with pytest.raises(TypeError, match="NeuronZero1Optimizer.*sequence_parallel=True"):  # NxD's call shapes only
         nxd_smp.Zero1Optimizer(model.parameters(), torch.optim.AdamW, sequence_parallel=True)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None and not p._backward_hooks for p in model.parameters())

@@ -124,7 +124,7 @@ class NxDOptimizer(torch.optim.Optimizer):
                     "the config has sequence_parallel on, but the Zero1Optimizer was built without it: the "
                     "gradients of the parameters marked sequence_parallel_enabled would not be summed over the "
                     "tensor-parallel group. Build it with initialize_parallel_optimizer, or with "
-                    "Zero1Optimizer(..., sequence_parallel=True, grad_norm_groups=...)."
+                    "NeuronZero1Optimizer(..., sequence_parallel=True, grad_norm_groups=...)."
                 )
             if nxd_config.get("context_parallel_size", 1) > 1 and optimizer.context_parallel_size == 1:
                 raise ConfigError(
