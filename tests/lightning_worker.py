@@ -1,6 +1,7 @@
 """PyTorch Lightning runs for tests/integration/test_lightning.py, launched as its users launch them
-(``torchrun --nproc-per-node N -m tests.lightning_worker OUT MODE``: Lightning's DDP strategy finds
-torchrun's environment). Rank 0 writes what the test compares to its fp32 reference (OUT, torch.save).
+(``torchrun --nproc-per-node N -m tests.lightning_worker OUT MODE...``: Lightning's DDP strategy finds
+torchrun's environment); one launch runs each MODE in turn, each with its own modules and trainers.
+Rank 0 writes what the test compares to its fp32 reference (OUT, torch.save: a dict by MODE).
 
 MODE ``clip``: ``fit`` for STEPS steps with ``gradient_clip_val=CLIP`` and the callback; the final
 parameters, fp32 masters and Adam moments, gathered whole. MODE ``resume``: an uninterrupted run, and
@@ -110,10 +111,16 @@ def gathered_state(module) -> dict:
     return {"params": {n: p.detach().clone() for n, p in module.net.named_parameters()}, "state": whole}
 
 
-def main(out: str, mode: str) -> None:
+def main(out: str, *modes: str) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
+    results = {mode: run(mode) for mode in modes}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save(results, out)
+
+
+def run(mode: str) -> dict:
     Module = module_class()
     result: dict = {}
     if mode == "clip":
@@ -146,9 +153,10 @@ def main(out: str, mode: str) -> None:
             result["resumed"] = gathered_state(resumed)
         except Exception as e:  # noqa: BLE001 - the refusal is what the test reads
             result["refused"] = f"{type(e).__name__}: {e}"
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        torch.save(result, out)
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    return result
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

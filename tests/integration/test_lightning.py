@@ -28,14 +28,27 @@ from tests.lightning_worker import CLIP, GLOBAL_BATCH, LR, STEPS, data, initial_
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def launch(tmp_path: Path, ranks: int, mode: str) -> dict:
-    out = tmp_path / f"{mode}-{ranks}.pt"
-    env = {**os.environ, "USE_TORCH_XLA": "0", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(ranks), "-m", "tests.lightning_worker", str(out), mode],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return torch.load(out, weights_only=True)
+# One launch per DP size runs every mode of tests/lightning_worker.py (the refusal last).
+MODES = {1: ("clip", "resume"), 2: ("clip", "resume", "no_callback")}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """``launched(ranks)[mode]``: what rank 0 wrote for that mode, each DP size launched once per module."""
+    cache: dict[int, dict] = {}
+
+    def get(ranks: int) -> dict:
+        if ranks not in cache:
+            out = tmp_path_factory.mktemp("lightning") / f"dp{ranks}.pt"
+            env = {**os.environ, "USE_TORCH_XLA": "0", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                   str(ranks), "-m", "tests.lightning_worker", str(out), *MODES[ranks]],
+                                  cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            cache[ranks] = torch.load(out, weights_only=True)
+        return cache[ranks]
+
+    return get
 
 
 def reference(lr: float = LR, clip: float | None = CLIP, dtype: torch.dtype = torch.float32) -> tuple[dict, dict]:
@@ -75,10 +88,10 @@ def masters_error(got: dict, expected: dict) -> float:
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_gradient_clip_val_is_the_optimizers_clipping_and_training_matches_the_fp32_reference(tmp_path, ranks):
+def test_gradient_clip_val_is_the_optimizers_clipping_and_training_matches_the_fp32_reference(launched, ranks):
     """Measured (DP 1 / DP 2): masters 1e-4 / 3e-4 rel. L2, updates 0.005 / 0.013, moments 0.002; the
     calibrations: updates 0.90 at lr/10 and 0.26 in pure bf16, moments 9.0 clipped at 1.0."""
-    run = launch(tmp_path, ranks, "clip")
+    run = launched(ranks)["clip"]
     assert run["max_norm"] == CLIP and run["clipping"]
     masters = {k.removesuffix("/master"): v for k, v in run["state"].items() if k.endswith("/master")}
     weights, moments = reference()
@@ -92,14 +105,14 @@ def test_gradient_clip_val_is_the_optimizers_clipping_and_training_matches_the_f
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_lightnings_own_save_and_resume_hold_every_ranks_shard(tmp_path, ranks):
-    run = launch(tmp_path, ranks, "resume")
+def test_lightnings_own_save_and_resume_hold_every_ranks_shard(launched, ranks):
+    run = launched(ranks)["resume"]
     assert "refused" not in run, run.get("refused")
     for part in ("params", "state"):
         for name, value in run["uninterrupted"][part].items():
             assert torch.equal(run["resumed"][part][name], value), (part, name)
 
 
-def test_without_the_callback_a_ddp_resume_is_refused_on_every_rank(tmp_path):
-    run = launch(tmp_path, 2, "no_callback")
+def test_without_the_callback_a_ddp_resume_is_refused_on_every_rank(launched):
+    run = launched(2)["no_callback"]
     assert "CheckpointError" in run.get("refused", ""), run.get("refused")
