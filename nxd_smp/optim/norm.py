@@ -109,7 +109,8 @@ def sum_of_squares(tensors: list[torch.Tensor], device: torch.device, compiled: 
     """Sum of squared elements over ``tensors``, accumulated in fp32 or better (a 0-dim
     tensor of ``dtype`` on ``device``; zero for an empty list). On CPU the same at any cut of the
     gradient into shards (``_CPU_NORM_PIECE``); ``compiled``: use the compiled kernel there (one
-    read of the gradient at memory speed). ``dtype``: the torch dtype the
+    read of the gradient at memory speed; its fp32 rows of 256 leave ~1e-10, so a cut can flip a
+    last bit, rarely). ``dtype``: the torch dtype the
     device holds as fp32 (float64 on an XLA device under ``XLA_DOWNCAST_BF16``)."""
     if not tensors:
         return torch.zeros((), dtype=dtype, device=device)
