@@ -228,8 +228,8 @@ class Zero1Config(OptimizerConfig):
         pin_layout: passed to torch_xla's collectives.
         lazy_init: build the shards at ``init_zero()`` rather than in the constructor.
         compile_update: the compiled one-pass CPU update: None (where nxd_smp picked the
-            fused kernel itself and the rank's shards hold at least 1M elements), True (required)
-            or False.
+            fused kernel itself and the rank's shards hold at least 1M elements, or with parameter
+            remainders), True (required) or False.
         stochastic_rounding: round the bf16 update stochastically (legacy mode only).
         sr_seed: the seed of those draws (an int).
         grad_reduction: how the ranks' gradients combine: ``"mean"`` (divided by the data-parallel

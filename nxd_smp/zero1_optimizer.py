@@ -101,8 +101,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
         lazy_init: build the shards at ``init_zero()`` instead of now.
         compile_update: Adam/AdamW on CPU with fp32 shards: the update, the gradient scaling and the
             cast as one compiled pass. None: where nxd_smp chose the fused kernel and this rank's shards
-            hold at least ``COMPILE_MIN_NUMEL`` (1M) elements, where it is faster; True: required; False:
-            never.
+            hold at least ``COMPILE_MIN_NUMEL`` (1M) elements, where it is faster, or with parameter
+            remainders (no fp32 shard in memory); True: required; False: never.
         loss_scaler: a ``DynamicLossScaler`` for fp16 (``scale_loss(loss).backward()``): unscaled
             in fp32 on the shards; a step with an inf/NaN on any rank is skipped on every rank.
         grad_reduction: ``"mean"`` (default: the ranks' gradients averaged, as NxD and DDP do) or
@@ -429,7 +429,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             masters=self._masters, backend=self._backend,
             compiled=CompiledAdamW.where_it_applies(
                 self._inner, self._backend.device, self._config.compile_update,
-                shard_numel=sum(layout.shard_numel for layout in self._layouts))
+                shard_numel=sum(layout.shard_numel for layout in self._layouts), remainders=plan.remainders)
             if self._inner_settings.may_compile else None, layouts=self._layouts)
         self._inner_step.create_state([layout.shard_numel for layout in self._layouts])
         self._rank_state = RankState(

@@ -167,7 +167,8 @@ def _plain_aliases(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 
 # Where nxd_smp chooses (``compile_update=None``), the kernel runs only for at least this many shard
-# elements on the rank. Below it, it is no faster than torch's fused kernel plus the cast (median of
+# elements on the rank, or with parameter remainders (whose promise, no fp32 shard in memory, it
+# keeps). Below it, it is no faster than torch's fused kernel plus the cast (median of
 # 30 steps on 2 cores: 1.02 against 0.77 ms at 64K elements, 3.05 against 3.04 ms at 768K, 3.20
 # against 3.43 ms at 1M, 33.8 against 38.8 ms at 16M), while its first step in a process costs 6.5 s
 # with inductor's cache warm (loading dynamo and inductor) and several times that cold.
@@ -179,16 +180,17 @@ class CompiledAdamW:
 
     @classmethod
     def where_it_applies(cls, optimizer: torch.optim.Optimizer, device: torch.device,
-                         required: bool | None, shard_numel: int) -> "CompiledAdamW | None":
+                         required: bool | None, shard_numel: int, remainders: bool) -> "CompiledAdamW | None":
         """The compiled update of ``optimizer`` where it applies (``applies_to``) and, unless
-        ``required``, where it is faster: ``shard_numel`` (this rank's shard elements, over every
-        bucket) at least ``COMPILE_MIN_NUMEL``; else None.
+        ``required``, where it is faster (``shard_numel``, this rank's shard elements over every
+        bucket, at least ``COMPILE_MIN_NUMEL``) or where it keeps the fp32 shards out of memory
+        (``remainders``); else None.
 
         Raises:
             ValueError: ``required`` (``compile_update=True``) and it does not apply.
         """
         if applies_to(optimizer, device):
-            return cls(optimizer) if required or shard_numel >= COMPILE_MIN_NUMEL else None
+            return cls(optimizer) if required or remainders or shard_numel >= COMPILE_MIN_NUMEL else None
         if required:
             raise ConfigError(
                 "compile_update=True needs torch.optim.Adam or AdamW on CPU with fp32 master shards and "

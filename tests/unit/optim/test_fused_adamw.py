@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nxd_smp import Zero1Optimizer
+from nxd_smp import MixedPrecisionConfig, Zero1Optimizer
 from nxd_smp.optim import compiled_adamw as fused_adamw
 from nxd_smp.optim.compiled_adamw import CompiledAdamW, applies_to
 from tests.crafted import compiler_missing
@@ -92,7 +92,8 @@ def _train(opt, model, steps=3):
 
 def test_zero1_uses_it_by_default_on_cpu_where_the_shards_are_large_enough_and_not_when_told_otherwise():
     """``compile_update=None`` compiles from ``COMPILE_MIN_NUMEL`` shard elements on the rank (below it
-    torch's fused kernel is as fast), True always, False never; a variant the caller chose is theirs."""
+    torch's fused kernel is as fast) and with parameter remainders at any size (no fp32 shard in memory),
+    True always, False never; a variant the caller chose is theirs."""
     def compiled(model, **kwargs):
         return Zero1Optimizer(model.parameters(), torch.optim.AdamW, **kwargs)._inner_step.compiled is not None
 
@@ -103,6 +104,9 @@ def test_zero1_uses_it_by_default_on_cpu_where_the_shards_are_large_enough_and_n
     assert compiled(small, compile_update=True) and compiled(large, compile_update=True)
     assert not compiled(large, compile_update=False) and not compiled(large, fused=True)
     assert not compiled(large, foreach=True)
+    remainders = MixedPrecisionConfig(use_param_remainders=True)
+    assert compiled(small, mixed_precision=remainders) and not compiled(small, mixed_precision=remainders,
+                                                                        compile_update=False)
     with pytest.raises(ValueError, match="compile_update=True"):
         Zero1Optimizer(small.parameters(), torch.optim.SGD, lr=0.1, compile_update=True)
 
