@@ -160,3 +160,9 @@ def run(mode: str) -> dict:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    # Every rank past its last collective before any closes its gloo connections, then the group
+    # destroyed before the interpreter exits: exiting with gloo's threads up can abort the exit
+    # ("terminate called without an active exception", pytorch/pytorch#190489; tests/trainer_dp_worker.py).
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

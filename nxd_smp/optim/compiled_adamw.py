@@ -175,6 +175,13 @@ def _plain_aliases(*tensors: torch.Tensor) -> list[torch.Tensor]:
 COMPILE_MIN_NUMEL = 1 << 20
 
 
+def pays_off(shard_numel: int) -> bool:
+    """Whether compiling a CPU kernel over this rank's ``shard_numel`` shard elements is faster than
+    torch's own (``COMPILE_MIN_NUMEL``): the one-pass update's choice under ``compile_update=None``,
+    and the norm's wherever the update runs compiled."""
+    return shard_numel >= COMPILE_MIN_NUMEL
+
+
 class CompiledAdamW:
     """Steps a stock Adam/AdamW over flat fp32 shards and casts them into ``outs``."""
 
@@ -190,7 +197,7 @@ class CompiledAdamW:
             ValueError: ``required`` (``compile_update=True``) and it does not apply.
         """
         if applies_to(optimizer, device):
-            return cls(optimizer) if required or remainders or shard_numel >= COMPILE_MIN_NUMEL else None
+            return cls(optimizer) if required or remainders or pays_off(shard_numel) else None
         if required:
             raise ConfigError(
                 "compile_update=True needs torch.optim.Adam or AdamW on CPU with fp32 master shards and "
