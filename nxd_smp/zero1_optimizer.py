@@ -38,7 +38,7 @@ from .core.environment import check_master_weights_storage
 from .core.layout import BucketKey, BucketLayout, plan_buckets
 from .grad_accum import AutogradGrads, GradientSource, MainGradBuffers, ShardedMainGrads
 from .mixed_precision_config import MixedPrecisionConfig, Zero1Config
-from .optim.compiled_adamw import CompiledAdamW, pays_off
+from .optim.compiled_adamw import CompiledAdamW
 from .optim.frozen import FrozenParams
 from .optim.inner_step import InnerStep
 from .optim.loss_scaler import DynamicLossScaler
@@ -423,19 +423,15 @@ class Zero1Optimizer(torch.optim.Optimizer):
                                     if layout.key.group == gi]}
                         for gi, group in enumerate(self.param_groups)]
         self._inner = self._optimizer_class(inner_groups, **self._inner_settings.kwargs)
-        shard_numel = sum(layout.shard_numel for layout in self._layouts)
         self._inner_step = InnerStep(
             self._inner, self._masters.shards, stochastic_rounding=plan.stochastic,
             sr_generator=self._backend.random_generator(self._config.sr_seed) if plan.stochastic else None,
             masters=self._masters, backend=self._backend,
             compiled=CompiledAdamW.where_it_applies(
                 self._inner, self._backend.device, self._config.compile_update,
-                shard_numel=shard_numel, remainders=plan.remainders)
+                shard_numel=sum(layout.shard_numel for layout in self._layouts), remainders=plan.remainders)
             if self._inner_settings.may_compile else None, layouts=self._layouts)
         self._inner_step.create_state([layout.shard_numel for layout in self._layouts])
-        # the norm's compiled kernel runs with the update's where it pays (remainders compile the update at
-        # any size, for memory): a small run's norm is the eager one, whatever its memory options
-        self._norm_compiles = self._config.compile_update is True or pays_off(shard_numel)
         self._rank_state = RankState(
             inner_step=self._inner_step, masters=self._masters, layouts=self._layouts, backend=self._backend,
             coordinate=topology.coordinate, managed=params, param_groups=self.param_groups,
@@ -554,7 +550,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         norm = self._topology.global_norm(  # 2. norm
             {role: [grads[b] for b in buckets] for role, buckets in self._norm_buckets.items()}, sharded=True,
             dtype=self._plan.norm, device=self._backend.device,
-            compiled=self._inner_step.compiling and self._norm_compiles)
+            compiled=self._inner_step.compiling_norm)
         mean_over = self._topology.mean_over if self._config.grad_reduction == "mean" else 1
         norm = norm / mean_over if mean_over > 1 else norm  # (sums -> means)
         found_inf = None

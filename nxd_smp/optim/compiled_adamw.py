@@ -197,7 +197,10 @@ class CompiledAdamW:
             ValueError: ``required`` (``compile_update=True``) and it does not apply.
         """
         if applies_to(optimizer, device):
-            return cls(optimizer) if required or remainders or pays_off(shard_numel) else None
+            faster = bool(required) or pays_off(shard_numel)
+            # (remainders compile the update at any size, for memory; the norm's kernel only where it pays, so
+            # a small run's norm is the eager one whatever its memory options)
+            return cls(optimizer, with_norm=faster) if faster or remainders else None
         if required:
             raise ConfigError(
                 "compile_update=True needs torch.optim.Adam or AdamW on CPU with fp32 master shards and "
@@ -206,8 +209,9 @@ class CompiledAdamW:
             )
         return None
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer, with_norm: bool = True):
         self.optimizer = optimizer
+        self.with_norm = with_norm  # the gradient norm's compiled kernel runs beside it (``pays_off``)
         self.enabled = True
         self.fits = True  # the groups hold only what the kernel computes (asked again at each load)
         optimizer.register_load_state_dict_post_hook(lambda opt: self._loaded())

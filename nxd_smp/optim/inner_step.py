@@ -143,6 +143,11 @@ class InnerStep:
         """Whether the compiled one-pass update runs here (its kernels compile on this machine)."""
         return self.compiled is not None and self.compiled.enabled
 
+    @property
+    def compiling_norm(self) -> bool:
+        """Whether the gradient norm's compiled kernel runs beside the compiled update."""
+        return self.compiling and self.compiled.with_norm
+
     def update(self, grads: list[torch.Tensor], coef: torch.Tensor | float | None, found_inf: torch.Tensor | None,
                inner_args: dict[str, Any], wrapper_groups: Sequence[dict[str, Any]],
                frozen: FrozenElements | None = None) -> None:
