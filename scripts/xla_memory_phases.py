@@ -122,7 +122,7 @@ def main() -> None:
     for world in a.dp:
         for kind in a.kinds:
             small, large = (run_replicas(world, "scripts.xla_memory_phases:replica", kind, a.width, layers,
-                                         a.warmup, timeout=1800)[0] for layers in a.layers)
+                                         a.warmup, timeout=1800, compile_in_turn=False)[0] for layers in a.layers)
             slope = {phase: bytes_slope(small["bytes"][phase], small["params"], large["bytes"][phase], large["params"],
                                         per=world) for phase in PHASES}
             peak = slope["between steps"] + max(slope["forward+backward"], slope["step"])

@@ -203,7 +203,10 @@ def checkpoints(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def train(rank: int, world: int, cases: list[Case], checkpoint_job: dict[str, Any] | None = None) -> dict[str, Any]:
+def train(rank: int, world: int, cases: list[Case], checkpoint_job: dict[str, Any] | None = None,
+          with_tp_norm: bool = False) -> dict[str, Any]:
+    """Each case's run on these replicas, then the checkpoints of ``checkpoint_job``, the memory phases
+    script's replica and, with ``with_tp_norm`` (4 replicas), ``tp_norm``: one child for all of them."""
     import torch_xla
     import torch_xla.debug.metrics as met
 
@@ -273,6 +276,8 @@ def train(rank: int, world: int, cases: list[Case], checkpoint_job: dict[str, An
     from scripts.xla_memory_phases import replica as memory_phases
 
     results["memory_phases"] = memory_phases(rank, world, "nxd_smp_sharded_acc", 32, 2, 2)
+    if with_tp_norm:
+        results["tp_norm"] = tp_norm(rank, world)
     return results
 
 

@@ -6,12 +6,21 @@
 child calls ``torch_xla.launch``, which runs one thread per replica, and each replica calls
 ``function(rank, world_size, *args)`` and returns something ``torch.save`` can write. The
 parent kills the child's process group if it outlives ``timeout``, so a hang fails the test
-instead of blocking the suite.
+instead of blocking the suite. ``torch_xla.launch`` starts the replicas' process itself, forked
+here from the child that has imported torch_xla already (a spawned one imported it again: ~8 s).
 
 Inside a replica, ``sync()`` replaces ``torch_xla.sync()``: all replicas wait at one barrier
 first, so none reaches a collective more than XLA:CPU's ~15 s after the others (compile
 skew aborts the process). nxd_smp itself gives every collective on the XLA CPU device a
 channel id, which is how XLA:CPU matches the replicas of one collective.
+
+``torch_xla.sync()`` compiles a new graph in the calling thread, then hands its execution to
+torch_xla's threads; the compiled programs are cached per process, keyed by the graph and not by
+the device. With ``compile_in_turn`` (the tests' default) the replicas sync one at a time, so the
+first compiles each program and the others find it in the cache: every rank still traces and
+runs its own graph, and a rank whose graph differed would compile its own. Compiling at once,
+each replica compiled every program again (a four-replica child spent most of its time there).
+The benchmarks sync at once, as processes of their own would.
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ _barrier_lock = threading.Lock()
 #: Replicas are threads of one process and share torch's global RNG: hold this lock
 #: around code that seeds and draws from it (building a model), or the draws interleave.
 serial = threading.Lock()
+_compiling = threading.Lock()
+_in_turn = False
 
 
 def replica_env(n: int) -> dict[str, str]:
@@ -49,10 +60,11 @@ def replica_env(n: int) -> dict[str, str]:
     return env
 
 
-def run_replicas(n: int, target: str, *args: Any, timeout: float = 600) -> list[Any]:
-    """``target(rank, n, *args)`` on ``n`` XLA CPU replicas; the per-rank results."""
+def run_replicas(n: int, target: str, *args: Any, timeout: float = 600, compile_in_turn: bool = True) -> list[Any]:
+    """``target(rank, n, *args)`` on ``n`` XLA CPU replicas; the per-rank results. With
+    ``compile_in_turn`` the replicas' ``sync()`` compiles each program once for all of them."""
     with tempfile.TemporaryDirectory() as out_dir:
-        torch.save({"target": target, "args": args}, Path(out_dir) / "job.pt")
+        torch.save({"target": target, "args": args, "in_turn": compile_in_turn}, Path(out_dir) / "job.pt")
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.xla_replicas", out_dir, str(n)],
             cwd=ROOT, env=replica_env(n), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -79,11 +91,16 @@ def run_replicas(n: int, target: str, *args: Any, timeout: float = 600) -> list[
 
 
 def sync() -> None:
-    """``torch_xla.sync()`` once every replica is ready to run the same graph."""
+    """``torch_xla.sync()`` once every replica is ready to run the same graph (one replica at a
+    time with ``compile_in_turn``: see the module's docstring)."""
     import torch_xla
 
     _barrier.wait()
-    torch_xla.sync()
+    if _in_turn:
+        with _compiling:
+            torch_xla.sync()
+    else:
+        torch_xla.sync()
 
 
 def wait_for_device() -> None:
@@ -106,11 +123,12 @@ def _replica(index: int, out_dir: str, n: int) -> None:
 
     import torch_xla.runtime as xr
 
-    global _barrier
+    global _barrier, _in_turn
+    job = torch.load(Path(out_dir) / "job.pt", weights_only=False)
     with _barrier_lock:
         if _barrier is None:
             _barrier = threading.Barrier(n, timeout=300)
-    job = torch.load(Path(out_dir) / "job.pt", weights_only=False)
+            _in_turn = job["in_turn"]
     module, name = job["target"].split(":")
     fn = getattr(importlib.import_module(module), name)
     rank = xr.global_ordinal()
@@ -131,7 +149,7 @@ def main(out_dir: str, n: int) -> None:
     # by its importable name, so that the replicas and the code they run share one barrier
     from tests import xla_replicas
 
-    torch_xla.launch(xla_replicas._replica, args=(out_dir, n))
+    torch_xla.launch(xla_replicas._replica, args=(out_dir, n), start_method="fork")
 
 
 def split_torch_xla_collectives_per_tensor() -> None:

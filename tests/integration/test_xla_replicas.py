@@ -94,15 +94,15 @@ def cpu_checkpoints(tmp_path_factory):
 
 def _run_replicas(n: int, cpu_checkpoints, tmp_path_factory):
     """One replica child at DP ``n`` runs its cases (DP 2: every oracle case; DP 4: ``AT_DP4`` and the
-    cases of four replicas), and checkpoints saved there (in the background) and loaded from the CPU
-    ones."""
+    cases of four replicas, ``tp_norm`` among them), and checkpoints saved there (in the background) and
+    loaded from the CPU ones."""
     cases = list(ORACLE_CASES)
     if n == 4:
         cases = [c for c in ORACLE_CASES if c.name in AT_DP4] + [PAIRS, _with_scaler(FP16_OVERFLOW), LEGACY_SR]
     paths, _ = cpu_checkpoints
     root = tmp_path_factory.mktemp(f"xla_dp{n}")
     job = {"save": str(root / "ckpt"), "load": [paths[1], paths[3]], "nxd": str(root / "nxd")}
-    return n, run_replicas(n, "tests.xla_dp_worker:train", cases, job, timeout=900), job
+    return n, run_replicas(n, "tests.xla_dp_worker:train", cases, job, n == 4, timeout=900), job
 
 
 @pytest.fixture(scope="module")
@@ -263,15 +263,17 @@ def test_legacy_stochastic_rounding_runs_rank_free_and_tracks_the_oracle(replica
         assert differ <= 0.05 * sum(t.numel() for t in smp.values())
 
 
-def test_grad_norm_groups_over_replica_groups():
-    ranks = run_replicas(4, "tests.xla_dp_worker:tp_norm", timeout=600)
+@DP4
+def test_grad_norm_groups_over_replica_groups(replicas):
+    """``tests/xla_dp_worker.py``'s ``tp_norm``, run in the DP 4 child after its cases."""
+    n, ranks, _ = replicas
     # DP mean per part: the replicated gradient is the pair's mean (the same for both TP
     # ranks, counted once); the split part of each TP rank is its pair's mean.
     replicated = (_tp_grads("replicated", 0, 10).float() + _tp_grads("replicated", 1, 10).float()) / 2
     split_parts = [(_tp_grads("split", a, 7).float() + _tp_grads("split", b, 7).float()) / 2 for a, b in ((0, 1), (2, 3))]
     expected = math.sqrt(float(replicated.pow(2).sum()) + sum(float(p.pow(2).sum()) for p in split_parts))
     for rank in ranks:
-        assert rank["norm"] == pytest.approx(expected, rel=1e-5)
+        assert rank["tp_norm"]["norm"] == pytest.approx(expected, rel=1e-5)
 
 
 # ---------------------------------------------------------------- checkpoints across devices
