@@ -10,6 +10,7 @@ falls on both; the ratios are reported as medians over the runs, with their rang
     git worktree add /tmp/base <earlier commit>
     python scripts/compare_checkouts.py /tmp/base --out docs/compare_checkouts.json
     python scripts/compare_checkouts.py /tmp/base --step-runs 1 --checkpoint-runs 0 --xla-args "--width 256 --layers 2 4 --dp 1"
+    python scripts/compare_checkouts.py /tmp/base --skip-xla     # the CPU step and the checkpoints only
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("base", type=Path, help="the other checkout (a git worktree of an earlier commit)")
     p.add_argument("--xla-args", default=XLA_ARGS, help=f"bench_xla.py's arguments (default: {XLA_ARGS})")
+    p.add_argument("--skip-xla", action="store_true", help="leave out the XLA step graphs (bench_xla.py)")
     p.add_argument("--step-runs", type=int, default=3, help="bench_step.py runs per checkout (default 3)")
     p.add_argument("--checkpoint-runs", type=int, default=2, help="bench_checkpoint.py runs per checkout (default 2)")
     p.add_argument("--checkpoint-args", default="--repeats 3", help="bench_checkpoint.py's arguments")
@@ -79,28 +81,29 @@ def main() -> None:
               f"{result['checkouts']['base']}; the benchmarks alternate between the two", ""]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        xla = {name: run(path, "bench_xla.py", shlex.split(a.xla_args), tmp / f"xla_{name}.json")
-               for name, path in checkouts.items()}
-        graphs = {}
-        report += [f"XLA step graphs (bench_xla.py {a.xla_args}):", "",
-                   "| run | HLO instructions | same HLO text | compilations (after warm-up) | one program for all ranks "
-                   "| bytes/param/rank |", "|---|---|---|---|---|---|"]
-        for kind, theirs in xla["base"]["results"].items():
-            ours = xla["this"]["results"][kind]
-            b, t = theirs["large"], ours["large"]
-            graphs[kind] = {"hlo_instructions": [b["step_hlo_instructions"], t["step_hlo_instructions"]],
-                            "same_hlo": b["step_hlo_sha"] == t["step_hlo_sha"],
-                            "compiles": [[b["compiles"], b["compiles_after_warmup"]],
-                                         [t["compiles"], t["compiles_after_warmup"]]],
-                            "one_program": [b["one_graph_for_all_ranks"], t["one_graph_for_all_ranks"]],
-                            "bytes_per_param": [theirs["bytes_per_param"], ours["bytes_per_param"]]}
-            g = graphs[kind]
-            report.append(f"| {kind} | {g['hlo_instructions'][0]} -> {g['hlo_instructions'][1]} | "
-                          f"{'yes' if g['same_hlo'] else 'no'} | {b['compiles']} ({b['compiles_after_warmup']}) -> "
-                          f"{t['compiles']} ({t['compiles_after_warmup']}) | {b['one_graph_for_all_ranks']} -> "
-                          f"{t['one_graph_for_all_ranks']} | {g['bytes_per_param'][0]:.1f} -> "
-                          f"{g['bytes_per_param'][1]:.1f} |")
-        result["xla"] = graphs
+        if not a.skip_xla:
+            xla = {name: run(path, "bench_xla.py", shlex.split(a.xla_args), tmp / f"xla_{name}.json")
+                   for name, path in checkouts.items()}
+            graphs = {}
+            report += [f"XLA step graphs (bench_xla.py {a.xla_args}):", "",
+                       "| run | HLO instructions | same HLO text | compilations (after warm-up) | one program for all ranks "
+                       "| bytes/param/rank |", "|---|---|---|---|---|---|"]
+            for kind, theirs in xla["base"]["results"].items():
+                ours = xla["this"]["results"][kind]
+                b, t = theirs["large"], ours["large"]
+                graphs[kind] = {"hlo_instructions": [b["step_hlo_instructions"], t["step_hlo_instructions"]],
+                                "same_hlo": b["step_hlo_sha"] == t["step_hlo_sha"],
+                                "compiles": [[b["compiles"], b["compiles_after_warmup"]],
+                                             [t["compiles"], t["compiles_after_warmup"]]],
+                                "one_program": [b["one_graph_for_all_ranks"], t["one_graph_for_all_ranks"]],
+                                "bytes_per_param": [theirs["bytes_per_param"], ours["bytes_per_param"]]}
+                g = graphs[kind]
+                report.append(f"| {kind} | {g['hlo_instructions'][0]} -> {g['hlo_instructions'][1]} | "
+                              f"{'yes' if g['same_hlo'] else 'no'} | {b['compiles']} ({b['compiles_after_warmup']}) -> "
+                              f"{t['compiles']} ({t['compiles_after_warmup']}) | {b['one_graph_for_all_ranks']} -> "
+                              f"{t['one_graph_for_all_ranks']} | {g['bytes_per_param'][0]:.1f} -> "
+                              f"{g['bytes_per_param'][1]:.1f} |")
+            result["xla"] = graphs
         steps: dict[str, list[dict]] = {name: [] for name in checkouts}
         for i in range(a.step_runs):
             for name, path in checkouts.items():
@@ -117,11 +120,19 @@ def main() -> None:
             result.setdefault("step", {})[key] = {name: spread([r[key] for r in runs]) for name, runs in steps.items()}
             rows.append((label, result["step"][key]))
     if a.checkpoint_runs:
-        for key, label in (("save_ratio", "checkpoint save / torch.save"),
-                           ("load_ratio_cold", "checkpoint cold load / torch.load"),
-                           ("load_ratio_warm", "checkpoint warm load / torch.load"),
-                           ("async_blocking_fraction", "asynchronous save: blocks / sync save")):
-            result.setdefault("checkpoint", {})[key] = {name: spread([r[key] for r in runs])
+        # The ratios are speeds (MB/s) over torch's, so above 1 is faster than torch. torch's side of a
+        # load ends in this checkout's optimizer.load_state_dict, so nxd_smp's own MB/s are shown too.
+        for key, label, value in (
+            ("save_ratio", "checkpoint save speed / torch.save's", lambda r: r["save_ratio"]),
+            ("load_ratio_cold", "checkpoint cold load speed / torch.load's", lambda r: r["load_ratio_cold"]),
+            ("load_ratio_warm", "checkpoint warm load speed / torch.load's", lambda r: r["load_ratio_warm"]),
+            ("save_MBps", "checkpoint save, MB/s", lambda r: r["save_MBps"]["nxd_smp"]),
+            ("load_MBps_cold", "checkpoint cold load, MB/s", lambda r: r["load_MBps"]["cold"]["nxd_smp"]),
+            ("load_MBps_warm", "checkpoint warm load, MB/s", lambda r: r["load_MBps"]["warm"]["nxd_smp"]),
+            ("async_blocking_fraction", "asynchronous save: blocks / sync save",
+             lambda r: r["async_blocking_fraction"]),
+        ):
+            result.setdefault("checkpoint", {})[key] = {name: spread([value(r) for r in runs])
                                                        for name, runs in ckpts.items()}
             rows.append((label, result["checkpoint"][key]))
     if rows:
