@@ -55,6 +55,7 @@ from .staged import (
     overlaps,
     saved_pieces,
     staging_slices,
+    zero_unwritten,
 )
 from .storage import INDEX_FILE, IO_THREADS, JSON_LIMIT, StoredTensor, crc32_of, read_index, read_tensors
 from .typed_json import decode, dtype_named, dumps, encode, loads
@@ -464,6 +465,7 @@ def _stage_optimizer(opt: SavedOptimizer, request: Request, index: Mapping[str, 
                 staged.scaler[key] = targets[scaler_key(key)] = torch.empty((), dtype=index[scaler_key(key)].dtype)
     for key in {*opt.tensor_keys, *([None] if masters_read else [])}:  # the buffers the pieces went into
         buffers_for(staged.staging, key, want)
+    zero_unwritten(staged.staging, [*targets.values(), *(view for view, *_ in copies)])
     return staged
 
 

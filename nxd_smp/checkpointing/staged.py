@@ -21,7 +21,7 @@ pure element ranges, no tensors or files.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -242,11 +242,33 @@ class Staged:
 def buffers_for(staging: dict[str | None, list[torch.Tensor]], key: str | None, request: OptimizerRequest
                 ) -> list[torch.Tensor]:
     """The staging buffers of ``key`` (None: the masters), one per bucket in this rank's shard layout
-    (the shard's dtype; fp32 for masters), zeros, made at first use."""
+    (the shard's dtype; fp32 for masters), made at first use. They are not initialised: the saved
+    pieces are read into them, and ``zero_unwritten`` zeroes the rest before anything is read."""
     if key not in staging:
-        staging[key] = [torch.zeros(numel, dtype=torch.float32 if key is None else dtype)
+        staging[key] = [torch.empty(numel, dtype=torch.float32 if key is None else dtype)
                         for numel, dtype in zip(request.shard_numels, request.shard_dtypes)]
     return staging[key]
+
+
+def zero_unwritten(staging: dict[str | None, list[torch.Tensor]], written: Iterable[torch.Tensor]) -> None:
+    """Zero every element of the staging buffers that none of ``written`` (views of them that the load
+    fills) covers: the shards' padding and the slots of parameters without saved state. Zeroing the
+    buffers whole cost a fifth of a load (0.14 of 0.66 s at 50M parameters)."""
+    buffers = {b.untyped_storage().data_ptr(): b for per_key in staging.values() for b in per_key}
+    covered: dict[int, list[tuple[int, int]]] = {ptr: [] for ptr in buffers}
+    for view in written:
+        ptr = view.untyped_storage().data_ptr()
+        if ptr in covered and view.numel():
+            start = view.storage_offset() - buffers[ptr].storage_offset()
+            covered[ptr].append((start, start + view.numel()))
+    for ptr, buffer in buffers.items():
+        end = 0
+        for start, stop in sorted(covered[ptr]):
+            if start > end:
+                buffer[end:start].zero_()
+            end = max(end, stop)
+        if end < buffer.numel():
+            buffer[end:].zero_()
 
 
 def staging_slices(staging: dict[str | None, list[torch.Tensor]], key: str | None, request: OptimizerRequest,

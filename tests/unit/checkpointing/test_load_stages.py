@@ -424,3 +424,45 @@ def test_inspect_counts_no_byte_behind_a_link(tmp_path):
     big.write_bytes(b"x" * (1 << 20))
     os.symlink(big, (tmp_path / "c").resolve() / "link")
     assert inspect_checkpoint(tmp_path / "c")["bytes_on_disk"] == size
+
+
+def test_the_staging_zeroes_exactly_what_no_saved_piece_fills():
+    """``zero_unwritten``: the staging buffers are not initialised; what no view covers is zeroed, what
+    a view covers is left for the read (overlapping, touching and empty views; a buffer no view covers)."""
+    from nxd_smp.checkpointing.staged import zero_unwritten
+
+    staging = {"exp_avg": [torch.full((10,), float("nan")), torch.full((4,), float("nan"))],
+               None: [torch.full((6,), float("nan"))]}
+    a, b = staging["exp_avg"][0], staging[None][0]
+    written = [a[1:3], a[2:5], a[5:6], a[8:8], b[0:6], torch.full((3,), float("nan"))]  # (the last: no buffer's)
+    zero_unwritten(staging, written)
+    assert torch.equal(a.isnan(), torch.tensor([False, True, True, True, True, True, False, False, False, False]))
+    assert torch.equal(a[~a.isnan()], torch.zeros(5)) and torch.equal(staging["exp_avg"][1], torch.zeros(4))
+    assert b.isnan().all()
+
+
+def test_a_load_into_uninitialised_staging_installs_the_saved_state_and_zero_padding(tmp_path, monkeypatch):
+    """Every fresh tensor of the load made of NaN (what ``torch.empty`` may return): the loaded masters and
+    moments equal the saved ones element for element, the shard's padding (46 elements in 48) zeros."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 7))
+    opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, mixed_precision=KEEP)
+    for _ in range(2):
+        model(torch.randn(4, 5)).square().sum().backward()
+        opt.step()
+    save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt)
+    fresh = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 7))
+    loaded = Zero1Optimizer(fresh.parameters(), torch.optim.AdamW, lr=1e-2, mixed_precision=KEEP)
+    assert [layout.shard_numel for layout in loaded.bucket_layouts] == [48]
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan"))
+                        if empty(*a, **k).is_floating_point() else empty(*a, **k))
+    load_checkpoint(tmp_path / "ckpt", model=fresh, optimizer=loaded)
+    monkeypatch.undo()
+
+    def flat(o):
+        return [t for shard in o._masters.shards for t in (shard, *o._inner.state[shard].values())]
+
+    for got, saved in zip(flat(loaded), flat(opt), strict=True):
+        assert torch.equal(got, saved)
+    assert all(not t[46:].any() for t in flat(loaded) if t.numel() == 48)
