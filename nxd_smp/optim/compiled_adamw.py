@@ -175,13 +175,6 @@ def _plain_aliases(*tensors: torch.Tensor) -> list[torch.Tensor]:
 COMPILE_MIN_NUMEL = 1 << 20
 
 
-def pays_off(shard_numel: int) -> bool:
-    """Whether compiling a CPU kernel over this rank's ``shard_numel`` shard elements is faster than
-    torch's own (``COMPILE_MIN_NUMEL``): the one-pass update's choice under ``compile_update=None``,
-    and the norm's wherever the update runs compiled."""
-    return shard_numel >= COMPILE_MIN_NUMEL
-
-
 class CompiledAdamW:
     """Steps a stock Adam/AdamW over flat fp32 shards and casts them into ``outs``."""
 
@@ -197,7 +190,7 @@ class CompiledAdamW:
             ValueError: ``required`` (``compile_update=True``) and it does not apply.
         """
         if applies_to(optimizer, device):
-            faster = bool(required) or pays_off(shard_numel)
+            faster = bool(required) or shard_numel >= COMPILE_MIN_NUMEL
             # (remainders compile the update at any size, for memory; the norm's kernel only where it pays, so
             # a small run's norm is the eager one whatever its memory options)
             return cls(optimizer, with_norm=faster) if faster or remainders else None
@@ -211,7 +204,7 @@ class CompiledAdamW:
 
     def __init__(self, optimizer: torch.optim.Optimizer, with_norm: bool = True):
         self.optimizer = optimizer
-        self.with_norm = with_norm  # the gradient norm's compiled kernel runs beside it (``pays_off``)
+        self.with_norm = with_norm  # the gradient norm's compiled kernel runs beside it (where compiling pays)
         self.enabled = True
         self.fits = True  # the groups hold only what the kernel computes (asked again at each load)
         optimizer.register_load_state_dict_post_hook(lambda opt: self._loaded())

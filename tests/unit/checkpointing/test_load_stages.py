@@ -455,8 +455,12 @@ def test_a_load_into_uninitialised_staging_installs_the_saved_state_and_zero_pad
     loaded = Zero1Optimizer(fresh.parameters(), torch.optim.AdamW, lr=1e-2, mixed_precision=KEEP)
     assert [layout.shard_numel for layout in loaded.bucket_layouts] == [48]
     empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan"))
-                        if empty(*a, **k).is_floating_point() else empty(*a, **k))
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
     load_checkpoint(tmp_path / "ckpt", model=fresh, optimizer=loaded)
     monkeypatch.undo()
 
