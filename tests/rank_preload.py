@@ -1,5 +1,6 @@
-"""What the gloo ranks' fork server loads once, before any rank forks from it (tests/distributed.py):
-torch, nxd_smp and the test helpers, and inductor's inspection of this CPU (a second interpreter
+"""What the fork server of the tests' children loads once, before any child forks from it
+(tests/distributed.py: gloo ranks, and programs run as ``python`` or ``torchrun`` would run them):
+torch, nxd_smp, the test helpers, accelerate and the Trainer, and inductor's inspection of this CPU (a second interpreter
 that loads a compiled probe, ~2 s), so that a rank starts in a fraction of a second instead of
 importing and probing anew. Nothing here runs a tensor kernel: the server's children may then use
 OpenMP freely.
@@ -17,6 +18,7 @@ and with it ranks compiled and used CUDA). The ranks get the environment of the 
 import os
 
 os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+os.environ.setdefault("USE_TORCH_XLA", "0")
 
 import torch  # noqa: E402
 import torch.distributed  # noqa: E402, F401
@@ -25,5 +27,11 @@ from torch._inductor import cpu_vec_isa  # noqa: E402
 
 import nxd_smp  # noqa: E402, F401
 import tests.oracle  # noqa: E402, F401
+
+# The frameworks the forked programs train with (tests/distributed.py's run_python, run_launched):
+# ~4 s here once instead of in every child. transformers decides on torch_xla at import, from
+# USE_TORCH_XLA (tests/conftest.py sets it to 0; tests/distributed.py refuses a call that differs).
+from accelerate import Accelerator  # noqa: E402, F401
+from transformers import LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402, F401
 
 cpu_vec_isa.valid_vec_isa_list()
