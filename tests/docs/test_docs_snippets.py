@@ -1,7 +1,8 @@
 """The documentation's snippets (the README's quick start and NxD section, every loop of
-docs/training_loops.md, the setups of docs/trainium.md) run as they stand, each in a fresh
-interpreter (under torchrun where it says so), and what they compute is checked: a check written
-for each snippet runs after it in the same interpreter, against an independent reference
+docs/training_loops.md, the setups of docs/trainium.md) run as they stand, each once in a process
+of its own: under ``torchrun`` where the page launches it so, else as ``python -c`` runs it (forked
+from the tests' preloaded server, tests/distributed.py). What they compute is checked: a check
+written for each snippet runs after it in the same process, against an independent reference
 (tests/snippet_reference.py) where the snippet trains."""
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -364,9 +367,9 @@ def test_the_snippet_computes_what_it_says(tmp_path, heading, code):
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                    "snippet.py"]
         env["OMP_NUM_THREADS"] = "1"
-    else:
-        command = [sys.executable, "-c", program]
-    out = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        out = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    else:  # python -c, forked from the preloaded server (tests/distributed.py)
+        out = run_python(["-c", program], cwd=tmp_path, env=env, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     if ranks:

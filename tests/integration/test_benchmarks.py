@@ -10,11 +10,12 @@ tests/unit/optim/test_memory_options.py)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,8 +59,7 @@ def test_every_benchmark_parses_its_arguments():
     for names in (["bench_step.py"], [name for name in BENCHMARKS if name != "bench_step.py"]):
         scripts = [str(ROOT / "scripts" / name) for name in names]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "USE_TORCH_XLA": "0"}
-        proc = subprocess.run([sys.executable, "-c", PARSE_ALL, *scripts], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=300)
+        proc = run_python(["-c", PARSE_ALL, *scripts], cwd=ROOT, env=env, timeout=300)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         if names == ["bench_step.py"]:  # (the re-executed process printed the usage itself)
             assert proc.stdout.startswith("usage: bench_step.py"), proc.stdout[:300]

@@ -27,7 +27,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +42,7 @@ from nxd_smp.checkpointing.dcp_index import read_metadata
 from nxd_smp.checkpointing.files import Folder
 from nxd_smp.interop.torch_xla import export_xla, import_xla
 from tests.crafted import RANK_FILE, TAG, Exploit, index_of, native_run, reseal, save_xser, trained_run, write_nxd_tag
-from tests.distributed import run_ranks
+from tests.distributed import run_python, run_ranks
 from tests.hostile_worker import changes, live_sequential, snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -420,8 +419,7 @@ def test_the_offline_tools_refuse_a_pickle_in_typed_json(pickled_json, name, too
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nxd_smp", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return run_python(["-m", "nxd_smp", *args], cwd=ROOT, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 @pytest.mark.parametrize("command", ["inspect", "consolidate"])

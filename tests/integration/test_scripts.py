@@ -10,10 +10,11 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_GPT = ["--layers", "1", "--width", "32", "--seq", "32", "--batch", "4"]
@@ -21,8 +22,7 @@ TINY_GPT = ["--layers", "1", "--width", "32", "--seq", "32", "--batch", "4"]
 
 def run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PJRT_DEVICE": "CPU"}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = run_python([str(ROOT / "scripts" / script), *args], cwd=ROOT, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

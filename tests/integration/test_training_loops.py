@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12  # (the first steps: where the runs are compared step by step)
@@ -29,10 +29,7 @@ def runs(tmp_path_factory):
         if loop not in cache:
             out = tmp_path_factory.mktemp("loops") / f"{loop}.json"
             env = {**os.environ, "USE_TORCH_XLA": "0", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-            proc = subprocess.run(
-                [sys.executable, "-m", "tests.loops_worker", str(out), loop, str(STEPS)],
-                cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-            )
+            proc = run_python(["-m", "tests.loops_worker", str(out), loop, str(STEPS)], cwd=ROOT, env=env, timeout=900)
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
             cache[loop] = json.loads(out.read_text())
         return cache[loop]

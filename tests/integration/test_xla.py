@@ -1,20 +1,19 @@
 """The XLA CPU device at DP=1: the same result as CPU eager, one graph per step after
 warm-up, and no device-to-host transfer inside step().
 
-torch_xla runs in a child process so its runtime and environment stay out of the other
-tests.
+torch_xla runs in a child process (forked from the tests' preloaded server, which never imports
+it: tests/distributed.py) so its runtime and environment stay out of the other tests.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.distributed import run_python
 from tests.oracle import assert_params_close
 
 pytestmark = pytest.mark.requires_xla  # every test here runs torch_xla (tests/conftest.py skips them without it)
@@ -27,10 +26,7 @@ def results(tmp_path_factory):
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT)}
     for name in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16"):
         env.pop(name, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.xla_worker", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
+    proc = run_python(["-m", "tests.xla_worker", str(out)], cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out, weights_only=False)
 

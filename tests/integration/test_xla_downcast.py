@@ -7,8 +7,6 @@ exact); checkpoints hold what the device holds and move to and from a run withou
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ import torch
 
 import nxd_smp
 from nxd_smp.checkpoint import read_checkpoint
+from tests.distributed import run_python
 from tests.xla_downcast_worker import LR, SHAPES, STEPS, Params, initial
 
 pytestmark = pytest.mark.requires_xla  # every test here runs torch_xla (tests/conftest.py skips them without it)
@@ -49,8 +48,8 @@ def child(tmp_path_factory):
     out = root / "results.pt"
     env = {**os.environ, "PJRT_DEVICE": "CPU", "XLA_DOWNCAST_BF16": "1", "PYTHONPATH": str(ROOT)}
     env.pop("XLA_USE_BF16", None)
-    proc = subprocess.run([sys.executable, "-m", "tests.xla_downcast_worker", str(out), str(root / "xla"),
-                           str(root / "cpu")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_python(["-m", "tests.xla_downcast_worker", str(out), str(root / "xla"), str(root / "cpu")], cwd=ROOT,
+                      env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return root, torch.load(out, weights_only=False)
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.distributed import run_python
 
 pytestmark = pytest.mark.requires_xla
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,8 +26,7 @@ def step_graphs(tmp_path_factory) -> dict:
            "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"}
     for name in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16"):
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, "-m", "tests.xla_graph_worker", str(out), str(dump)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_python(["-m", "tests.xla_graph_worker", str(out), str(dump)], cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     saved = torch.load(out)
     graphs = {shape: Path(files[-1]).read_text() for shape, files in saved["dumped"].items()}

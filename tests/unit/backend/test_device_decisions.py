@@ -142,11 +142,11 @@ def test_check_accelerator_passes_on_the_cpu(tmp_path):
     """The accelerator check (what a CUDA or neuron machine runs) passes its own checks on the CPU: every
     row ok, and a failing row would fail the command."""
     import json
-    import subprocess
 
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_accelerator.py"), "--device", "cpu",
-                          "--out", str(tmp_path / "c.json")], capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    from tests.distributed import run_python
+
+    out = run_python([str(ROOT / "scripts" / "check_accelerator.py"), "--device", "cpu", "--out", str(tmp_path / "c.json")],
+                     timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     rows = json.loads((tmp_path / "c.json").read_text())["rows"]
     assert [r["check"] for r in rows] == ["step", "prescaled", "dtensor", "checkpoint", "compiled_model"]

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -28,6 +26,7 @@ from nxd_smp.checkpoint import has_checkpoint, remove_checkpoint
 from nxd_smp.checkpointing.versions import COMPLETE_FILE, SAVES_FILE
 from nxd_smp.cli import main
 from tests.checkpoint_scenario import build, train
+from tests.distributed import run_python
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -299,8 +298,7 @@ def test_the_command_line_prints_checkpoint_strings_escaped(tmp_path, capfdbinar
     save_checkpoint(tmp_path / "c", model=model, optimizer=opt, extra="".join(HOSTILE),
                     stateful={"s" + "".join(HOSTILE): Counter()})
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "nxd_smp", "inspect", str(tmp_path / "c")],
-                         capture_output=True, env=env, timeout=120)
+    out = run_python(["-m", "nxd_smp", "inspect", str(tmp_path / "c")], env=env, timeout=120, text=False)
     assert out.returncode == 0 and b"\\x1b[2J" in out.stdout and b"\\u202e" in out.stdout, out
     printed = [out.stdout + out.stderr]
     assert main(["inspect", str(tmp_path / "c"), "--json"]) == 0

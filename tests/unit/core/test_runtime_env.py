@@ -4,8 +4,6 @@ switches, Neuron's stochastic-rounding switch) and knows whether the XLA runtime
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import torch
 
 from nxd_smp import ConfigError, MixedPrecisionConfig, Zero1Optimizer
 from nxd_smp.core.environment import SR_VARIABLE, check_master_weights_storage, set_stochastic_rounding, xla_bf16_variable
+from tests.distributed import run_python
 from tests.oracle import make_model
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -95,5 +94,5 @@ def test_stochastic_rounding_change_is_refused_after_the_xla_runtime_started():
     )
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT)}
     env.pop("NEURON_RT_STOCHASTIC_ROUNDING_EN", None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = run_python(["-c", code], env=env, timeout=300)
     assert out.returncode == 0 and "refused" in out.stdout, out.stderr[-2000:]

@@ -11,9 +11,6 @@ following links, before and after.
 from __future__ import annotations
 
 import os
-import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +31,7 @@ def write_directory(out, fill, *, overwrite):
 from nxd_smp.cli import main
 from nxd_smp.interop.native_torch import export_safetensors, export_torch
 from nxd_smp.interop.torch_xla import export_xla
+from tests.distributed import run_python
 
 ROOT = Path(__file__).resolve().parents[3]
 KINDS = ["consolidate", "export-xla", "export-torch", "export-safetensors"]
@@ -237,12 +235,11 @@ def test_the_command_line_process_ends_in_one_error_line_not_a_traceback(ckpt, p
     (work / "dangling").symlink_to(outside / "absent")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     calls = [("export-torch", work / "dangling"), ("consolidate", work / "file.txt" / "out")]
-    script = "; ".join(shlex.join([sys.executable, "-m", "nxd_smp", kind, str(ckpt), str(out)]) + "; echo rc=$?"
-                       for kind, out in calls)
-    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.stdout.split() == ["rc=2", "rc=2"], proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert [line.startswith("error: ") for line in proc.stderr.splitlines()] == [True, True], proc.stderr
+    procs = [run_python(["-m", "nxd_smp", kind, str(ckpt), str(out)], env=env, timeout=120) for kind, out in calls]
+    stderr = "".join(proc.stderr for proc in procs)
+    assert [proc.returncode for proc in procs] == [2, 2], [(proc.stdout, proc.stderr) for proc in procs]
+    assert "Traceback" not in stderr
+    assert [line.startswith("error: ") for line in stderr.splitlines()] == [True, True], stderr
     assert not (outside / "absent").exists()
 
 

@@ -3,15 +3,16 @@ of NxD 2.29, NxD Training and optimum-neuron (tests/stand_ins: their module layo
 pattern and call shapes; none of them can be installed here). NxD's own optimizer, wrapper and
 checkpoint functions raise in the stand-ins, so whatever trains or saves below is nxd_smp's.
 
-Each scenario runs in a fresh interpreter with the stand-ins on its path (this process never
-imports them), as one gloo process: NxD's parallel state exists only under torch.distributed."""
+Each scenario runs in a process of its own with the stand-ins on its path (this process never
+imports them; ``python -c`` forked from the tests' preloaded server, tests/distributed.py), as one
+gloo process: NxD's parallel state exists only under torch.distributed."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.distributed import run_python
 
 ROOT = Path(__file__).resolve().parents[3]
 STAND_INS = ROOT / "tests" / "stand_ins"
@@ -55,11 +56,11 @@ def backward(model, step, micro=0):
 
 
 def run_scenario(code: str, cwd: Path) -> tuple[bool, str]:
-    """Run ``code`` (its own assertions) after the prelude in a fresh interpreter in ``cwd``:
+    """Run ``code`` (its own assertions) after the prelude in a process of its own in ``cwd``:
     whether it ran to its end ("checked"), and what it printed."""
     env = {**os.environ, "PYTHONPATH": f"{STAND_INS}:{ROOT}", "USE_TORCH_XLA": "0"}
     script = f"STAND_INS = {str(STAND_INS)!r}\n" + _PRELUDE + code + '\nprint("checked")\n'
-    proc = subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_python(["-c", script], cwd=cwd, env=env, timeout=240)
     return proc.returncode == 0 and proc.stdout.rstrip().endswith("checked"), proc.stdout + proc.stderr
 
 

@@ -5,8 +5,6 @@ process), and imported back; the same round trip on CPU across DP sizes; refusal
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import torch
 from nxd_smp import CheckpointError, save_checkpoint
 from nxd_smp.interop.torch_xla import export_xla, import_xla
 from nxd_smp import MixedPrecisionConfig, Zero1Optimizer
+from tests.distributed import run_python
 from tests.nxd_layout import LAYOUTS, SAVED_AT, USER_CONTENT, resume
 from tests.nxd_layout import oracle as nxd_oracle
 from tests.oracle import assert_params_close
@@ -82,10 +81,7 @@ def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("xla_export")
     out = root / "results.pt"
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.xla_export_worker", str(out), str(root / "nxd")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
+    proc = run_python(["-m", "tests.xla_export_worker", str(out), str(root / "nxd")], cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {**torch.load(out, weights_only=False), "nxd": root / "nxd"}
 

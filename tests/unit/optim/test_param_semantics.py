@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from nxd_smp import DynamicLossScaler, MixedPrecisionConfig, Zero1Optimizer
-from tests.distributed import run_ranks
+from tests.distributed import run_python, run_ranks
 from tests.oracle import assert_params_close, batch, loss_fn, make_model, param_groups
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -357,8 +357,7 @@ def test_torch_xlas_own_clip_grad_norm_is_watched_too():
     an XLA device) wraps that one."""
     pytest.importorskip("torch_xla", reason="torch_xla is part of the pinned test environment")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16")}
-    out = subprocess.run([sys.executable, "-c", XLA_CLIP], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**env, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT)})
+    out = run_python(["-c", XLA_CLIP], timeout=300, cwd=ROOT, env={**env, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
 
 

@@ -4,8 +4,6 @@ export-safetensors``."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 from nxd_smp import save_checkpoint
 from nxd_smp.cli import main
 from tests.checkpoint_scenario import build, train
+from tests.distributed import run_python
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -22,11 +21,9 @@ def test_inspect_prints_and_fails_cleanly(tmp_path):
     model, opt = build()
     save_checkpoint(tmp_path / "c", model=model, optimizer=opt)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "nxd_smp", "inspect", str(tmp_path / "c")],
-                         capture_output=True, text=True, env=env, timeout=120)
+    out = run_python(["-m", "nxd_smp", "inspect", str(tmp_path / "c")], env=env, timeout=120)
     assert out.returncode == 0 and "model/lin1.weight" in out.stdout and "DP size 1" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "nxd_smp", "inspect", str(tmp_path / "none")],
-                         capture_output=True, text=True, env=env, timeout=120)
+    out = run_python(["-m", "nxd_smp", "inspect", str(tmp_path / "none")], env=env, timeout=120)
     assert out.returncode == 2 and "does not exist" in out.stderr
 
 
