@@ -1,12 +1,13 @@
-"""accelerate's ``save_state`` / ``load_state`` at DP 2 with a nxd_smp optimizer, launched as its
-users launch it (``torchrun --nproc-per-node 2``, gloo on the CPU; one launch runs every scenario
-of ``tests/accelerate_dp_worker.py``), against the uninterrupted run."""
+"""accelerate's ``save_state`` / ``load_state`` at DP 2 with a nxd_smp optimizer, on two ranks with
+the environment ``torchrun --nproc-per-node 2`` gives them (gloo on the CPU; forked from the tests'
+preloaded server, ``tests/distributed.py``; one launch runs every scenario of
+``tests/accelerate_dp_worker.py``), against the uninterrupted run. The same save and load under
+``torchrun`` itself is the guide's snippet ("accelerate at DP > 1, with save_state and
+load_state", ``tests/docs/test_docs_snippets.py``)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,20 +15,18 @@ import torch
 
 from nxd_smp.checkpoint import read_checkpoint
 from nxd_smp.interop.loop_checkpoints import check_reference
+from tests.distributed import run_launched
 from tests.oracle import assert_same_run
 
 ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("accelerate_dp")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16")}
-    proc = subprocess.run(
-        [TORCHRUN, "--standalone", "--nproc-per-node", "2", "tests/accelerate_dp_worker.py", str(out)],
-        cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT), "USE_TORCH_XLA": "0"}, capture_output=True, text=True,
-        timeout=600)
+    proc = run_launched(2, ["tests/accelerate_dp_worker.py", str(out)], cwd=ROOT,
+                        env={**env, "PYTHONPATH": str(ROOT), "USE_TORCH_XLA": "0"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return out
 

@@ -1,6 +1,8 @@
 """PyTorch Lightning with ``Zero1LightningCallback`` (native suite: Lightning is installed there only),
-launched as its users launch it (``torchrun``, Lightning's DDP strategy; ``tests/lightning_worker.py``)
-at DP 1 and DDP 2.
+on ranks with the environment ``torchrun`` gives them, where Lightning's DDP strategy finds its
+cluster (forked from the tests' preloaded server, ``tests/distributed.py``; ``tests/lightning_worker.py``)
+at DP 1 and DDP 2. The guide's snippet ("PyTorch Lightning", ``tests/docs/test_docs_snippets.py``)
+runs under ``torchrun`` itself.
 
 The oracle is the fp32-master reference: an fp32 copy of the model trained by torch's AdamW on the
 same global batches, clipped by torch's ``clip_grad_norm_`` at ``gradient_clip_val``. The masters'
@@ -14,8 +16,6 @@ every rank, nothing corrupted.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,7 @@ import torch
 
 pytest.importorskip("pytorch_lightning")
 
+from tests.distributed import run_launched  # noqa: E402
 from tests.lightning_worker import CLIP, GLOBAL_BATCH, LR, STEPS, data, initial_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,9 +42,7 @@ def launched(tmp_path_factory):
         if ranks not in cache:
             out = tmp_path_factory.mktemp("lightning") / f"dp{ranks}.pt"
             env = {**os.environ, "USE_TORCH_XLA": "0", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                   str(ranks), "-m", "tests.lightning_worker", str(out), *MODES[ranks]],
-                                  cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+            proc = run_launched(ranks, ["-m", "tests.lightning_worker", str(out), *MODES[ranks]], cwd=ROOT, env=env)
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
             cache[ranks] = torch.load(out, weights_only=True)
         return cache[ranks]

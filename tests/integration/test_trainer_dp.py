@@ -1,7 +1,11 @@
-"""The Hugging Face ``Trainer`` with a nxd_smp optimizer at DP 2, launched as its users launch
-it (``torchrun --nproc-per-node 2``, gloo on the CPU), against the same run at DP 1 with the
-same global batch, and its own checkpoints (``save_steps``, ``resume_from_checkpoint``) against
-the uninterrupted run (``tests/trainer_dp_worker.py``: one launch per DP size runs every scenario).
+"""The Hugging Face ``Trainer`` with a nxd_smp optimizer at DP 2, on two ranks with the environment
+``torchrun --nproc-per-node 2`` gives them (gloo on the CPU; forked from the tests' preloaded
+server, ``tests/distributed.py``), against the same run at DP 1 with the same global batch, and its
+own checkpoints (``save_steps``, ``resume_from_checkpoint``) against the uninterrupted run
+(``tests/trainer_dp_worker.py``: one launch per DP size runs every scenario). The same DP 2 save
+and resume under ``torchrun`` itself is the guide's snippet ("The Trainer at DP > 1, with its
+checkpoints", ``tests/docs/test_docs_snippets.py``); on the XLA CPU device the worker is an
+interpreter of its own (transformers must import with ``USE_TORCH_XLA=1`` there).
 
 Under torchrun the Trainer moves the model to ``cpu:0``, which copies every parameter after
 the optimizer was built; the optimizer takes the copies back into its flat buffers. The DP 2
@@ -22,10 +26,10 @@ import torch
 
 from nxd_smp.checkpoint import read_checkpoint
 from nxd_smp.interop.loop_checkpoints import check_reference
+from tests.distributed import run_launched, run_python
 from tests.oracle import assert_same_run
 
 ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 
 def _env() -> dict[str, str]:
@@ -36,14 +40,11 @@ def _env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def out(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("trainer_dp")
-    commands = [  # DP 1 first: the DP 2 launch resumes from its checkpoint
-        [sys.executable, "tests/trainer_dp_worker.py", str(out / "dp1")],
-        [TORCHRUN, "--standalone", "--nproc-per-node", "2", "tests/trainer_dp_worker.py", str(out / "dp2"),
-         str(out / "dp1")],
-    ]
-    for command in commands:
-        proc = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    # DP 1 first: the DP 2 launch resumes from its checkpoint
+    proc = run_python(["tests/trainer_dp_worker.py", str(out / "dp1")], cwd=ROOT, env=_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = run_launched(2, ["tests/trainer_dp_worker.py", str(out / "dp2"), str(out / "dp1")], cwd=ROOT, env=_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return out
 
 
@@ -190,8 +191,7 @@ def test_an_optimizer_built_before_the_process_group_is_refused_at_its_first_ste
         "        dist.barrier()\n"
         "        dist.destroy_process_group()\n"
     )
-    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", str(script)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = run_launched(2, [str(script)], cwd=ROOT, env=_env(), timeout=300)
     report = f"exit code {proc.returncode}\n" + proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("REFUSED") == 2, report
     assert proc.returncode == 0 and "terminate called" not in proc.stderr, report
