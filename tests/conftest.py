@@ -35,9 +35,9 @@ def pytest_configure(config):
 # module's tests run on one worker (its module-scoped fixtures, a replica child or a set of gloo
 # ranks, are built once), and the modules are handed out longest first so that no long one starts
 # last (xdist would otherwise order them by their number of tests).
-LONGEST_FIRST = ["test_docs_snippets", "test_xla_replicas", "test_trainer_dp", "test_checkpoint", "test_training_loops",
-                 "test_launch", "test_param_semantics", "test_memory_options", "test_package", "test_zero1_oracle",
-                 "test_scripts"]
+LONGEST_FIRST = ["test_xla_replicas", "test_docs_snippets", "test_trainer_dp", "test_checkpoint", "test_launch",
+                 "test_param_semantics", "test_zero1_oracle", "test_training_loops", "test_lightning", "test_parse_budgets",
+                 "test_xla", "test_memory_options", "test_loss_scaler", "test_package", "test_hostile_checkpoints"]
 
 
 def pytest_collection_modifyitems(config, items):
