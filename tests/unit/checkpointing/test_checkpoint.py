@@ -348,7 +348,7 @@ import sys, time, torch
 from nxd_smp import Zero1Optimizer, MixedPrecisionConfig, finalize_checkpoint, save_checkpoint
 path, background, versions = sys.argv[1], sys.argv[2] == "async", [int(v) for v in sys.argv[3:]]
 torch.manual_seed(0)
-model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, dtype=torch.bfloat16) for _ in range(12)])  # 50.4M
+model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, dtype=torch.bfloat16) for _ in range(12)])  # 12.6M
 opt = Zero1Optimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9,
                      mixed_precision=MixedPrecisionConfig(use_master_weights_in_ckpt=True))
 for i, v in enumerate(versions):
@@ -374,7 +374,7 @@ def _spawn_saver(path, *versions, background=False):
 
 
 def _loaded_version(path) -> set[float]:
-    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, dtype=torch.bfloat16) for _ in range(12)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, dtype=torch.bfloat16) for _ in range(12)])
     load_checkpoint(path, model=model)
     return {float(v) for p in model.parameters() for v in p.detach().unique()}
 
