@@ -7,7 +7,9 @@ torch reads it, well inside the budgets.
 
 Each attack is built at several sizes, up to a few hundred kilobytes, and parsed by each entry point
 that reads its kind of file (``load_bytes`` and ``load_file`` for a torch.save archive,
-``load_pickle`` for a plain pickle) in one child process per entry point, which reports for every
+``load_pickle`` for a plain pickle) in one child process per entry point (forked from the tests'
+preloaded server, tests/distributed.py: what it loaded is frozen out of the collector and below the
+meter's zero), which reports for every
 case whether it was refused with a ``CheckpointError``, the growth of its peak resident memory
 (``VmHWM``, reset before each case) and its time. Without the budgets (the reader of 6b45e11), the
 largest of the copying attacks (about 250 KB) grew the process by 2.5 to over 5.8 GB, the floods by
@@ -23,7 +25,6 @@ import math
 import json
 import pickle
 import struct
-import subprocess
 import sys
 import time
 import warnings
@@ -40,6 +41,7 @@ from nxd_smp.checkpointing import reader
 from nxd_smp.checkpointing.budget import Budget
 from nxd_smp.core.errors import BudgetError
 from nxd_smp.checkpointing.reader import load_bytes, load_pickle
+from tests.distributed import run_python
 
 REPO = Path(__file__).resolve().parents[3]
 SOURCE = "crafted.pt"
@@ -399,8 +401,7 @@ def write_cases(folder: Path, parser: str, attacks: list[Attack]) -> dict[str, l
 def run_child(folder: Path, parser: str, spec: dict[str, list[dict]], timeout: float = 300) -> list[dict]:
     """The child's report: one row a case, in order (a case that ran away ends the list)."""
     (folder / "spec.json").write_text(json.dumps(spec))
-    child = subprocess.run([sys.executable, "-c", CHILD, parser, str(folder / "spec.json")], cwd=REPO,
-                           capture_output=True, text=True, timeout=timeout)
+    child = run_python(["-c", CHILD, parser, str(folder / "spec.json")], cwd=REPO, timeout=timeout)
     rows = [json.loads(line) for line in child.stdout.splitlines() if line.startswith("{")]
     assert rows, f"{parser}'s child failed (exit {child.returncode}):\n{child.stderr[-3000:]}"
     return rows
