@@ -19,8 +19,9 @@ wrong type or with keys that overwrite the live objects' own (``params``, ``opti
 Every load must end in a ``CheckpointError`` that names the offending file and field, and leave
 the model, the masters, the inner optimizer's state and groups, the param groups and the
 scheduler exactly as they were. What could crash the process (0-dim moments, then a step; two
-parses of one zip), block it (a FIFO) or take gigabytes runs in a child process (one per test
-worker, started again after a case that ends it) with a time limit per case, which measures each
+parses of one zip), block it (a FIFO) or take gigabytes runs in a child process (forked from the
+tests' preloaded server: one per test worker, started again after a case that ends it) with a
+time limit per case, which measures each
 load's peak resident memory: a few KB that claim gigabytes may grow it by 100 MB at most. At DP 2
 on gloo, an error no check expects on one rank is a ``CheckpointError`` on both, within seconds.
 ``python -m nxd_smp inspect`` of a hostile folder is one ``error:`` line and exit code 2.
@@ -40,7 +41,6 @@ import pickle
 import re
 import shutil
 import subprocess
-import sys
 import traceback
 import warnings
 import zlib
@@ -63,7 +63,7 @@ from nxd_smp import CheckpointError
 from nxd_smp.checkpointing.dcp_index import read_metadata
 from nxd_smp.checkpointing.files import Folder
 from tests.crafted import RANK_FILE, TAG, index_of, native_run, reseal, save_native, save_xser, trained_run, write_nxd_tag
-from tests.distributed import run_ranks
+from tests.distributed import run_python, run_ranks
 from tests.hostile_worker import assert_unchanged, changes, live, load, one_rank_fails_unexpectedly, snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -721,13 +721,12 @@ def run_children(cases: list[dict[str, Any]], where: Path, warmup=()) -> dict[st
         spec = where / "spec.json"
         spec.write_text(json.dumps({"warmup": list(warmup), "cases": remaining}))
         results_file.write_text("")
-        cmd = [sys.executable, "-m", "tests.hostile_worker", str(spec), str(results_file)]
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                                  timeout=sum(c["limit_s"] for c in remaining) + 60)
+            proc = run_python(["-m", "tests.hostile_worker", str(spec), str(results_file)], cwd=ROOT, env=env,
+                              timeout=sum(c["limit_s"] for c in remaining) + 60)
             rc, stderr = proc.returncode, proc.stderr
         except subprocess.TimeoutExpired as e:
-            rc, stderr = "timeout", e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+            rc, stderr = "timeout", e.stderr
         for line in results_file.read_text().splitlines():
             event = json.loads(line)
             events.setdefault(event["case"], []).append(event)
