@@ -1,9 +1,9 @@
 """What the fork server of the tests' children loads once, before any child forks from it
 (tests/distributed.py: gloo ranks, and programs run as ``python`` or ``torchrun`` would run them):
-torch, nxd_smp, the test helpers, accelerate and the Trainer, and inductor's inspection of this CPU (a second interpreter
-that loads a compiled probe, ~2 s), so that a rank starts in a fraction of a second instead of
-importing and probing anew. Nothing here runs a tensor kernel: the server's children may then use
-OpenMP freely.
+torch, nxd_smp, the test helpers, accelerate and the Trainer, and inductor's inspection of this
+CPU (a second interpreter that loads a compiled probe, ~2 s), so that a child starts in a fraction
+of a second instead of importing and probing anew. Nothing here runs a tensor kernel: the server's
+children may then use OpenMP freely.
 
 Nothing here may set up CUDA either: a process forked from one that counted its CUDA devices
 through the CUDA runtime cannot use CUDA, and on a machine with a GPU torch.compile in a rank asks
