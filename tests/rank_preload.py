@@ -19,6 +19,9 @@ import os
 
 os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
 os.environ.setdefault("USE_TORCH_XLA", "0")
+#: The environment the server's imports start from (they add to it: inductor sets its cache
+#: folder), against which tests/distributed.py holds a program's call.
+ENVIRONMENT = dict(os.environ)
 
 import torch  # noqa: E402
 import torch.distributed  # noqa: E402, F401
