@@ -76,11 +76,17 @@ def test_a_forked_program_past_its_time_is_killed_and_reported_as_subprocess_doe
         run_python(["-c", "import time; print('started', flush=True); time.sleep(60)"], timeout=2)
 
 
-#: A rank writes what it was given and a random draw, then rank 1 fails while rank 0 waits.
+#: A rank writes what it was given and a random draw (whole, by a rename), then rank 1 fails once
+#: rank 0's file is there, while rank 0 waits: the launcher stops rank 0 only after it has written.
 RANK_PROGRAM = ("import json, os, random, sys, time\n"
-                "with open(os.path.join(sys.argv[1], os.environ['RANK'] + '.json'), 'w') as f:\n"
+                "mine = os.path.join(sys.argv[1], os.environ['RANK'] + '.json')\n"
+                "with open(mine + '.part', 'w') as f:\n"
                 "    json.dump({'env': dict(os.environ), 'draw': random.random()}, f)\n"
+                "os.replace(mine + '.part', mine)\n"
                 "if os.environ['RANK'] == '1':\n"
+                "    deadline = time.monotonic() + 60\n"
+                "    while not os.path.exists(os.path.join(sys.argv[1], '0.json')) and time.monotonic() < deadline:\n"
+                "        time.sleep(0.01)\n"
                 "    sys.exit(5)\n"
                 "time.sleep(120)\n")
 #: Values that name one launch (its port and run id, the rank's error file) and who hosts the
