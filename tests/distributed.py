@@ -293,11 +293,11 @@ def run_python(args: Sequence[str], *, cwd: str | os.PathLike | None = None, env
         child, out, err = _start(args, cwd, env, tmp, "program")
         try:
             child.join(timeout)
-            if child.is_alive():
-                _stop([child])
-                raise subprocess.TimeoutExpired(command, timeout, _read(out, text), _read(err, text))
         finally:
-            _stop([child])  # (an interrupted test leaves no child behind)
+            timed_out = child.is_alive()
+            _stop([child])  # (past its time, or an interrupted test: no child left behind)
+        if timed_out:
+            raise subprocess.TimeoutExpired(command, timeout, _read(out, text), _read(err, text))
         _refusal(child, err)
         return subprocess.CompletedProcess(command, child.exitcode, _read(out, text), _read(err, text))
 

@@ -5,6 +5,8 @@ of those take the clip coefficient as ``grad_scale``; the demo's device and proc
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import pathlib
 import sys
 
@@ -14,7 +16,7 @@ import torch.distributed as dist
 
 from nxd_smp import Zero1Optimizer, load_checkpoint, save_checkpoint
 from nxd_smp.backend.eager import EagerBackend
-from tests.distributed import run_ranks
+from tests.distributed import run_python, run_ranks
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -141,12 +143,8 @@ def test_checkpoints_coordinate_without_gloo(tmp_path):
 def test_check_accelerator_passes_on_the_cpu(tmp_path):
     """The accelerator check (what a CUDA or neuron machine runs) passes its own checks on the CPU: every
     row ok, and a failing row would fail the command."""
-    import json
-
-    from tests.distributed import run_python
-
     out = run_python([str(ROOT / "scripts" / "check_accelerator.py"), "--device", "cpu", "--out", str(tmp_path / "c.json")],
-                     timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                     timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     rows = json.loads((tmp_path / "c.json").read_text())["rows"]
     assert [r["check"] for r in rows] == ["step", "prescaled", "dtensor", "checkpoint", "compiled_model"]
