@@ -10,11 +10,15 @@ and every rank agrees that each may go on (``agree``).
   data-parallel group the ranks compare a digest of what must be equal across the group
   (hyperparameters, step counters, the loss scaler, the scheduler, the checksums of replicated
   tensors), so that ranks that would install different values refuse together instead of training
-  their shards with different hyperparameters. After it nothing may fail on one rank alone: what
-  follows (publishing the master weights) is a collective.
+  their shards with different hyperparameters.
+* ``settle``: after ``agree``, every rank does what is left that could still fail (copying the model's
+  weights in, through whatever hooks the model has) and all learn every rank's outcome before anything
+  collective follows (publishing the master weights): a failure on one rank is every rank's, at once,
+  never a rank waiting in a collective that another rank will not join.
 
 Checkpoint loads (every format), ``load_state_dict`` and the imports from other tools end their
-checks with ``agree``; saves decide with ``decide``. Payloads are JSON values.
+checks with ``agree`` and their installs with ``settle``; saves decide with ``decide``. Payloads are
+JSON values.
 """
 
 from __future__ import annotations
@@ -128,3 +132,34 @@ def _differences(gathered: Sequence[Mapping[str, Any]]) -> str | None:
                         f"hyperparameters, step counters, loss scale, scheduler and replicated tensors, and here they "
                         f"do not (files from two saves, or altered). Nothing was loaded on any rank")
     return None
+
+
+def settle(coordinator: Coordinator, act: Callable[[], T], *, what: str, undo: Callable[[], None] | None = None,
+           consequence: str = "") -> T:
+    """Every rank of ``coordinator``'s group runs its own ``act`` (what is left of an install once the ranks
+    agreed: local work that can still fail) and all learn every rank's outcome; returns ``act``'s result
+    where it succeeded on every rank. Where it failed on any rank, every rank runs ``undo`` (what can still
+    be put back) and raises a ``CheckpointError`` naming each failed rank and its error, then
+    ``consequence`` (what is left changed, and what to do). A rank stopped by a ``BaseException`` tells
+    the others first and raises its own."""
+    result: Any = None
+    error: BaseException | None = None
+    try:
+        result = act()
+    except BaseException as e:  # noqa: BLE001 - every rank learns of any failure
+        error = e
+    try:
+        gathered = coordinator.all_gather(None if error is None else error_text(error))
+    except BaseException:  # (the exchange itself failed: put back what can be, and say why)
+        if undo is not None:
+            undo()
+        raise
+    failures = [f"rank {rank}: {text}" for rank, text in enumerate(gathered) if text is not None]
+    if not failures:
+        return result
+    if undo is not None:
+        undo()
+    if error is not None and not isinstance(error, Exception):
+        raise error
+    raise CheckpointError(f"{what} failed after every rank had agreed to load it ({'; '.join(failures)})."
+                          + (f" {consequence}" if consequence else "")) from error

@@ -30,7 +30,7 @@ import math
 import struct
 import warnings
 import zlib
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +42,7 @@ from ..core.errors import CheckpointError
 from ..optim.loss_scaler import check_scaler_state
 from ..optim.param_groups import KERNEL_OPTIONS
 from ..optim.state_fit import StateFit, check_state_entry, describe, misfit, torch_group_problems
-from .staged import Pieces, Staged, StagedOptimizer, Targets, Whole, param_group_names
+from .staged import Pieces, Staged, StagedOptimizer, Targets, Whole, named_pieces, param_group_names
 
 SCHEDULER = "scheduler"  # the name the scheduler's state is saved under
 
@@ -53,9 +53,102 @@ def is_size(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def is_shape(value: Any) -> bool:
-    """Whether ``value`` is a shape: a tuple or list of sizes."""
-    return isinstance(value, (tuple, list)) and all(is_size(d) for d in value)
+#: torch computes a tensor's size in bytes as a signed 64-bit integer: the product of its nonzero
+#: dimensions and its item size must stay below this, even where a zero dimension makes it empty
+#: (``torch.empty((2**62, 2**62, 0))`` raises).
+SIZE_LIMIT = 1 << 63
+
+
+def is_shape(value: Any, dtype: torch.dtype | None = None) -> bool:
+    """Whether ``value`` is a shape a tensor can have: a tuple or list of sizes whose nonzero
+    dimensions times ``dtype``'s item size (1 without one) stay below ``SIZE_LIMIT``."""
+    if not isinstance(value, (tuple, list)) or not all(is_size(d) for d in value):
+        return False
+    nbytes = 1 if dtype is None else dtype.itemsize
+    for d in value:
+        nbytes *= d or 1
+        if nbytes >= SIZE_LIMIT:
+            return False
+    return True
+
+
+#: The tensor types a load installs from: plain tensors and parameters (never a subclass that
+#: dispatches elsewhere: a DTensor, a ``FlatShard``, a fake or functional tensor).
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
+
+
+def tensor_problem(value: torch.Tensor, devices: Sequence[str] = ("cpu",)) -> str | None:
+    """Why the install could not read ``value``'s elements, None where it can: a plain tensor
+    (``_PLAIN_TENSORS``), strided, not quantized, with storage (not on the meta device) and on one
+    of ``devices`` (device types: the host's, and the device the install copies to)."""
+    if type(value) not in _PLAIN_TENSORS:
+        return f"a {type(value).__name__}, not a plain tensor"
+    if value.is_meta:
+        return "a meta tensor (no data: it was saved or loaded without its storage)"
+    if value.layout != torch.strided or value.is_quantized:
+        return f"a {'quantized' if value.is_quantized else str(value.layout).removeprefix('torch.')} tensor"
+    if value.device.type not in devices:
+        return f"on the {value.device.type} device, where the install reads from {' or '.join(devices)}"
+    return None
+
+
+def _tensors_in(value: Any) -> Iterator[tuple[tuple, torch.Tensor]]:
+    """Every tensor inside ``value`` (dicts, lists, tuples, sets and staged values, each container
+    visited once, however deep: no recursion) with its path."""
+    seen: set[int] = set()
+    stack: list[tuple[tuple, Any]] = [((), value)]
+    while stack:
+        at, item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            yield at, item
+            continue
+        if isinstance(item, Whole):
+            stack.append((at, item.tensor))
+            continue
+        if not isinstance(item, (Mapping, list, tuple, set, frozenset, Pieces)) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, Pieces):
+            stack.extend(((*at, start), part) for start, part in item.parts.items())
+        elif isinstance(item, Mapping):
+            stack.extend(((*at, key), child) for key, child in item.items())
+        else:
+            stack.extend(((*at, i), child) for i, child in enumerate(item))
+
+
+def _path(at: tuple) -> str:
+    return "".join(f"[{describe(k)}]" for k in at)
+
+
+def _check_tensors(staged: Staged, targets: Targets) -> None:
+    """Every tensor the install and the commit read, in every part of ``staged``, is one they can read
+    (``tensor_problem``): checked first, so that no later check or copy meets a meta tensor, a sparse or
+    quantized one, or one on a device the install does not copy from.
+
+    Raises:
+        CheckpointError: naming the part, the file and the place of each.
+    """
+    devices = tuple(dict.fromkeys(("cpu", torch.device(targets.backend.device).type)))
+    opt = staged.optimizer
+    parts = [("model", staged.where("model"), staged.model),
+             ("optimizer state", staged.where("optimizer"), None if opt is None else opt.state),
+             ("master weights", staged.where("optimizer"), None if opt is None else opt.masters),
+             ("param groups", staged.where("optimizer"), None if opt is None else opt.groups),
+             ("loss scaler", staged.where("optimizer"), None if opt is None else opt.scaler),
+             ("optimizer state", staged.where("optimizer"), staged.torch_optimizer),
+             ("objects", staged.where("objects"), staged.objects),
+             ("state dicts", staged.source, staged.fill)]
+    problems = []
+    for part, where, value in parts:
+        for at, tensor in _tensors_in(value):
+            found = tensor_problem(tensor, devices)
+            if found:
+                problems.append(f"{where}: {part}{_path(at)} is {found}")
+            if len(problems) >= 8:
+                break
+    if problems:
+        raise CheckpointError("; ".join(problems) + ". Refused before anything was changed: load a state whose "
+                              "tensors hold their data on the host (torch.load(..., map_location='cpu')).")
 
 
 def check_cast(value: Any, dtype: torch.dtype, where: str) -> None:
@@ -76,7 +169,7 @@ def check_cast(value: Any, dtype: torch.dtype, where: str) -> None:
     else:
         ok = not source.is_floating_point and torch.equal(value.to(dtype).to(source), value)
     if not ok:
-        raise CheckpointError(f"{where} is {source}, which does not convert exactly to the model's {dtype} "
+        raise CheckpointError(f"{where} is {source}, which does not convert exactly to the {dtype} it is installed as "
                               f"(values out of range, or another kind of number); refused.")
 
 
@@ -117,6 +210,7 @@ def check(staged: Staged, targets: Targets) -> Plan:
         CheckpointError: naming the file and every field that does not fit; nothing is changed.
     """
     plan = Plan()
+    _check_tensors(staged, targets)
     if isinstance(targets.model, nn.Module) and staged.model_shapes is not None:
         plan.model_state = _check_model(staged, targets)
     elif isinstance(targets.model, MutableMapping) and staged.fill is None:
@@ -235,12 +329,57 @@ def _check_optimizer(staged: StagedOptimizer, targets: Targets, plan: Plan) -> N
                          else type(master).__name__)
                 problems.append(f"master weight {name}: {found}, the parameter is {shapes[name]}")
         problems += [f"master weight {name}: missing" for name in names if name not in staged.masters]
+    if not problems:
+        problems += _staged_problems(staged, targets, plan, names)
     scaler = zero1.loss_scaler
     if scaler is not None and staged.scaler is not None:
         problems += [f"loss_scaler{p}" for p in check_scaler_state(staged.scaler, scaler)]
     if problems:
         raise CheckpointError(f"{staged.source}: the optimizer state does not fit {inner_class.__name__}: "
                               + "; ".join(problems) + ".")
+
+
+def _staged_problems(staged: StagedOptimizer, targets: Targets, plan: Plan, names: list[str]) -> list[str]:
+    """What the install would copy of each moment and master weight, as it will copy it: a ``Pieces``
+    holds exactly the ranges this rank installs, each a 1-D floating tensor of the range's length; a
+    value narrower in the shard's dtype than as read (fp64 into fp32, fp32 into fp16) keeps every finite
+    value finite (``check_cast``)."""
+    zero1 = targets.zero1
+    slots: dict[str, list[tuple[int, int, int]]] = {name: [] for name in names}
+    for b, name, piece in named_pieces(zero1.bucket_layouts, zero1.rank, names):
+        slots[name].append((piece.param_start, piece.param_end, b))
+    shard_dtypes = [targets.backend.device_dtype(shard.dtype) for shard in zero1.inner_shards]
+    values = [(name, f"{name}/{key}", staged.state[name][key]) for name in names
+              for key in plan.moments.get(name, [])]
+    if staged.masters is not None and zero1.mixed_precision.use_master_weights:
+        values += [(name, f"master weight {name}", staged.masters[name]) for name in names]
+    problems = []
+    for name, where, value in values:
+        mine = {start: (end - start, b) for start, end, b in slots[name]}
+        master = where.startswith("master")
+        if isinstance(value, Pieces):
+            if set(value.parts) != set(mine):
+                problems.append(f"{where}: the ranges from {sorted(value.parts)[:4]}, this rank installs the ranges "
+                                f"from {sorted(mine)[:4]}")
+                continue
+            parts = [(value.parts[start], numel, b) for start, (numel, b) in mine.items()]
+        elif isinstance(value, Whole):
+            parts = [(value.tensor, value.tensor.numel(), b) for _, b in list(mine.values())[:1]]
+        else:
+            continue
+        for part, numel, b in parts:
+            if part.dim() != (1 if isinstance(value, Pieces) else part.dim()) or part.numel() != numel \
+                    or not part.dtype.is_floating_point:
+                problems.append(f"{where}: a {part.dtype} tensor of shape {tuple(part.shape)} where this rank "
+                                f"installs {numel} floating elements")
+                continue
+            dtype = torch.float32 if master else shard_dtypes[b]
+            if torch.finfo(part.dtype).max > torch.finfo(dtype).max:
+                try:
+                    check_cast(part, dtype, where)
+                except CheckpointError as e:
+                    problems.append(str(e).rstrip("."))
+    return problems
 
 
 def _check_torch_optimizer(staged: Staged, optimizer: torch.optim.Optimizer) -> None:

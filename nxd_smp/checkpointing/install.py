@@ -1,16 +1,20 @@
 """The install: one transaction over the model, the optimizer, the loss scaler, the scheduler and the
 caller's stateful objects, of a state the check passed (``check.Plan``).
 
-It runs in two parts around the ranks' agreement (``pipeline``):
+It runs in three parts around the ranks' agreements (``pipeline``):
 
-* ``install`` (before it, on every rank): what can be put back cheaply: each stateful object's state
-  (its ``state_dict()`` copied first; a refusal puts back every object loaded so far, the refusing
+* ``install`` (before ``agree``, on every rank): what can be put back cheaply: each stateful object's
+  state (its ``state_dict()`` copied first; a refusal puts back every object loaded so far, the refusing
   one included), the optimizer's hyperparameters, its inner state over the new shards and the loss
   scaler's state (the old objects kept, not copied). It returns the undo, which the agreement runs
   on every rank if any rank refused.
-* ``commit`` (after it): what the check left nothing to fail on and what would cost a copy of the
-  model to undo: the model's weights copied in place, the dicts NxD Training passes filled, the
-  master weights published into the parameters (a collective) or rebuilt from them.
+* ``commit`` (after it, then ``settle``): the local work that would cost a copy of the model to undo:
+  the model's weights copied in place (through the model's own ``load_state_dict`` and its hooks), the
+  dicts NxD Training passes filled, the master shards built from the staged pieces. The check left it
+  nothing to fail on that a file or a dict can cause; what is left (a model hook's own refusal) is
+  settled across the ranks before anything collective runs.
+* ``publish`` (once every rank committed): the master weights published into the parameters (a
+  collective) or rebuilt from them.
 """
 
 from __future__ import annotations
@@ -56,8 +60,9 @@ def install(staged: Staged, plan: Plan, targets: Targets) -> Callable[[], None]:
     return undo
 
 
-def commit(staged: Staged, plan: Plan, targets: Targets) -> None:
-    """The part after the agreement: the model's weights, the dicts to fill, the master weights."""
+def commit(staged: Staged, plan: Plan, targets: Targets) -> list[torch.Tensor] | None:
+    """The local part after the agreement: the model's weights, the dicts to fill, the master shards built
+    (returned for ``publish``; None where none were read)."""
     model = targets.model
     if isinstance(model, nn.Module) and plan.model_state is not None:
         live = model.state_dict()  # (DTensors take their parts back as DTensors)
@@ -69,10 +74,15 @@ def commit(staged: Staged, plan: Plan, targets: Targets) -> None:
         for target, name in ((model, "model"), (targets.optimizer, "optimizer")):
             if isinstance(target, MutableMapping) and staged.fill.get(name) is not None:
                 target.update(staged.fill[name])  # NxD's way: every saved entry set, in place
+    return _masters(staged.optimizer, targets) if targets.zero1 is not None else None
+
+
+def publish(masters: list[torch.Tensor] | None, targets: Targets) -> None:
+    """Once every rank committed: the master shards published into the parameters (a collective), or the
+    masters rebuilt from the loaded parameters; the accumulated gradients dropped (a checkpoint's load)."""
     zero1 = targets.zero1
     if zero1 is not None:
-        zero1.rank_state.finish(_masters(staged.optimizer, targets), rebuild=targets.rebuild_masters,
-                             discard_gradients=targets.discard_gradients)
+        zero1.rank_state.finish(masters, rebuild=targets.rebuild_masters, discard_gradients=targets.discard_gradients)
 
 
 # ---------------------------------------------------------------------------- stateful objects

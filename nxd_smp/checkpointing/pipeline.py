@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 
-from ..backend.agreement import agree
+from ..backend.agreement import agree, settle
 from ..core.dtensors import global_offset
 from ..core.errors import CheckpointError
 from ..core.flat_shard import FlatShard
@@ -34,7 +35,7 @@ from ..optim.state_fit import describe, torch_group_problems
 from ..zero1_optimizer import Zero1Optimizer
 from .check import check, digest
 from .files import Folder, entry_kind
-from .install import commit, install
+from .install import commit, install, publish
 from .progress import phases
 from .smp_format import open_version, read
 from .staged import Pieces, Request, Staged, StagedOptimizer, Targets, Whole
@@ -50,24 +51,37 @@ def run(read: Reader, targets: Targets, *, what: str, progress: bool | None = Fa
     """Read (this rank's part, through ``read``), check, agree (every rank of the job), install; every
     rank calls it. Returns the staged state (its ``extra`` is what ``load_checkpoint`` returns).
 
+    After the agreement only the model's own ``load_state_dict`` (its hooks: a framework's may refuse)
+    can still fail; every rank learns of it before the master weights are published (``settle``).
+
     Raises:
         CheckpointError: on every rank, when any rank's read or check refused, or the ranks of a
-            data-parallel group would install different values; nothing is changed then.
+            data-parallel group would install different values; nothing is changed then. Or, on every
+            rank, when the model's ``load_state_dict`` failed on one: the optimizer and the objects are
+            put back, the model's weights may be partly loaded (the error says to load again).
     """
     backend = targets.backend
     with phases(progress, backend.rank, ["read and check", "install"], f"load {Path(what).name}", log) as advance:
 
-        def prepare() -> tuple[tuple[Staged, Any], Callable[[], None], dict[str, str]]:
+        def prepare() -> tuple[tuple[Staged, Any, Callable[[], None]], Callable[[], None], dict[str, str]]:
             staged = read(targets.request())
             plan = check(staged, targets)
             fingerprints = digest(staged, plan)  # (before the install: nothing after it may fail here)
-            return (staged, plan), install(staged, plan, targets), fingerprints
+            undo = install(staged, plan, targets)
+            return (staged, plan, undo), undo, fingerprints
 
-        staged, plan = agree(backend.world_coordinator, prepare, what=what, group=targets.group())
+        staged, plan, undo = agree(backend.world_coordinator, prepare, what=what, group=targets.group())
         advance("read and check")
-        commit(staged, plan, targets)
+        masters = settle(backend.world_coordinator, lambda: commit(staged, plan, targets), what=f"loading {what}",
+                         undo=undo, consequence=_PARTLY_LOADED if isinstance(targets.model, nn.Module) else "")
+        publish(masters, targets)
         advance("install")
     return staged
+
+
+#: What a failure after the agreement leaves, in its error.
+_PARTLY_LOADED = ("The optimizer's state and the other objects were put back on every rank, but the model's weights "
+                  "may be partly loaded: load the checkpoint again (every rank) before training on.")
 
 
 # ---------------------------------------------------------------------------- formats
