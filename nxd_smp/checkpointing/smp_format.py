@@ -149,8 +149,9 @@ def parse_meta(value: Any, source: str) -> Meta:
     model = {}
     for key, info in meta["model"].items():
         info = fields(info, {"shape", "dtype"}, set(), f"the model entry {key!r}")
-        if not isinstance(key, str) or not is_shape(info["shape"]) or dtype_named(info["dtype"]) is None:
-            refuse(f"the model entry {key!r} is not {{'shape': sizes, 'dtype': a torch dtype}}")
+        if not isinstance(key, str) or dtype_named(info["dtype"]) is None \
+                or not is_shape(info["shape"], dtype_named(info["dtype"])):
+            refuse(f"the model entry {key!r} is not {{'shape': sizes (below 2**63 bytes), 'dtype': a torch dtype}}")
         model[key] = (tuple(info["shape"]), dtype_named(info["dtype"]))
     tp = meta.get("tensor_parallel")
     if tp is not None:
@@ -187,9 +188,10 @@ def _parse_optimizer(opt: Any, model: Mapping[str, Any], refuse, fields) -> Save
     params = {}
     for name, info in opt["params"].items():
         info = fields(info, {"shape", "dtype", "keys"}, set(), f"the optimizer's parameter {name!r}")
-        if not isinstance(name, str) or not is_shape(info["shape"]) or dtype_named(info["dtype"]) is None:
-            refuse(f"the optimizer's parameter {name!r} is not {{'shape': sizes, 'dtype': a torch dtype, 'keys': "
-                   f"state keys}}")
+        if not isinstance(name, str) or dtype_named(info["dtype"]) is None \
+                or not is_shape(info["shape"], torch.float64):  # (the widest state it may hold: fp64 moments)
+            refuse(f"the optimizer's parameter {name!r} is not {{'shape': sizes (below 2**63 bytes), 'dtype': a torch "
+                   f"dtype, 'keys': state keys}}")
         if not isinstance(info["keys"], list) or not all(isinstance(k, str) for k in info["keys"]) \
                 or len(set(info["keys"])) != len(info["keys"]):
             refuse(f"the state keys of {name!r} are not a list of names, each once")

@@ -29,7 +29,7 @@ import torch
 
 from ..core.errors import CheckpointError, ChecksumError
 from .budget import Budget
-from .check import check_cast, is_size
+from .check import check_cast, is_shape, is_size
 from .files import Folder, check_name
 from .reader import load_bytes
 from .typed_json import dtype_named, loads
@@ -160,8 +160,9 @@ def read_index(folder: Folder, *, data: bytes | None = None) -> dict[str, Stored
     for key, entry in entries.items():
         if not (isinstance(entry, list) and len(entry) == 6 and isinstance(entry[0], str)
                 and all(is_size(v) for v in entry[1:4]) and entry[3] < 1 << 32 and dtype_named(entry[4])
-                and isinstance(entry[5], list) and all(is_size(d) for d in entry[5]) and len(entry[5]) <= 64):
-            raise CheckpointError(f"{source}: entry {key!r} is not [file, offset, length, CRC-32, dtype, shape].")
+                and isinstance(entry[5], list) and len(entry[5]) <= 64 and is_shape(entry[5], dtype_named(entry[4]))):
+            raise CheckpointError(f"{source}: entry {key!r} is not [file, offset, length, CRC-32, dtype, shape] (a "
+                                  f"shape's bytes below 2**63).")
         budget.charge(256 + 8 * len(entry[5]))
         file, offset, length, crc, dtype, shape = entry
         out[key] = StoredTensor(dtype_named(dtype), tuple(shape), file, offset, length, crc)

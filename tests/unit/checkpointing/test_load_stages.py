@@ -391,6 +391,11 @@ FORGERIES = {
     "saved_at_ns a string": ("COMPLETE.json", lambda r: r.__setitem__("saved_at_ns", "now")),
     "tensor_parallel's rank past its size": ("nxd_smp_meta.json", lambda m: m.__setitem__(
         "tensor_parallel", {"size": 1, "rank": 3, "split": {}})),
+    # An empty tensor whose size arithmetic overflows (torch.empty of it raises, though it has no element).
+    "an empty model entry of an overflowing shape": ("nxd_smp_meta.json", lambda m: next(iter(m["model"].values()))
+                                                     .__setitem__("shape", [2**62, 2**62, 0])),
+    "an empty index entry of an overflowing shape": ("nxd_smp_index.json", lambda i: next(iter(i["entries"].values()))
+                                                     .__setitem__(slice(2, 6, 3), [0, [2**62, 2**62, 0]])),
 }
 
 
