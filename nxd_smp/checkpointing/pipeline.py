@@ -38,7 +38,7 @@ from .files import Folder, entry_kind
 from .install import commit, install, publish
 from .progress import phases
 from .smp_format import open_version, read
-from .staged import Pieces, Request, Staged, StagedOptimizer, Targets, Whole
+from .staged import Pieces, Request, Staged, StagedOptimizer, Targets, Whole, canonical_name, known_names
 from .versions import COMPLETE_FILE, checkpoint_links, locate, unpublish, version_of
 
 log = logging.getLogger("nxd_smp.checkpoint")
@@ -276,10 +276,13 @@ def read_rank_state(targets: Targets, state_dict: Any, request: Request) -> Stag
     groups = state_dict["param_groups"]
     live_groups = optimizer.param_groups
     problems = []
+    name_of: dict[Any, str] = {}
     if len(groups) != len(live_groups) or not all(isinstance(g, Mapping) for g in groups):
         problems.append(f"{len(groups)} param groups, the optimizer has {len(live_groups)}")
     else:
-        problems += _numbering_problems(groups, live_groups)
+        found, name_of = _key_names(groups, live_groups, request.optimizer.groups,
+                                    known_names(targets.model, optimizer))
+        problems += found
     record = state_dict.get(RECORD_KEY)
     placed_by_record = isinstance(record, Mapping) and record.get("format") == STATE_DICT_FORMAT
     if placed_by_record:
@@ -299,8 +302,6 @@ def read_rank_state(targets: Targets, state_dict: Any, request: Request) -> Stag
             "torch.distributed.checkpoint (dcp.save/dcp.load) or nxd_smp.checkpoint move across DP sizes."
             + (rank_state.hint("another rank") if placed_by_record and record.get("rank") != optimizer.rank else ""))
     names = request.optimizer.names  # (param-group order: the order of the groups' ``params``)
-    name_of = {key: name for g, names_g in zip(groups, request.optimizer.groups)
-               for key, name in zip(g["params"], names_g)}
     param_of = dict(zip(targets.names(), optimizer.managed_params))
     state: dict[str, dict[str, Any]] = {name: {} for name in names}
     masters: dict[str, Pieces] = {}
@@ -332,21 +333,64 @@ def read_rank_state(targets: Targets, state_dict: Any, request: Request) -> Stag
     return Staged(source=source, optimizer=staged)
 
 
-def _numbering_problems(groups: list, live_groups: list) -> list[str]:
-    """How the groups' ``params`` do not list the live groups' parameters one to one: torch.optim's
-    numbers (0..n-1 in group order) or distinct names, as many as each live group holds."""
+def _key_names(groups: list, live_groups: list, request_groups: list[list[str]],
+               live_names: list[list[str]] | None) -> tuple[list[str], dict[Any, str]]:
+    """How the state dict's keys name the live parameters (``request_groups``: their names as the request
+    gives them, group by group), and what does not fit. Named keys (torch's distributed state-dict API's
+    FQNs) map by name where the optimizer's parameters' names are known (``live_names``: from the model,
+    or from the ``param_names`` the optimizer was built with): a name no parameter has, or that the
+    optimizer holds in another group, is refused by name, never taken for the parameter at its place.
+    Numbered keys (torch.optim's 0..n-1 in group order) map by position, and where the state dict's
+    groups carry ``param_names`` and the live names are known, those names must be the live ones in
+    order. Without live names, both map by position (as torch.optim's own ``load_state_dict`` does),
+    each entry then checked against its parameter's shape and place."""
     keys = [g.get("params") for g in groups]
     if all(isinstance(k, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in k) for k in keys):
-        return torch_group_problems(list(groups), live_groups, "param_groups")
+        problems = torch_group_problems(list(groups), live_groups, "param_groups")
+        if not problems and live_names is not None:
+            for i, (group, live) in enumerate(zip(groups, live_names)):
+                saved = group.get("param_names")
+                if isinstance(saved, list) and [canonical_name(n) if isinstance(n, str) else n for n in saved] \
+                        != [canonical_name(n) for n in live]:
+                    differ = [f"{s!r} for {n!r}" for s, n in zip(saved, live) if s != n][:4]
+                    problems.append(f"param_groups[{i}]['param_names'] names other parameters than the optimizer's, "
+                                    f"in order ({'; '.join(differ) or f'{len(saved)} names for {len(live)}'}): a "
+                                    f"numbered state maps by position only onto the parameters it was saved for")
+        return problems, ({key: name for g, names_g in zip(groups, request_groups) for key, name in
+                           zip(g["params"], names_g)} if not problems else {})
     problems = []
     for i, (k, live) in enumerate(zip(keys, live_groups)):
-        if not isinstance(k, list) or len(k) != len(live["params"]) or not all(isinstance(n, str) for n in k):
-            problems.append(f"param_groups[{i}]['params'] = {describe(k)}, not the {len(live['params'])} names or "
-                            f"numbers of the group's parameters")
+        if not isinstance(k, list) or not all(isinstance(n, str) for n in k):
+            problems.append(f"param_groups[{i}]['params'] = {describe(k)}, not the names or numbers of the group's "
+                            f"parameters")
     flat = [n for k in keys if isinstance(k, list) for n in k]
     if not problems and len(set(flat)) != len(flat):
         problems.append("a parameter listed twice in param_groups")
-    return problems
+    if problems:
+        return problems, {}
+    if live_names is None:
+        problems = [f"param_groups[{i}]['params'] lists {len(k)} names, the optimizer's group has {len(live['params'])} "
+                    f"parameters" for i, (k, live) in enumerate(zip(keys, live_groups)) if len(k) != len(live["params"])]
+        return problems, ({key: name for k, names_g in zip(keys, request_groups) for key, name in zip(k, names_g)}
+                          if not problems else {})
+    where = {canonical_name(n): (g, name) for g, (live, names_g) in enumerate(zip(live_names, request_groups))
+             for n, name in zip(live, names_g)}
+    name_of: dict[Any, str] = {}
+    for i, k in enumerate(keys):
+        for n in k:
+            found = where.get(canonical_name(n))
+            if found is None:
+                problems.append(f"param_groups[{i}] names {n!r}, which is no parameter of the optimizer's")
+            elif found[0] != i:
+                problems.append(f"param_groups[{i}] names {n!r}, which the optimizer holds in param group {found[0]}")
+            else:
+                name_of[n] = found[1]
+    listed = {canonical_name(n) for n in flat}
+    lacking = [n for live in live_names for n in live if canonical_name(n) not in listed]
+    if lacking:
+        problems.append(f"param_groups list none of the optimizer's parameters {lacking[:8]}"
+                        + (f" and {len(lacking) - 8} more" if len(lacking) > 8 else ""))
+    return problems, name_of
 
 
 def _range_of(value: torch.Tensor, request: Any, name: str, param: torch.Tensor, placed_by_record: bool

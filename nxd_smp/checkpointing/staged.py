@@ -299,6 +299,35 @@ def managed_param_names(model: nn.Module | None, optimizer: Zero1Optimizer) -> l
     return out
 
 
+#: The module names that wrappers add to a parameter's name and torch's distributed state-dict API leaves out
+#: of its FQNs: activation checkpointing's, FSDP's, ``torch.compile``'s, and DDP's leading ``module``.
+_WRAPPERS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
+
+
+def canonical_name(name: str) -> str:
+    """``name`` (a parameter's, as ``named_parameters`` gives it or as torch's state-dict API writes it)
+    without the wrappers' module names (``_WRAPPERS``, a leading ``module.``): one parameter's two names
+    compare equal."""
+    parts = [part for part in name.split(".") if part not in _WRAPPERS]
+    if len(parts) > 1 and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def known_names(model: nn.Module | None, optimizer: Zero1Optimizer) -> list[list[str]] | None:
+    """The names of each param group's managed parameters where they are known: from ``model``, or from
+    the ``param_names`` the optimizer was built with (``model.named_parameters()``); None where neither
+    names them, or where two of them would compare equal (``canonical_name``)."""
+    if isinstance(model, nn.Module):
+        names = param_group_names(model, optimizer)
+    elif optimizer.param_groups and all(isinstance(g.get("param_names"), list) for g in optimizer.param_groups):
+        names = [list(g["param_names"]) for g in optimizer.param_groups]
+    else:
+        return None
+    flat = [canonical_name(n) for group in names for n in group]
+    return names if len(set(flat)) == len(flat) else None
+
+
 def param_group_names(model: nn.Module | None, optimizer: Zero1Optimizer) -> list[list[str]]:
     """The names of each param group's managed parameters, group by group, in the order the optimizer
     was given them (the order torch.optim state dicts number them in)."""
