@@ -21,6 +21,10 @@ can land anywhere the planted link points; a descriptor cannot be redirected. So
 
 Where the platform lacks one of these calls, every operation is refused with a
 ``CheckpointError`` rather than done by path (``require_descriptors``).
+
+This room is local: a user's path comes in through ``local_path``, which refuses a URL
+(``s3://bucket/run``, or the ``s3:/bucket/run`` that ``pathlib`` makes of it) by its scheme
+rather than let it become a folder named ``s3:`` on the local disk.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -36,13 +41,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from ..core.errors import CheckpointError
+from ..core.errors import CheckpointError, ConfigError
 
 #: What ``rename(2)`` or ``link(2)`` answer when something is already at the target.
 _TAKEN = (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR)
 #: What ``link(2)`` answers on a filesystem without hard links.
 _NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK)
 _READ_CHUNK = 1 << 20
+#: A URL's scheme (RFC 3986: a letter, then letters, digits, ``+``, ``-``, ``.``) as a path's first
+#: component, ``scheme:`` followed by ``/``: ``s3://bucket/x``, and ``s3:/bucket/x``, which is what
+#: ``pathlib.Path("s3://bucket/x")`` makes of it (it folds ``//`` into ``/``).
+_URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):/")
 
 
 def require_descriptors() -> None:
@@ -95,6 +104,49 @@ def check_name(name: object, source: str) -> list[str]:
     return parts
 
 
+def url_scheme(path: str) -> str | None:
+    """The scheme of ``path`` if it is a URL (``"s3"`` for ``s3://bucket/x`` and for the ``s3:/bucket/x``
+    pathlib makes of it), else None: a local path (``runs/ckpt``, ``ckpt/step:5``, ``/abs/s3:/x``)."""
+    found = _URL_SCHEME.match(path)
+    return found.group(1) if found else None
+
+
+def local_path(path: str | os.PathLike, what: str = "path") -> Path:
+    """``path``, a user's path (a checkpoint, a directory of them, an output, a file to import), as a
+    local ``Path``: the one door every entry point takes a user's path through, once, before anything
+    is read or made.
+
+    nxd_smp reads and writes local file systems only (this room's directory descriptors). A URL handed
+    to ``pathlib`` becomes a relative path (``s3://bucket/run`` is ``s3:/bucket/run``): a save would make
+    the folder ``./s3:/bucket/run`` on the instance's own disk and report success, and the checkpoint
+    would die with the instance. So any ``scheme://`` (``s3``, ``gs``, ``hdfs``, ``http(s)``, ``file``,
+    any other), and its folded ``scheme:/`` form (also as ``pathlib`` reads it: ``./s3:/x`` is ``s3:/x``),
+    is refused by name until object storage lands. A colon elsewhere (``ckpt/step:5``) is a local name;
+    a local folder whose name ends in ``:`` is reached by its absolute path.
+
+    Args:
+        path: the user's path.
+        what: what the path is, for messages (``"path"``, ``"the output path"``, ...).
+
+    Raises:
+        TypeError: ``path`` is not a str or an ``os.PathLike`` of a str.
+        ConfigError: ``path`` is a URL; the message names its scheme.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{what} must be a str or os.PathLike, got {type(path).__name__}.")
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be a str path, got {type(text).__name__} from {type(path).__name__}.")
+    scheme = url_scheme(text) or url_scheme(str(Path(text)))  # (``s3://`` alone; ``./s3:/x``, which Path folds)
+    if scheme is not None:
+        folded = "" if text.startswith(f"{scheme}://") else " (pathlib.Path folds a URL's '//' into '/')"
+        raise ConfigError(
+            f"{what} {text!r} is a {scheme!r} URL{folded}: object storage is not supported yet; pass a local path "
+            f"(or the bucket mounted as a file system). Refused rather than written to a local folder named "
+            f"'{scheme}:'.")
+    return Path(text)
+
+
 class Folder:
     """An open directory: a descriptor and, for messages only, the path it was opened as.
 
@@ -117,9 +169,10 @@ class Folder:
         Raises:
             FileNotFoundError: it does not exist (and not ``create``).
             CheckpointError: it is not a directory.
+            ConfigError: ``path`` is a URL (``local_path``; the entry points refuse it first).
         """
         require_descriptors()
-        path = Path(os.path.realpath(path))
+        path = Path(os.path.realpath(local_path(path, "the folder")))
         if create:
             path.mkdir(parents=True, exist_ok=True)
         try:
@@ -486,14 +539,13 @@ def check_output(out: str | os.PathLike, *, overwrite: bool, directory: bool) ->
 
     Raises:
         TypeError: ``out`` is not a path, or ``overwrite`` not a bool.
+        ConfigError: ``out`` is a URL (``local_path``).
         CheckpointError: something is at ``out`` (named, with the fix); ``out`` names no new entry
             (``.``, ``..``); a parent of ``out`` is a file.
     """
-    if not isinstance(out, (str, os.PathLike)):
-        raise TypeError(f"the output path must be a str or os.PathLike, got {type(out).__name__}.")
+    out = local_path(out, "the output path")
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be True or False, got {overwrite!r}.")
-    out = Path(out)
     if out.name in ("", ".", ".."):
         raise CheckpointError(f"{str(out)!r} names no file or directory to write; pass a path ending in a new name.")
     try:

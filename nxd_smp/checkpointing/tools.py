@@ -13,13 +13,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
 from ..core.errors import CheckpointError
-from .files import Folder, check_output, write_output_file
+from .files import Folder, check_output, local_path, write_output_file
 from .smp_format import FORMAT, Opened, expected_entries, master_key, model_key, open_version, state_key
 from .storage import read_tensors
 from .versions import locate
@@ -28,8 +27,12 @@ from .versions import locate
 @contextmanager
 def opened(path: str | os.PathLike, *, verify: bool = False) -> Iterator[Opened]:
     """The complete checkpoint ``path`` means (a link, a version, a directory of them), opened and read
-    but for its tensors (``smp_format.open_version``), in this process only."""
-    path = Path(path)
+    but for its tensors (``smp_format.open_version``), in this process only.
+
+    Raises:
+        ConfigError: ``path`` is a URL (``files.local_path``).
+    """
+    path = local_path(path, "the checkpoint path")
     with Folder.open(path.parent) as root:
         where, version = locate(root, path.name)
         with root.sub(f"{where}/{version}" if where else version) as folder:
@@ -39,7 +42,11 @@ def opened(path: str | os.PathLike, *, verify: bool = False) -> Iterator[Opened]
 def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
     """What a checkpoint holds: per tensor its shape, dtype and bytes; master weights or not; the DP size
     it was written at; the saved stateful objects; the bytes of its regular files (links neither counted
-    nor followed). ``verify``: also check the size and CRC-32 of every file (CheckpointError if damaged)."""
+    nor followed). ``verify``: also check the size and CRC-32 of every file (CheckpointError if damaged).
+
+    Raises:
+        ConfigError: ``path`` is a URL: object storage is not supported yet.
+    """
     with opened(path, verify=verify) as found:
         meta, opt = found.meta, found.meta.optimizer
         return {
@@ -68,7 +75,11 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     [{"hyper", "params": names}], "state": {name: {key: tensor shaped like the parameter (or 0-dim)}},
     "master_weights": {name: fp32 tensor} or None, "inner_class": the torch.optim class's name}, "extra",
     "stateful": {name: state dict}, "tensor_parallel": None, or for a DTensor model the coordinate that
-    saved it, the dimension each split tensor is cut on and the save's id}``."""
+    saved it, the dimension each split tensor is cut on and the save's id}``.
+
+    Raises:
+        ConfigError: ``path`` is a URL: object storage is not supported yet.
+    """
     with opened(path) as found:
         meta, index, opt = found.meta, found.index, found.meta.optimizer
         staging = {key: torch.empty(shape, dtype=index[key].dtype) for key, shape in expected_entries(meta).items()}
@@ -108,12 +119,13 @@ def read_whole_checkpoint(paths: str | os.PathLike | Sequence[str | os.PathLike]
     from rank 0 (replicated: the same). What the exports and ``consolidate`` read.
 
     Raises:
+        ConfigError: a path is a URL (checked for every path before any is read).
         CheckpointError: one coordinate's checkpoint alone; parts of different saves (their save ids
             differ), not each coordinate once in order, or whose entries do not join (other names, groups,
             state keys, or shapes that differ off the split dimension); each named.
     """
     many = not isinstance(paths, (str, os.PathLike))
-    names = [str(p) for p in (paths if many else [paths])]
+    names = [str(local_path(p, "the checkpoint path")) for p in (paths if many else [paths])]
     parts = [read_checkpoint(p) for p in names]
     layouts = [part["tensor_parallel"] for part in parts]
     if len(parts) == 1:
@@ -231,6 +243,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: b
     directory at ``out`` is refused either way.
 
     Raises:
+        ConfigError: ``path`` or ``out`` is a URL: object storage is not supported yet.
         CheckpointError: ``out`` is taken (see above); the checkpoint is damaged.
         TypeError: ``out`` is not a path or ``overwrite`` not a bool.
     """
