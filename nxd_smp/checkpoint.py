@@ -34,7 +34,7 @@ import torch.nn as nn
 from .backend import Backend, select_backend, this_replica
 from .backend.agreement import decide
 from .checkpointing.check import SCHEDULER
-from .checkpointing.files import Folder, entry_kind
+from .checkpointing.files import Folder, entry_kind, local_path
 from .checkpointing.pipeline import (
     SmpFormat,
     format_named,
@@ -156,18 +156,24 @@ def _state_dicts_backend(*values: Any) -> Backend:
     return _device_backend(torch.device("cpu"))
 
 
-def _tagged(path: str | os.PathLike, tag: Any) -> Path:
-    """``path / tag`` (NxD's call shape: a folder per tag under ``path``), or ``path``."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}.")
+def _tagged(path: str | os.PathLike, tag: Any, what: str = "path") -> Path:
+    """``path / tag`` (NxD's call shape: a folder per tag under ``path``), or ``path``: the door every
+    entry point here takes its path through, before anything is read or made.
+
+    Raises:
+        TypeError: ``path`` is not a path, or ``tag`` not a str or int.
+        ConfigError: ``path`` is a URL (``files.local_path``: object storage is not supported yet), or
+            ``tag`` is not a plain folder name.
+    """
+    path = local_path(path, what)
     if tag is None:
-        return Path(path)
+        return path
     if isinstance(tag, bool) or not isinstance(tag, (str, int)):
         raise TypeError(f"tag must be a str (or an int step), got {type(tag).__name__}.")
     tag = str(tag)
     if not tag or tag.startswith(".") or os.sep in tag or (os.altsep and os.altsep in tag):
         raise ConfigError(f"tag must be a plain folder name (no path separator, not starting with '.'), got {tag!r}.")
-    return Path(path) / tag
+    return path / tag
 
 
 def _check_nxd_only_args(num_workers: Any, **flags: Any) -> None:
@@ -252,6 +258,8 @@ def save_checkpoint(
         the one it will be once the background part is done).
 
     Raises:
+        ConfigError: ``path`` (``checkpoint_dir_str``) is a URL (``s3://...``): object storage is not
+            supported yet; nothing is written.
         CheckpointError: bad arguments, or the error of a previous asynchronous save that
             nothing raised yet (that save is then over, and this one is not started).
         TypeError: ``extra``/``user_content`` or a stateful object's state holds a value that is
@@ -260,7 +268,10 @@ def save_checkpoint(
     """
     if (path is None) == (checkpoint_dir_str is None):
         raise TypeError("pass the checkpoint's path once: as path (the first argument) or as NxD's checkpoint_dir_str=.")
-    path = _tagged(path if checkpoint_dir_str is None else checkpoint_dir_str, tag)
+    if checkpoint_dir_str is not None:
+        path = _tagged(checkpoint_dir_str, tag, "checkpoint_dir_str")
+    else:
+        path = _tagged(path, tag)
     state_dicts = isinstance(model, Mapping) or isinstance(optimizer, Mapping)
     if model is None and not state_dicts:
         raise TypeError("save_checkpoint needs model=...: nxd_smp names the optimizer's state by the model's "
@@ -361,6 +372,7 @@ def load_checkpoint(
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
+        ConfigError: ``path`` is a URL (``s3://...``): object storage is not supported yet.
         CheckpointError: incomplete, truncated, corrupted or unsafe files, or names, shapes,
             dtypes or saved objects that do not fit, each named.
     """
@@ -398,7 +410,12 @@ def has_checkpoint(path: str | os.PathLike) -> bool:
     its ``done`` file), or a directory holding one. A directory of complete nxd_smp checkpoints
     among which ``load_checkpoint`` refuses to choose (none its record holds, or several and no
     record: ``checkpointing.versions.newest_checkpoint``) has one too: the load then says why,
-    rather than a resume starting over. A link elsewhere than its own version is none."""
+    rather than a resume starting over. A link elsewhere than its own version is none.
+
+    Raises:
+        ConfigError: ``path`` is a URL (``s3://...``): object storage is not supported yet (rather than
+            False, which would have a resume start over).
+    """
     path = _tagged(path, None)
     for folder_format in registered_formats():
         if folder_format.is_folder(path):
@@ -421,6 +438,7 @@ def remove_checkpoint(path: str | os.PathLike) -> None:
     waited for first.
 
     Raises:
+        ConfigError: ``path`` is a URL (``s3://...``): object storage is not supported yet.
         CheckpointError: ``path`` is something else than a checkpoint; it is left alone.
     """
     path = _tagged(path, None)

@@ -16,6 +16,7 @@ import sys
 import warnings
 
 from .checkpoint import CheckpointError, consolidate, inspect_checkpoint
+from .core.errors import ConfigError
 from .interop.native_torch import export_safetensors, export_torch
 from .interop.torch_xla import export_xla
 
@@ -127,9 +128,10 @@ def _run(args: argparse.Namespace) -> None:
 
 def _one_line(error: Exception) -> str:
     """The error's message on one line, with its type's name where the message alone may not
-    say what went wrong (anything but our refusals, a missing file, a missing package)."""
+    say what went wrong (anything but our refusals of a checkpoint or a value, such as a URL given
+    as a path, a missing file, a missing package)."""
     text = " ".join(str(error).split())
-    if isinstance(error, (CheckpointError, FileNotFoundError, ImportError)):
+    if isinstance(error, (CheckpointError, ConfigError, FileNotFoundError, ImportError)):
         return text
     return f"{type(error).__name__}: {text}"
 

@@ -4,11 +4,11 @@ Importing this module imports no accelerate: it works through the accelerator it
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch.nn as nn
 
+from ..checkpointing.files import local_path
 from ..core.errors import ConfigError
 from ..zero1_optimizer import zero1_optimizer_of
 from .loop_checkpoints import require_zero1, load_beside, read_reference, save_beside
@@ -30,7 +30,8 @@ def register_accelerate_hooks(accelerator: Any, model: nn.Module, optimizer: Any
 
     Raises:
         TypeError: ``optimizer`` is not a nxd_smp optimizer (or accelerate's wrapper of one).
-        ValueError (in save_state / load_state): the optimizer was not prepared by ``accelerator``.
+        ValueError (in save_state / load_state): the optimizer was not prepared by ``accelerator``;
+            the folder is a URL (``s3://...``, a ``ConfigError``): object storage is not supported yet.
     """
     zero1 = require_zero1(optimizer)
     if not isinstance(model, nn.Module):
@@ -45,14 +46,16 @@ def register_accelerate_hooks(accelerator: Any, model: nn.Module, optimizer: Any
         return prepared.index(zero1)
 
     def save(models: list, weights: list, output_dir: str) -> None:
+        folder = local_path(output_dir, "accelerate's output_dir")
         prepared_index()
-        save_beside(output_dir, model, zero1)
+        save_beside(folder, model, zero1)
 
     def load(models: list, input_dir: str) -> None:
+        folder = local_path(input_dir, "accelerate's input_dir")
         index = prepared_index()
         name = "optimizer.bin" if index == 0 else f"optimizer_{index}.bin"  # accelerate's names
-        reference = read_reference(Path(input_dir) / name)
+        reference = read_reference(folder / name)
         if reference is not None:
-            load_beside(input_dir, model, zero1, reference)
+            load_beside(folder, model, zero1, reference)
 
     return accelerator.register_save_state_pre_hook(save), accelerator.register_load_state_pre_hook(load)

@@ -44,7 +44,7 @@ from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..core.errors import ConfigError
-from ..checkpointing.files import write_output_file
+from ..checkpointing.files import local_path, write_output_file
 from ..optim.clip_watch import silence
 from ..zero1_optimizer import STATE_LOADED, Zero1Optimizer, zero1_optimizer_of
 from .ddp import skip_ddp_allreduce
@@ -80,7 +80,9 @@ class Zero1TrainerCallback(TrainerCallback):
             ``optimizers=(Zero1Optimizer(...), None)``): here given the trainer, else at the
             start of training.
         ValueError: at the start of training, at DP > 1, a Trainer that saves checkpoints and
-            a callback without the trainer.
+            a callback without the trainer; given the trainer, a Trainer that saves checkpoints into
+            an ``output_dir`` that is a URL (``s3://...``, a ``ConfigError``): object storage is not
+            supported yet.
     """
 
     def __init__(self, trainer: Any = None) -> None:
@@ -125,6 +127,8 @@ class Zero1TrainerCallback(TrainerCallback):
         if self._trainer is not None:  # (the Trainer wraps the model before this call)
             skip_ddp_allreduce(getattr(self._trainer, "model_wrapped", None), zero1)
         saving = getattr(args, "save_strategy", "no") != "no" and not getattr(args, "save_only_model", False)
+        if self._trainer is not None and saving:  # (refused now, not at the first save, hours in)
+            self._checkpoint_folder(args, state.global_step)
         if self._trainer is not None and saving and getattr(state, "is_hyper_param_search", False):
             raise ConfigError(
                 "Zero1TrainerCallback(trainer) writes nxd_smp's checkpoint into output_dir/checkpoint-N, and a "
@@ -139,7 +143,8 @@ class Zero1TrainerCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_folder(self, args: Any, step: int) -> Path:
-        return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"  # the Trainer's own name
+        """``output_dir/checkpoint-<step>``, the Trainer's own name (``output_dir`` a local path: ``local_path``)."""
+        return local_path(args.output_dir, "TrainingArguments.output_dir") / f"{PREFIX_CHECKPOINT_DIR}-{step}"
 
     def _save_beside(self, args: Any, state: Any) -> bool:
         """Write every rank's state to ``checkpoint-<step>/nxd_smp`` unless done for this step;

@@ -26,14 +26,13 @@ import stat
 import uuid
 import weakref
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch.nn as nn
 
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpointing.check import is_size
-from ..checkpointing.files import Folder
+from ..checkpointing.files import Folder, local_path
 from ..checkpointing.reader import load_file
 from ..core.errors import CheckpointError
 from ..optim.rank_state import add_hint
@@ -190,11 +189,13 @@ def save_beside(folder: str | os.PathLike, model: nn.Module, optimizer: Any) -> 
 
     Raises:
         TypeError: ``optimizer`` is not a nxd_smp optimizer.
+        ConfigError: ``folder`` is a URL (``s3://...``): object storage is not supported yet.
         CheckpointError: as ``nxd_smp.save_checkpoint``.
     """
+    path = local_path(folder, "the loop's checkpoint folder") / REFERENCE_FOLDER
     zero1 = require_zero1(optimizer)
     save_id = zero1.backend.coordinator.broadcast(uuid.uuid4().hex)  # one id for every rank
-    save_checkpoint(Path(folder) / REFERENCE_FOLDER, model=model, optimizer=zero1,
+    save_checkpoint(path, model=model, optimizer=zero1,
                     stateful={_IDENTITY: _SaveIdentity(save_id)})
     reference = {
         "format": REFERENCE_FORMAT,
@@ -216,12 +217,14 @@ def load_beside(folder: str | os.PathLike, model: nn.Module, optimizer: Any, ref
     advice when the checkpoint is not in ``folder``.
 
     Raises:
+        ConfigError: ``folder`` is a URL (``s3://...``): object storage is not supported yet.
         CheckpointError: the reference is damaged, the checkpoint is missing, another save, or
             refused by ``nxd_smp.load_checkpoint`` (on every rank, with nothing changed).
     """
+    folder = local_path(folder, "the loop's checkpoint folder")
     zero1 = require_zero1(optimizer)
     reference = check_reference(reference, f"the optimizer file in {folder}")
-    path = Path(folder) / reference["checkpoint"]
+    path = folder / reference["checkpoint"]
     if not os.path.lexists(path):
         raise CheckpointError(
             f"{path} is missing: the optimizer file in {folder} refers to the nxd_smp checkpoint saved there "
@@ -240,10 +243,11 @@ def read_reference(file: str | os.PathLike) -> dict[str, Any] | None:
     (``load_file``'s safe open: inside the folder, a regular file, never waiting on a FIFO).
 
     Raises:
+        ConfigError: ``file`` is a URL (``s3://...``): object storage is not supported yet.
         CheckpointError: the file is unsafe (a link out of its folder, say), or holds a damaged
             reference.
     """
-    file = Path(file)
+    file = local_path(file, "the loop's optimizer file")
     try:
         folder = Folder.open(file.parent)
     except (FileNotFoundError, CheckpointError):

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageM
 from ..checkpoint import check_args
 from ..checkpointing.check import group_hyperparameters, is_shape, name_differences
 from ..checkpointing.dcp_index import METADATA_FILE, DcpEntry, read_dcp_index
-from ..checkpointing.files import Folder, check_output, write_output_directory, write_output_file
+from ..checkpointing.files import Folder, check_output, local_path, write_output_directory, write_output_file
 from ..checkpointing.pipeline import full_state, run
 from ..core.errors import UnsafeFileError
 from ..checkpointing.staged import Request, Staged, Targets
@@ -99,6 +99,7 @@ def export_torch(path: str | os.PathLike | Sequence[str | os.PathLike], out_dir:
         ``out_dir`` as a ``Path``.
 
     Raises:
+        ConfigError: ``path`` or ``out_dir`` is a URL (``s3://...``): object storage is not supported yet.
         CheckpointError: ``out_dir`` exists and is not an empty directory (without
             ``overwrite``); the checkpoint is damaged; its inner optimizer class is not a
             ``torch.optim`` class.
@@ -233,6 +234,7 @@ def export_safetensors(
 
     Raises:
         ImportError: the ``safetensors`` package is missing (``pip install safetensors``).
+        ConfigError: ``path`` or ``out_file`` is a URL (``s3://...``): object storage is not supported yet.
         CheckpointError: ``masters=True`` and the checkpoint holds no master weights;
             ``out_file`` is a directory, or exists (without ``overwrite``).
         TypeError: ``masters`` or ``overwrite`` is not a bool, ``out_file`` not a path.
@@ -365,9 +367,11 @@ def import_torch(path: str | os.PathLike, *, model: nn.Module, optimizer: Zero1O
     the ranks' agreement, install; nothing changes unless every rank's check passed.
 
     Raises:
+        ConfigError: ``path`` is a URL (``s3://...``): object storage is not supported yet.
         CheckpointError: no or a refused/damaged index or record; missing or surplus names, shapes that
             differ, groups that do not fit; each named.
     """
+    directory = local_path(path, "the DCP directory")
     optimizer = check_args(model, optimizer)  # (a torch optimizer loads with dcp.load and set_state_dict)
     if optimizer is None:
         raise TypeError("import_torch needs the optimizer to load into.")
@@ -377,7 +381,7 @@ def import_torch(path: str | os.PathLike, *, model: nn.Module, optimizer: Zero1O
             "DTensors. Load the weights with dcp.load into model.state_dict() and model.load_state_dict(...), then "
             "build the Zero1Optimizer (its masters from those weights; the optimizer state starts afresh).")
     targets = Targets(model=model, optimizer=optimizer, objects={}, backend=optimizer.backend)
-    run(lambda request: _read(Path(path), model, optimizer, request), targets, what=str(path))
+    run(lambda request: _read(directory, model, optimizer, request), targets, what=str(directory))
 
 
 def _read(directory: Path, model: nn.Module, optimizer: Zero1Optimizer, request: Request) -> Staged:

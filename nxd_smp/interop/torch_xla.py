@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from ..checkpoint import check_args
 from ..checkpointing.check import is_shape
-from ..checkpointing.files import Folder, check_output, write_output_directory
+from ..checkpointing.files import Folder, check_output, local_path, write_output_directory
 from ..checkpointing.pipeline import full_state, run
 from ..checkpointing.reader import load_file
 from ..checkpointing.staged import Request, Staged, Targets
@@ -66,6 +66,7 @@ def export_xla(path: str | os.PathLike, out_dir: str | os.PathLike, dp_size: int
 
     Raises:
         ValueError: ``dp_size`` is not a positive int.
+        ConfigError: ``path`` or ``out_dir`` is a URL (``s3://...``): object storage is not supported yet.
         CheckpointError: ``out_dir`` is taken (see above); the checkpoint holds no optimizer
             state, or 0-dim parameters (torch_xla cannot shard them); it is damaged.
     """
@@ -119,6 +120,7 @@ def import_xla(files: Sequence[str | os.PathLike], *, model: nn.Module, optimize
     install), as a checkpoint's does.
 
     Raises:
+        ConfigError: a file's path is a URL (``s3://...``): object storage is not supported yet.
         CheckpointError: the files do not fit the optimizer (count, shapes, groups, state keys), named.
     """
     optimizer = check_args(model, optimizer)
@@ -126,7 +128,7 @@ def import_xla(files: Sequence[str | os.PathLike], *, model: nn.Module, optimize
         raise TypeError("import_xla needs the optimizer to load into.")
     if isinstance(files, (str, os.PathLike)) or not files:
         raise ConfigError("import_xla needs the per-rank files (a list: one per DP rank, in rank order).")
-    paths = [Path(f) for f in files]
+    paths = [local_path(f, "a torch_xla optimizer file") for f in files]
     targets = Targets(model=model, optimizer=optimizer, objects={}, backend=optimizer.backend)
 
     def read(request: Request) -> Staged:
