@@ -115,11 +115,13 @@ def load_objects(objects: Mapping[str, Any], states: Mapping[str, Any], source: 
 
 
 # ---------------------------------------------------------------------------- the optimizer
+@torch.no_grad()
 def _shard(staged: StagedOptimizer, key: str | None, values: Mapping[str, Any], targets: Targets, b: int,
            dtype: torch.dtype, numel: int, pieces: list) -> torch.Tensor:
     """Bucket ``b``'s shard of ``key`` (None: the master weights) on this rank: the staging buffer the
     reader filled where there is one, else a new one with each parameter's pieces copied in (zeros
-    for padding and for parameters without state)."""
+    for padding and for parameters without state; no autograd history, whatever a caller's tensor
+    carries)."""
     if key in staged.staging:
         return staged.staging[key][b]
     buffer = torch.zeros(numel, dtype=dtype)
