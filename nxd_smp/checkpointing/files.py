@@ -13,8 +13,11 @@ can land anywhere the planted link points; a descriptor cannot be redirected. So
 * new files are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (nothing planted at the name is
   opened), reads with ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO cannot block) and a bound;
 * renames, links, removals and link reads are ``*at`` calls on descriptors (``src_dir_fd`` /
-  ``dst_dir_fd`` / ``dir_fd``), trees are removed by ``shutil.rmtree(dir_fd=)``, which never
-  follows a link;
+  ``dst_dir_fd`` / ``dir_fd``);
+* trees are walked (removed, synced, measured) by one loop over directory descriptors
+  (``walk_tree``), never by recursion: a link is an entry, never entered; at most
+  ``MAX_TREE_DEPTH`` levels below the folder are entered (one descriptor held per level), and what
+  lies deeper is left as it is, with one warning naming it;
 * writers that only take a path (DCP's ``FileSystemWriter``, ``torch.save``, safetensors) write
   into a fresh ``0700`` staging folder of ours, through ``/proc/self/fd/<n>`` (the descriptor,
   not its name), which is then renamed into place (``write_output_directory``).
@@ -34,8 +37,8 @@ import io
 import os
 import re
 import secrets
-import shutil
 import stat
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,6 +55,11 @@ _READ_CHUNK = 1 << 20
 #: component, ``scheme:`` followed by ``/``: ``s3://bucket/x``, and ``s3:/bucket/x``, which is what
 #: ``pathlib.Path("s3://bucket/x")`` makes of it (it folds ``//`` into ``/``).
 _URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):/")
+#: How many levels below a folder its walks and removals enter. nxd_smp's versions nest none, NxD's tag
+#: folders three (``optim/<file>.pt.tensors/tensor_<id>.pt``), DCP's and the exports' none; what lies
+#: deeper is left as it is (a tree planted or built by a bug, which a recursion on its depth would
+#: not survive). It is also the most descriptors a walk holds open at once.
+MAX_TREE_DEPTH = 64
 
 
 def require_descriptors() -> None:
@@ -66,7 +74,7 @@ def require_descriptors() -> None:
         ("rename(dir_fd=)", os.rename in os.supports_dir_fd), ("unlink(dir_fd=)", os.unlink in os.supports_dir_fd),
         ("symlink(dir_fd=)", os.symlink in os.supports_dir_fd), ("readlink(dir_fd=)", os.readlink in os.supports_dir_fd),
         ("stat(dir_fd=, follow_symlinks=False)", os.stat in os.supports_dir_fd and os.stat in os.supports_follow_symlinks),
-        ("rmtree(dir_fd=) without following links", shutil.rmtree.avoids_symlink_attacks),
+        ("rmdir(dir_fd=)", os.rmdir in os.supports_dir_fd), ("scandir(fd)", os.scandir in os.supports_fd),
         ("/proc/self/fd", os.path.isdir("/proc/self/fd")),
     ) if not ok]
     if missing:
@@ -359,12 +367,17 @@ class Folder:
 
     def tree_size(self) -> int:
         """The bytes of the regular files in this directory and the directories below it, links
-        neither counted nor followed."""
-        total = 0
-        for _, _, files, fd in os.fwalk(dir_fd=self.fd, follow_symlinks=False):
+        neither counted nor followed; what lies deeper than ``MAX_TREE_DEPTH`` is not counted (a
+        warning says so)."""
+        total, left = 0, Left()
+        for fd, _, files, _ in walk_tree(self.fd, left):
             for name in files:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
                 total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+        left.warn(f"the size of {self.where()} leaves out what nxd_smp did not reach")
         return total
 
     # ------------------------------------------------------------------ writing
@@ -460,21 +473,47 @@ class Folder:
 
     def remove_tree(self, name: str) -> None:
         """Remove ``name`` (a directory and everything below it, or a file or link itself): no
-        link is followed, inside or at ``name``; what is already gone is no error."""
+        link is followed, inside or at ``name`` (a link is removed itself); what is already gone is
+        no error. Never an ``OSError`` and never a recursion on the tree's depth (``walk_tree``):
+        what cannot be removed (deeper than ``MAX_TREE_DEPTH`` below ``name``, or refused by the
+        system) is left in place, and one warning names it."""
         found = self._safe_lstat(_one(name))
         if found is None:
             return
+        left, lead = Left(), f"{self.where(name)} was removed in part; left in place"
         if stat.S_ISDIR(found.st_mode):
-            shutil.rmtree(name, dir_fd=self.fd, ignore_errors=True)
-        else:
-            self.unlink(name)
+            try:
+                top = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+            except FileNotFoundError:
+                return
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):  # (else: swapped for a link or a file since)
+                    left.failed("", e)
+                    left.warn(lead)
+                    return
+            else:
+                try:
+                    for fd, path, files, dirs in walk_tree(top, left):
+                        for entry in files:
+                            _remove_entry(os.unlink, entry, fd, path, left)
+                        for entry in dirs:
+                            _remove_entry(os.rmdir, entry, fd, path, left)
+                finally:
+                    os.close(top)
+                _remove_entry(os.rmdir, name, self.fd, "", left, top=True)
+                left.warn(lead)
+                return
+        _remove_entry(os.unlink, name, self.fd, "", left, top=True)
+        left.warn(lead)
 
     def fsync(self) -> None:
         os.fsync(self.fd)
 
     def fsync_tree(self) -> None:
-        """fsync every regular file and directory below this one (links not followed), then it."""
-        for _, _, files, fd in os.fwalk(dir_fd=self.fd, follow_symlinks=False, topdown=False):
+        """fsync every regular file and directory below this one (links not followed), then it;
+        what lies deeper than ``MAX_TREE_DEPTH`` is not synced (a warning says so)."""
+        left, synced = Left(), False
+        for fd, _, files, _ in walk_tree(self.fd, left):
             for name in files:
                 try:
                     f = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
@@ -486,10 +525,125 @@ class Folder:
                 finally:
                     os.close(f)
             os.fsync(fd)
-        os.fsync(self.fd)
+            synced = fd == self.fd
+        if not synced:  # (it could not be listed)
+            os.fsync(self.fd)
+        left.warn(f"{self.where()} was synced in part; not synced")
 
     def chmod(self, mode: int) -> None:
         os.fchmod(self.fd, mode)
+
+
+# ---------------------------------------------------------------------------- walking a tree
+class Left:
+    """What a walk of a tree did not reach or could not remove, told in one warning."""
+
+    def __init__(self) -> None:
+        self.deeper: list[str] = []  # folders not entered: deeper than MAX_TREE_DEPTH
+        self.failures: list[str] = []  # entries the system refused to open or remove, with why
+
+    def failed(self, path: str, error: OSError) -> None:
+        self.failures.append(f"{path or '.'} ({error.strerror or error})")
+
+    def __bool__(self) -> bool:
+        return bool(self.deeper or self.failures)
+
+    def warn(self, lead: str) -> None:
+        """One warning, if anything was left: ``lead`` (what happened, naming the folder), then what."""
+        if not self:
+            return
+        parts = []
+        if self.deeper:
+            n = len(self.deeper)
+            parts.append(f"{n} folder{'s' if n > 1 else ''} more than {MAX_TREE_DEPTH} levels down, where nxd_smp "
+                         f"does not go (the first: {_shown(self.deeper[0])})")
+        if self.failures:
+            n = len(self.failures)
+            parts.append(f"{n} entr{'ies' if n > 1 else 'y'} the system refused (the first: "
+                         f"{_shown(self.failures[0])})")
+        warnings.warn(f"nxd_smp: {lead}: {'; and '.join(parts)}.", stacklevel=3)
+
+
+def _shown(path: str) -> str:
+    return path if len(path) <= 160 else f"{path[:80]}...{path[-60:]}"
+
+
+def walk_tree(top: int, left: Left) -> Iterator[tuple[int, str, list[str], list[str]]]:
+    """The directories of the tree below the directory descriptor ``top`` (``top`` included), each
+    after every directory below it: (its descriptor, its path relative to ``top`` (``""`` for
+    ``top``), the names of its entries that are not directories (links included), the names of its
+    subdirectories that were walked). A loop over an explicit stack, never a recursion; nothing is
+    followed (each directory is opened ``O_DIRECTORY | O_NOFOLLOW`` relative to its parent's
+    descriptor, and one swapped for a link meanwhile is an entry like a file); at most
+    ``MAX_TREE_DEPTH`` levels below ``top`` are entered, and the folders deeper than that are added
+    to ``left`` (with those the system refused to open), not walked. A descriptor is valid until
+    the walk moves on; ``top`` stays the caller's."""
+
+    def scan(fd: int) -> tuple[list[str], list[str]]:
+        files, dirs = [], []
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                try:
+                    is_dir = entry.is_dir(follow_symlinks=False)
+                except OSError:
+                    is_dir = False
+                (dirs if is_dir else files).append(entry.name)
+        return files, dirs
+
+    # each level: [descriptor, relative path, entries not directories, directories still to walk, walked]
+    try:
+        stack: list[list] = [[top, "", *scan(top), []]]
+    except OSError as e:
+        left.failed("", e)
+        return
+    try:
+        while stack:
+            fd, path, files, pending, walked = stack[-1]
+            if pending:
+                name = pending.pop()
+                below = f"{path}/{name}" if path else name
+                if len(stack) > MAX_TREE_DEPTH:
+                    left.deeper.append(below)
+                    continue
+                try:
+                    sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                except OSError as e:
+                    if e.errno in (errno.ELOOP, errno.ENOTDIR):  # (swapped for a link or a file since)
+                        files.append(name)
+                    elif e.errno != errno.ENOENT:
+                        left.failed(below, e)
+                    continue
+                try:
+                    stack.append([sub, below, *scan(sub), []])
+                except BaseException as e:
+                    os.close(sub)
+                    if not isinstance(e, OSError):
+                        raise
+                    left.failed(below, e)
+                    continue
+                walked.append(name)
+                continue
+            yield fd, path, files, walked
+            stack.pop()
+            if fd != top:
+                os.close(fd)
+    finally:
+        for level in stack:
+            if level[0] != top:
+                os.close(level[0])
+
+
+def _remove_entry(remove: Callable[..., None], name: str, fd: int, path: str, left: Left, *,
+                  top: bool = False) -> None:
+    """``remove(name, dir_fd=fd)`` (``os.unlink`` or ``os.rmdir``); what is gone is no error, a folder
+    left non-empty by what was left below it is told by that, anything else is added to ``left``."""
+    try:
+        remove(name, dir_fd=fd)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if not (e.errno in (errno.ENOTEMPTY, errno.EEXIST) and left):
+            left.failed("" if top else f"{path}/{name}" if path else name, e)
 
 
 def user_path(path: str | os.PathLike) -> str:
