@@ -756,10 +756,11 @@ def write_output_file(out: str | os.PathLike, write: Callable[[BinaryIO], None],
                 parent.rename(staging, out.name)
             else:
                 parent.link_new(staging, out.name)
-            parent.fsync()
         except BaseException:
             parent.unlink(staging)
             raise
+        with after_publish(f"syncing {parent.where()}"):
+            parent.fsync()
     return out
 
 
@@ -813,7 +814,8 @@ def place_directory(parent: Folder, staging: str, name: str, *, replace: bool,
             parent.rename(staging, name)
         except OSError as e:
             raise parent.taken(name) if e.errno in _TAKEN else e
-        parent.fsync()
+        with after_publish(f"syncing {parent.where()}"):
+            parent.fsync()
         return
     if retire is not None and parent.is_dir(name):
         with parent.sub(name) as old:
@@ -831,8 +833,24 @@ def place_directory(parent: Folder, staging: str, name: str, *, replace: bool,
         if isinstance(e, OSError) and e.errno in _TAKEN:
             raise parent.taken(name) from e
         raise
-    parent.fsync()
-    parent.remove_tree(aside)
+    with after_publish(f"syncing {parent.where()}"):
+        parent.fsync()
+    with after_publish(f"removing what {parent.where(name)} replaced (moved aside to {parent.where(aside)})",
+                       "it is left there (remove it by hand)"):
+        parent.remove_tree(aside)
+
+
+@contextmanager
+def after_publish(doing: str, left: str = "") -> Iterator[None]:
+    """Run the block, a step after a save or an output was put in place (syncing the directory,
+    removing what it replaced, retention): the save stands whatever happens there, so an exception
+    (anything but ``KeyboardInterrupt`` and ``SystemExit``: an ``OSError``, a ``RecursionError``, a
+    ``CheckpointError``) becomes a warning naming ``doing`` and, in ``left``, what it left behind."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - after the publish nothing fails the save
+        warnings.warn(f"nxd_smp: the save is in place, but {doing} failed ({type(e).__name__}: {str(e)[:300]})"
+                      f"{f'; {left}' if left else ''}.", stacklevel=3)
 
 
 

@@ -9,9 +9,11 @@ folder swapped in meanwhile is refused, not written into. Then every rank writes
 state it owns and its share of the (replicated) model tensors into files it creates there
 (``storage``), and through the ranks' write-and-publish (``write_and_publish``) rank 0 writes the
 index, the small files and the completion record, checks the version is still its own, swaps the
-link and applies the retention (``versions``). A failure anywhere is a ``CheckpointError`` on every
-rank. With ``async_save`` the tensors are staged into host buffers and the rest happens on the
-background writer (``writer``), which owns duplicated descriptors of the root and the version.
+link and applies the retention (``versions``). A failure anywhere before the swap is a
+``CheckpointError`` on every rank; after it (the old version's removal, the retention) a warning: a
+save that published never reports failure. With ``async_save`` the tensors are staged into host
+buffers and the rest happens on the background writer (``writer``), which owns duplicated
+descriptors of the root and the version.
 """
 
 from __future__ import annotations
@@ -138,10 +140,14 @@ def open_made(root: Folder | None, parent: Path, name: str, identity: list[int],
 
 
 def close_opened(opened: tuple[Folder, Folder] | Exception) -> None:
-    """Close what ``open_made`` opened (nothing, if it could not)."""
+    """Close what ``open_made`` opened (nothing, if it could not). It runs after the publish too, so a
+    directory descriptor that will not close (nothing of the save's is lost with it) fails nothing."""
     if not isinstance(opened, BaseException):
         for folder in opened:
-            folder.close()
+            try:
+                folder.close()
+            except OSError:
+                folder.fd = -1
 
 
 def check_async_save(coordinator: Coordinator) -> None:
@@ -183,7 +189,7 @@ def _write_and_publish(state: Mapping[str, torch.Tensor], small: Mapping[str, by
         version.write_bytes(COMPLETE_FILE, completion_bytes(files))
         version.fsync()
         publish_version(root, path.name, name, tuple(identity))
-        if num_kept is not None:
+        if num_kept is not None:  # (published: the retention warns, never fails the save)
             retain(root, num_kept, newest=path.name)
 
     write_and_publish(coordinator, write, publish, what=str(path), advance=advance)

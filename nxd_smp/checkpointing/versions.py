@@ -31,7 +31,7 @@ import stat
 from typing import Any
 
 from ..core.errors import CheckpointError
-from .files import Folder, replace_file
+from .files import Folder, after_publish, replace_file
 from .typed_json import loads
 
 #: The record of a directory's saves, written by the saving run itself (the module's docstring).
@@ -213,13 +213,18 @@ def publish_version(root: Folder, name: str, version: str, identity: tuple[int, 
     except BaseException:
         root.unlink(link)
         raise
-    root.fsync()
+    # published: from here on nothing fails the save (``after_publish``)
+    with after_publish(f"syncing {root.where()}"):
+        root.fsync()
     if old is not None and old != version:
-        root.remove_tree(old)
-    for stale in root.names():
-        if stale.startswith(version_prefix(name)) and stale != version and root.is_dir(stale) \
-                and not is_complete(root, stale):
-            root.remove_tree(stale)
+        with after_publish(f"removing {root.where(old)} (the version {name} named before)", LEFT):
+            remove_version(root, old)
+    with after_publish(f"looking for versions of {name} left by saves cut off in {root.where()}"):
+        for stale in root.names():
+            if stale.startswith(version_prefix(name)) and stale != version and root.is_dir(stale) \
+                    and not is_complete(root, stale):
+                with after_publish(f"removing {root.where(stale)} (left by a save cut off)", LEFT):
+                    root.remove_tree(stale)
 
 
 def checkpoint_links(root: Folder) -> list[str]:
@@ -237,12 +242,32 @@ def checkpoint_links(root: Folder) -> list[str]:
 
 def unpublish(root: Folder, name: str) -> None:
     """Remove the checkpoint ``name``: the link first (the name then means no checkpoint, never a
-    half-removed one), then its version if it is the link's own beside it; a link elsewhere goes alone."""
+    half-removed one), then its version if it is the link's own beside it (``remove_version``); a link
+    elsewhere goes alone. What of the version cannot be removed is left with a warning (``Folder.remove_tree``).
+
+    Raises:
+        OSError: the link could not be removed (the checkpoint is then still whole).
+    """
     version = version_of(root, name)
     root.unlink(name)
     root.fsync()
     if version is not None:
-        root.remove_tree(version)
+        remove_version(root, version)
+
+
+def remove_version(root: Folder, version: str) -> None:
+    """Remove the version directory ``version`` of ``root``: its completion record first (made durable),
+    so that a removal cut off or left in part never leaves a version that looks complete, then the
+    rest (``Folder.remove_tree``: bounded, never through a link, what it cannot remove left with a warning)."""
+    if root.is_dir(version):
+        with root.sub(version) as folder:
+            folder.unlink(COMPLETE_FILE)
+            folder.fsync()
+    root.remove_tree(version)
+
+
+#: What a removal after a save's publish that failed leaves, as ``after_publish`` says it.
+LEFT = "it is left in place (remove it by hand)"
 
 
 def retain(root: Folder, keep: int, newest: str) -> None:
@@ -250,17 +275,26 @@ def retain(root: Folder, keep: int, newest: str) -> None:
     record (never ``newest``, the one just written), then every version directory (``.<name>.v-<id>``) no
     link points to: those of saves killed before their swap, or after an unlink here. A checkpoint the
     record does not hold, or a hidden folder not named as a version, is never removed. One run saves
-    into a root at a time (another's version in flight would count as killed)."""
-    recorded = recorded_checkpoints(root) or []
-    for name in recorded[:max(0, len(recorded) - keep)]:
-        if name != newest:
-            unpublish(root, name)
-    pointed = {root.readlink(entry) for entry in root.names() if root.is_link(entry)}
-    for entry in root.names():
-        found = re.fullmatch(r"\.(.+)\.v-" + _VERSION_ID, entry)
-        if found and is_link_name(found.group(1)) and entry not in pointed and root.is_dir(entry):
-            root.remove_tree(entry)
-    root.fsync()
+    into a root at a time (another's version in flight would count as killed).
+
+    It runs after the save is published, so it raises nothing (but ``KeyboardInterrupt`` and
+    ``SystemExit``): each removal that fails is a warning naming what was left (``after_publish``), and
+    the others still run."""
+    with after_publish(f"the retention in {root.where()} (num_kept_ckpts={keep})"):
+        recorded = recorded_checkpoints(root) or []
+        tried = set()  # (the versions just removed: what is left of one is told once)
+        for name in recorded[:max(0, len(recorded) - keep)]:
+            if name != newest:
+                tried.add(version_of(root, name))
+                with after_publish(f"removing the checkpoint {root.where(name)} (num_kept_ckpts={keep})", LEFT):
+                    unpublish(root, name)
+        pointed = {root.readlink(entry) for entry in root.names() if root.is_link(entry)}
+        for entry in root.names():
+            found = re.fullmatch(r"\.(.+)\.v-" + _VERSION_ID, entry)
+            if found and is_link_name(found.group(1)) and entry not in pointed | tried and root.is_dir(entry):
+                with after_publish(f"removing {root.where(entry)} (a version no checkpoint names)", LEFT):
+                    remove_version(root, entry)
+        root.fsync()
 
 
 # ---------------------------------------------------------------------------- which checkpoint

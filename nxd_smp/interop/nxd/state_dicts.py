@@ -26,13 +26,13 @@ import torch.nn as nn
 from ...backend import Backend
 from ...backend.agreement import decide
 from ...backend.coordination import Coordinator
-from ...checkpointing.files import Folder, place_directory
+from ...checkpointing.files import Folder, after_publish, place_directory
 from ...checkpointing.pipeline import read_rank_state
 from ...checkpointing.reader import load_bytes
 from ...checkpointing.save import check_async_save, close_opened, open_made, write_and_publish
 from ...checkpointing.staged import Request, Staged, Targets
 from ...checkpointing.typed_json import loads
-from ...checkpointing.versions import DONE_FILE, MARKER_FILE
+from ...checkpointing.versions import DONE_FILE, LEFT, MARKER_FILE
 from ...checkpointing.writer import start_save
 from ...core.errors import CheckpointError
 from .folders import (
@@ -205,10 +205,14 @@ def _write_and_publish(*, opened: tuple[Folder, Folder] | Exception, tag: Path, 
         staging.write_bytes(DONE_FILE, b"1")
         staging.fsync()
         place_directory(root, name, tag.name, replace=True, retire=_retire, identity=staging.identity())
-        if num_kept is not None:
+        if num_kept is None:
+            return
+        # published: the retention warns, never fails the save
+        with after_publish(f"the retention in {tag.parent} (num_kept_ckpts={num_kept})"):
             for old in nxd_tags(tag.parent)[:-num_kept]:
                 if old.name != tag.name:
-                    remove_tag(old)
+                    with after_publish(f"removing the tag folder {old} (num_kept_ckpts={num_kept})", LEFT):
+                        remove_tag(old)
 
     def discard() -> None:  # (rank 0's staging folder, if its name still means it: never a folder swapped in)
         if root is not None and root.lstat(name) is not None and root.identity(name) == staging.identity():
