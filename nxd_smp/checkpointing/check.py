@@ -532,11 +532,20 @@ def _finite_non_negative(value: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------- the digest
-def _fingerprint(value: Any, tensors: dict[int, str]) -> str:
+#: How deep ``_fingerprint`` goes: deeper than anything the strict reader (64) or the typed JSON (100)
+#: builds, or than the live values a checked state is shaped like.
+_FINGERPRINT_DEPTH = 128
+
+
+def _fingerprint(value: Any, tensors: dict[int, str], depth: int = 0) -> str:
     """``value``'s canonical text: containers in order (dicts by their keys' text, sets by their items'),
     tensors by dtype, shape and the CRC-32 of their bytes (each tensor moved to the host once:
     ``tensors``, by id), floats exactly, anything else by type and ``repr`` (the strict reader and the
-    typed JSON build nothing whose ``repr`` holds an address)."""
+    typed JSON build nothing whose ``repr`` holds an address). ``depth``: the containers around it.
+
+    Raises:
+        CheckpointError: containers nested deeper than ``_FINGERPRINT_DEPTH`` (no recursion on that).
+    """
     if isinstance(value, Whole):
         value = value.tensor
     if isinstance(value, torch.Tensor):
@@ -545,13 +554,17 @@ def _fingerprint(value: Any, tensors: dict[int, str]) -> str:
             data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
             tensors[id(value)] = f"T{t.dtype}{tuple(t.shape)}{zlib.crc32(data)};"
         return tensors[id(value)]
+    if isinstance(value, (Mapping, set, frozenset, list, tuple)) and depth >= _FINGERPRINT_DEPTH:
+        raise CheckpointError(f"a value the ranks compare before loading (hyperparameters, step counters, scheduler) "
+                              f"nests containers more than {_FINGERPRINT_DEPTH} deep; refused.")
+    depth += 1
     if isinstance(value, Mapping):
-        items = sorted((_fingerprint(k, tensors), _fingerprint(v, tensors)) for k, v in value.items())
+        items = sorted((_fingerprint(k, tensors, depth), _fingerprint(v, tensors, depth)) for k, v in value.items())
         return "{" + "".join(k + ":" + v for k, v in items) + "}"
     if isinstance(value, (set, frozenset)):
-        return "{" + "".join(sorted(_fingerprint(v, tensors) for v in value)) + "}s"
+        return "{" + "".join(sorted(_fingerprint(v, tensors, depth) for v in value)) + "}s"
     if isinstance(value, (list, tuple)):
-        return ("[" if isinstance(value, list) else "(") + "".join(_fingerprint(v, tensors) for v in value) + "]"
+        return ("[" if isinstance(value, list) else "(") + "".join(_fingerprint(v, tensors, depth) for v in value) + "]"
     if isinstance(value, float):
         return "f" + struct.pack("<d", value).hex() + ";"
     return f"{type(value).__name__}:{value!r};"

@@ -28,7 +28,7 @@ from ...backend.agreement import decide
 from ...backend.coordination import Coordinator
 from ...checkpointing.files import Folder, after_publish, place_directory
 from ...checkpointing.pipeline import read_rank_state
-from ...checkpointing.reader import load_bytes
+from ...checkpointing.reader import MAX_DEPTH, load_bytes
 from ...checkpointing.save import check_async_save, close_opened, open_made, write_and_publish
 from ...checkpointing.staged import Request, Staged, Targets
 from ...checkpointing.typed_json import loads
@@ -54,18 +54,27 @@ from .folders import (
 
 
 # ---------------------------------------------------------------- writing
-def _map_tensors(value: Any, fn) -> Any:
+def _map_tensors(value: Any, fn, at: tuple = ()) -> Any:
     """``value`` with ``fn`` applied to every tensor inside it (dicts, lists, tuples); a dict keeps its
-    type and attributes (a model state dict's ``_metadata``)."""
+    type and attributes (a model state dict's ``_metadata``). ``at``: the keys on the way here.
+
+    Raises:
+        TypeError: containers nested deeper than the strict reader reads back (``reader.MAX_DEPTH``),
+            naming where; nothing is saved.
+    """
     if isinstance(value, torch.Tensor):
         return fn(value)
+    if isinstance(value, (dict, list, tuple)) and len(at) > MAX_DEPTH:
+        where = "".join(f"[{k!r}]" if isinstance(k, (str, int)) else f"[<{type(k).__name__}>]" for k in at[:4])
+        raise TypeError(f"the state dict{where}... nests containers more than {MAX_DEPTH} deep, which nxd_smp's "
+                        f"reader does not read back; nothing was saved. Keep it as plain data.")
     if isinstance(value, dict):
-        out = type(value)((k, _map_tensors(v, fn)) for k, v in value.items())
+        out = type(value)((k, _map_tensors(v, fn, (*at, k))) for k, v in value.items())
         if hasattr(value, "__dict__"):  # (a plain dict has none)
             out.__dict__.update(value.__dict__)
         return out
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_map_tensors(v, fn) for v in value)
+        return type(value)(_map_tensors(v, fn, (*at, i)) for i, v in enumerate(value))
     return value
 
 
