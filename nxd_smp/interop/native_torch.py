@@ -42,7 +42,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta, TensorStorageMetadata
 
 from ..checkpoint import check_args
-from ..checkpointing.check import group_hyperparameters, is_shape, name_differences
+from ..checkpointing.check import group_hyperparameters, name_differences
 from ..checkpointing.dcp_index import METADATA_FILE, DcpEntry, read_dcp_index
 from ..checkpointing.files import Folder, check_output, local_path, write_output_directory, write_output_file
 from ..checkpointing.pipeline import full_state, run
@@ -290,7 +290,10 @@ def _native_index(folder: Folder) -> dict[tuple, tuple[str, DcpEntry]]:
 
 def _read_entry(folder: Folder, key: str, entry: DcpEntry) -> Any:
     """An entry's value: a tensor assembled from its chunks, or a non-tensor object; each record through
-    the strict reader (``checkpointing.reader``)."""
+    the strict reader (``checkpointing.reader``). The index reader checked the entry (``dcp_index``): its
+    chunks are distinct, each within its own record, and add up to the tensor, so the tensor and the mask
+    of what its chunks covered are bounded by the folder's size; chunks that overlap leave a gap, and
+    are refused here as the mask shows them."""
     where = folder.where(METADATA_FILE)
     try:
         if isinstance(entry.meta, BytesStorageMetadata):
@@ -299,17 +302,9 @@ def _read_entry(folder: Folder, key: str, entry: DcpEntry) -> Any:
                 raise CheckpointError(f"{where}: no record for {key!r}.")
             return read_record(folder, info.relative_path, info.offset, info.length, key)
         size, dtype = tuple(entry.meta.size), entry.meta.properties.dtype
-        if not isinstance(dtype, torch.dtype) or not is_shape(size):
-            raise CheckpointError(f"{where}: the index gives {key!r} the shape {size} and dtype {dtype!r}.")
-        _check_chunks(entry, key, size, dtype, where)
         whole = torch.empty(size, dtype=dtype)
         covered = torch.zeros(size, dtype=torch.bool)
-        for chunk in entry.meta.chunks:
-            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-            info = entry.records.get(offsets)
-            if info is None or len(offsets) != len(size) or len(sizes) != len(size) or any(
-                    o < 0 or o + s > n for o, s, n in zip(offsets, sizes, size)):
-                raise CheckpointError(f"{where}: chunk {offsets} of {key!r} is missing or out of bounds.")
+        for offsets, sizes, info in entry.chunks:
             piece = read_record(folder, info.relative_path, info.offset, info.length, key)
             if not isinstance(piece, torch.Tensor) or tuple(piece.shape) != sizes or piece.dtype != dtype:
                 raise CheckpointError(f"{where}: the record of {key!r} at {offsets} is not the {sizes} {dtype} tensor "
@@ -329,27 +324,6 @@ def _read_entry(folder: Folder, key: str, entry: DcpEntry) -> Any:
         raise
     except (OSError, RuntimeError) as e:
         raise CheckpointError(f"the checkpoint at {folder.where()} is damaged or refused: {e}") from e
-
-
-def _check_chunks(entry: DcpEntry, key: str, size: tuple[int, ...], dtype: torch.dtype, where: Path) -> None:
-    """Before the tensor is allocated: its chunks, each inside it and held by a record at least its bytes
-    long (records the index reader bounded by their files), cover at least its elements, so what the
-    entry allocates is bounded by the folder's size, not by a shape the index claims."""
-    covered = 0
-    for chunk in entry.meta.chunks:
-        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-        info = entry.records.get(offsets)
-        if info is None or len(offsets) != len(size) or len(sizes) != len(size) or not is_shape(offsets) \
-                or not is_shape(sizes) or any(o + s > n for o, s, n in zip(offsets, sizes, size)):
-            raise CheckpointError(f"{where}: chunk {offsets} of {key!r} is missing or out of bounds.")
-        numel = math.prod(sizes)
-        if numel * dtype.itemsize > info.length:
-            raise CheckpointError(f"{where}: chunk {offsets} of {key!r} claims {numel} {dtype} elements, more than "
-                                  f"its record of {info.length} bytes holds; refused.")
-        covered += numel
-    if covered < math.prod(size):
-        raise CheckpointError(f"{where}: the chunks of {key!r} cover {covered} of its {math.prod(size)} elements; "
-                              f"refused before anything is allocated.")
 
 
 def import_torch(path: str | os.PathLike, *, model: nn.Module, optimizer: Zero1Optimizer) -> None:
