@@ -27,7 +27,7 @@ decodes into a tree: every tensor entry is referred to once, nesting is bounded,
 dtype outside this table is a ``CheckpointError`` naming the file and the place (``decode``).
 
 Reading costs time and memory linear in the file: ``json.loads`` (C) builds at most one object per
-byte of input, and ``decode`` charges every node it builds to a budget linear in the file's size
+byte of input, each object's keys given once (a key repeated in one object is refused: ``loads``), and ``decode`` charges every node it builds to a budget linear in the file's size
 (``budget.Budget``), stopping at the first overrun. A key of a ``$dict`` is one whose hash an
 attacker cannot make collide (Python's int hashes are not randomised: ``hash(k * (2**61 - 1)) == 0``,
 so colliding keys would make building the dict quadratic): a string, bytes, bool, None, a float, a
@@ -245,13 +245,40 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"the non-JSON number {name}")
 
 
+class _RepeatedKey(ValueError):
+    """A key given twice in one JSON object (``loads`` names the file)."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """One JSON object as a dict, its keys each given once: JSON lets an object repeat a key and
+    ``json.loads`` keeps the last value silently, where another reader may keep the first. Linear in
+    the pairs (string keys: hashes a file cannot make collide)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _RepeatedKey(key)
+            seen.add(key)
+    return out
+
+
 def loads(data: bytes, source: str) -> Any:
-    """The JSON value of a file's bytes (not yet decoded).
+    """The JSON value of a file's bytes (not yet decoded): every object's keys each given once.
 
     Raises:
-        CheckpointError: not JSON (or nested too deep for the parser), naming ``source``.
+        CheckpointError: not JSON (or nested too deep for the parser), or an object that gives a key
+            twice; naming ``source`` (and the key).
     """
     try:
-        return json.loads(data, parse_constant=_refuse_constant)
+        return json.loads(data, parse_constant=_refuse_constant, object_pairs_hook=_object)
+    except _RepeatedKey as e:
+        key = e.key if len(e.key) <= 200 else e.key[:200] + "..."
+        raise CheckpointError(f"{source} gives the key {key!r} twice in one object; nxd_smp writes each key once "
+                              f"(JSON readers differ on which value a repeated key keeps). Refused.") from None
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{source} is not a JSON file nxd_smp wrote: {type(e).__name__}: {e}") from None
