@@ -850,21 +850,31 @@ def _load_archive(file: Any, size: int, source: str, kind: str, checksums: list[
 
 
 # ---------------------------------------------------------------------------- entry points
-def load_file(folder: Folder, name: str, *, kind: str = "state_dict", checksums: list[int] | None = None) -> Any:
+def load_file(folder: Folder, name: str, *, kind: str = "state_dict", checksums: list[int] | None = None,
+              once: dict[tuple[int, int], str] | None = None) -> Any:
     """The ``torch.save`` file ``name`` of ``folder`` (or, with ``kind="dcp_metadata"``, a DCP index) read
     on the CPU by the strict reader (see the module's docstring), without running code from it and
     without allocating more than it holds. The file is opened below ``folder`` without following a link,
     as a regular file, never blocking (``files.Folder.open_file``). ``checksums``: a list the file's
     checksum is appended to (from the CRC-32s its zip records carry, which the read checks: what the
-    ranks compare of a replicated file without reading it twice).
+    ranks compare of a replicated file without reading it twice). ``once``: the files a load has read
+    so far, by (device, inode), which this one joins; one of them again (a file listed twice, or under a
+    second name: a hard link) is refused, so that what a load builds is bounded by its files' bytes.
 
     Raises:
-        CheckpointError: the file is a link, not a regular file, not a torch.save archive, or holds
-            anything the kind does not admit; naming the file and what it asked for.
+        CheckpointError: the file is a link, not a regular file, not a torch.save archive, holds anything
+            the kind does not admit, or is one ``once`` holds; naming the file and what it asked for.
     """
     source = str(folder.where(name))
     with folder.open_file(name) as f:
-        size = os.fstat(f.fileno()).st_size
+        st = os.fstat(f.fileno())
+        size = st.st_size
+        if once is not None:
+            identity = (st.st_dev, st.st_ino)
+            if identity in once:
+                raise CheckpointError(f"{source} is {once[identity]} again (one file listed twice, or under two names: "
+                                      f"a hard link); each file of a checkpoint is its own record, read once. Refused.")
+            once[identity] = source
         if kind == "dcp_metadata":
             data = f.read(size)
             if checksums is not None:
@@ -889,6 +899,32 @@ def load_pickle(data: bytes, source: str, *, kind: str = "dcp_metadata") -> Any:
     if kind != "dcp_metadata":
         raise ValueError(f"a plain pickle is read as 'dcp_metadata', not {kind!r}")
     return _unpickle(bytes(data), source, kind, _dcp_globals())
+
+
+def check_distinct(tensors: Any, source: str, what: str) -> None:
+    """No two of ``tensors`` (``(field, tensor)`` pairs of one file, as the reader built them) reach one
+    byte of a storage: the same tensor twice (pickle's memo, one xser tensor id), or views of one record
+    that overlap. For state in which each entry is a tensor of its own (an optimizer's moments and
+    masters): one record installed as two would be read once and allocated, joined and installed twice.
+    Tensors of no bytes are left out. Linear in the tensors, and a sort.
+
+    Raises:
+        CheckpointError: naming ``source``, both fields and ``what`` should hold (a sentence).
+    """
+    spans: dict[int, list[tuple[int, int, str]]] = {}
+    for field, tensor in tensors:
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+            continue
+        itemsize = tensor.element_size()
+        start = tensor.storage_offset() * itemsize
+        end = start + (1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))) * itemsize
+        spans.setdefault(tensor.untyped_storage().data_ptr(), []).append((start, end, field))
+    for found in spans.values():
+        found.sort()
+        for (_, end, first), (start, _, second) in zip(found, found[1:]):
+            if start < end:
+                raise CheckpointError(f"{source}: {second} is the record of {first} again (one tensor, or views of one "
+                                      f"storage that overlap); {what}, each record used once. Refused.")
 
 
 def check_tree(value: Any, source: str, bound: int, max_depth: int) -> None:

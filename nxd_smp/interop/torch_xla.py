@@ -29,11 +29,12 @@ from ..checkpoint import check_args
 from ..checkpointing.check import is_shape
 from ..checkpointing.files import Folder, check_output, local_path, write_output_directory
 from ..checkpointing.pipeline import full_state, run
-from ..checkpointing.reader import load_file
+from ..checkpointing.reader import check_distinct, load_file
 from ..checkpointing.staged import Request, Staged, Targets
 from ..checkpointing.tools import read_checkpoint
 from ..core.errors import CheckpointError, ConfigError
 from ..optim.param_groups import index_groups
+from ..optim.state_fit import torch_group_problems
 from ..zero1_optimizer import Zero1Optimizer
 
 __all__ = ["export_xla", "import_xla"]
@@ -121,7 +122,9 @@ def import_xla(files: Sequence[str | os.PathLike], *, model: nn.Module, optimize
 
     Raises:
         ConfigError: a file's path is a URL (``s3://...``): object storage is not supported yet.
-        CheckpointError: the files do not fit the optimizer (count, shapes, groups, state keys), named.
+        CheckpointError: the files do not fit the optimizer (count, shapes, groups, state keys), named; a
+            file listed twice (or two that are one file), a parameter number listed twice, one record for
+            two state entries.
     """
     optimizer = check_args(model, optimizer)
     if optimizer is None:
@@ -132,10 +135,10 @@ def import_xla(files: Sequence[str | os.PathLike], *, model: nn.Module, optimize
     targets = Targets(model=model, optimizer=optimizer, objects={}, backend=optimizer.backend)
 
     def read(request: Request) -> Staged:
-        records, checksums = [], []
+        records, checksums, once = [], [], {}
         for path in paths:
-            with Folder.open(path.parent) as folder:
-                records.append(load_file(folder, path.name, checksums=checksums))
+            with Folder.open(path.parent) as folder:  # (a file listed twice, or hard-linked, is refused: once)
+                records.append(load_file(folder, path.name, checksums=checksums, once=once))
         groups = records[0].get("param_groups") if isinstance(records[0], Mapping) else None
         if not isinstance(groups, list) or not all(isinstance(g, Mapping) and isinstance(g.get("params"), list)
                                                    for g in groups):
@@ -163,8 +166,15 @@ def full_state_of(
     ZeRO-1 layout: ``(state by name, param_groups, master weights by name or None)``, the
     parameters named by ``order`` (the optimizer's group order; the records number them).
 
+    Each record is used once, checked before anything is joined: every rank's ``param_groups``
+    number the parameters 0..n-1 in group order, each once (as ``torch.optim`` writes them, so no
+    number stands for two parameters), and no two of a rank's moments and masters are one record (the
+    same tensor twice, one xser tensor id for two moments, or overlapping views of one storage: torch_xla
+    keeps each parameter's state in tensors of its own; 0-dim counters are left out, as values).
+
     Raises:
-        CheckpointError: records that do not belong together or do not fit ``order``.
+        CheckpointError: records that do not belong together or do not fit ``order``; a parameter
+            number listed twice; one record for two state entries; naming the file and the field.
     """
     first = records[0]
     shapes = first.get("shape_info") if isinstance(first, Mapping) else None
@@ -176,6 +186,11 @@ def full_state_of(
         raise CheckpointError(
             f"the torch_xla optimizer files hold {len(shapes)} parameters, the optimizer {len(order)}."
         )
+    groups = first.get("param_groups")
+    if not isinstance(groups, list) or not all(isinstance(g, Mapping) and isinstance(g.get("params"), list)
+                                               for g in groups):
+        raise CheckpointError(f"{files[0]} is not a torch_xla optimizer state dict (no param_groups of parameters).")
+    sizes = [{"params": g["params"]} for g in groups]  # (how many each group holds: the numbers are checked below)
     for f, r in zip(files, records):
         if not isinstance(r, Mapping) or not isinstance(r.get("base_state"), Mapping) or r.get("shape_info") != shapes:
             raise CheckpointError(f"{f} does not belong with {files[0]} (another layout or other parameters).")
@@ -194,6 +209,13 @@ def full_state_of(
         odd += [f"sharded_master_weights/{i}" for i, v in masters_of.items() if not isinstance(v, torch.Tensor)]
         if odd:
             raise CheckpointError(f"{f}: {odd[:8]} are not tensors; torch_xla's ZeRO-1 state holds tensors only.")
+        numbering = torch_group_problems(r.get("param_groups"), sizes, "param_groups")
+        if numbering:
+            raise CheckpointError(f"{f} does not number its parameters as torch.optim does (0..n-1 in group order, "
+                                  f"each once): {'; '.join(numbering[:4])}.")
+        check_distinct([(f"base_state/{i}/{key}", v) for i, entry in r["base_state"].items() for key, v in entry.items()
+                        if v.dim() > 0] + [(f"sharded_master_weights/{i}", v) for i, v in masters_of.items()], str(f),
+                       "each moment and master is a tensor of its own")
     # torch_xla pads dim 0 to a multiple of the DP size and keeps chunk ``rank``: every chunk of
     # parameter i has the shape (ceil(rows / n), *shape[1:]); checked before any is joined, so
     # the joined tensors are no larger than the parameters

@@ -38,10 +38,11 @@ import torch
 from ...checkpointing.check import SCHEDULER
 from ...checkpointing.files import Folder
 from ...checkpointing.pipeline import full_state
-from ...checkpointing.reader import XserReference, load_file
+from ...checkpointing.reader import XserReference, check_distinct, load_file
 from ...checkpointing.staged import Request, Staged, Targets, param_group_names
 from ...checkpointing.versions import DONE_FILE, MARKER_FILE
 from ...core.errors import CheckpointError
+from ...optim.state_fit import torch_group_problems
 from ...optim.topology import Coordinate
 from ...zero1_optimizer import zero1_optimizer_of
 from ..torch_xla import full_state_of
@@ -139,21 +140,28 @@ def rank_file(kind: str, dp: int, tp: int, pp: int) -> str:
     return f"{kind}/dp_rank_{dp:02d}_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
 
 
-def read_file(tag: Folder, name: str, replicated: dict[str, int] | None = None) -> Any:
+def read_file(tag: Folder, name: str, replicated: dict[str, int] | None = None,
+              once: dict[tuple[int, int], str] | None = None) -> Any:
     """The file ``name`` of NxD's tag folder ``tag``, its xser tensors put back in place; every file
     opened below the tag without following a link, loaded by the strict reader. ``replicated``: where
     the checksums of the files read go (from their zip records' CRC-32s), by name, for a file every rank
-    of a data-parallel group reads alike."""
+    of a data-parallel group reads alike. ``once``: the files this load has read (``reader.load_file``),
+    so that no file is read twice under two names (a hard link).
+
+    An xser tensor id met twice is loaded once: torch_xla's ``save`` writes one reference per tensor and
+    NxD's one per place a tensor is (both number the tensors by instance), so one id at two places is
+    one tensor that was at both; as a parameter's moment or master, which is a tensor of its own, that is
+    refused (``torch_xla.full_state_of``, ``_full_state``)."""
     if not tag.exists(name):
         raise CheckpointError(f"the NxD checkpoint has no {tag.where(name)}.")
     checksums: list[int] = []
     tensors_name = f"{name}.tensors"
     if not tag.exists(tensors_name):
-        value = load_file(tag, name, checksums=checksums)
+        value = load_file(tag, name, checksums=checksums, once=once)
         if replicated is not None:
             replicated[name] = checksums[0]
         return value
-    data = load_file(tag, name, kind="xser", checksums=checksums)  # its references read as XserReference
+    data = load_file(tag, name, kind="xser", checksums=checksums, once=once)  # its references: XserReference
     tensors_by_id: dict[int, torch.Tensor] = {}  # a tensor referred to twice is loaded once
     containers: dict[int, tuple[Any, Any]] = {}  # by id(): a container referred to twice is rebuilt once
 
@@ -167,7 +175,7 @@ def read_file(tag: Folder, name: str, replicated: dict[str, int] | None = None) 
                     raise CheckpointError(
                         f"{tag.where(name)} refers to tensor {tid}, which {tensors.where()} does not hold (NxD leaves "
                         f"the model's tensors out under avoid_saving_lower_precision_weights=True; nxd_smp needs them).")
-                t = load_file(tensors, f"tensor_{tid}.pt", checksums=checksums)
+                t = load_file(tensors, f"tensor_{tid}.pt", checksums=checksums, once=once)
                 if not isinstance(t, torch.Tensor):
                     raise CheckpointError(f"{tensors.where(f'tensor_{tid}.pt')} does not hold a tensor.")
                 tensors_by_id[tid] = t
@@ -231,13 +239,14 @@ def stage_model(staged: Staged, weights: Any, source: str) -> None:
     staged.source_of["model"] = source
 
 
-def stage_objects(staged: Staged, tag: Folder, request: Request) -> None:
+def stage_objects(staged: Staged, tag: Folder, request: Request, once: dict[tuple[int, int], str] | None = None
+                  ) -> None:
     """The scheduler's state (when asked for) and the user content of ``tag`` into ``staged``."""
     if SCHEDULER in request.objects:
-        staged.objects[SCHEDULER] = read_file(tag, SCHEDULER_FILE, staged.replicated)
+        staged.objects[SCHEDULER] = read_file(tag, SCHEDULER_FILE, staged.replicated, once)
         staged.source_of["objects"] = str(tag.where(SCHEDULER_FILE))
     if tag.exists(USER_CONTENT_FILE):
-        staged.extra = read_file(tag, USER_CONTENT_FILE, staged.replicated)
+        staged.extra = read_file(tag, USER_CONTENT_FILE, staged.replicated, once)
 
 
 # ---------------------------------------------------------------------------- NxD's own tags
@@ -253,8 +262,9 @@ def read_tag(tag: Folder, targets: Targets, request: Request) -> Staged:
     coordinate = here(targets)
     check_complete(tag)
     staged = Staged(source=str(tag.where()))
+    once: dict[tuple[int, int], str] = {}  # every file read once
     model_file = rank_file("model", 0, coordinate.tensor, coordinate.pipeline)
-    weights = read_file(tag, model_file, staged.replicated)
+    weights = read_file(tag, model_file, staged.replicated, once)
     stage_model(staged, weights, str(tag.where(model_file)))
     if targets.zero1 is not None:
         files = optimizer_files(tag, coordinate.tensor, coordinate.pipeline)
@@ -263,11 +273,11 @@ def read_tag(tag: Folder, targets: Targets, request: Request) -> Staged:
                                   f"{coordinate.pipeline}; load it with optimizer=None.")
         groups = param_group_names(targets.model, targets.zero1)
         source = str(tag.where(files[0])) + (f" (and {len(files) - 1} more)" if len(files) > 1 else "")
-        state, hypers, masters = _full_state([read_file(tag, f, staged.replicated) for f in files], groups,
+        state, hypers, masters = _full_state([read_file(tag, f, staged.replicated, once) for f in files], groups,
                                              [tag.where(f) for f in files])
         _check_masters_match_weights(masters, weights, source)
         staged.optimizer = full_state(state, hypers, masters, source=source)
-    stage_objects(staged, tag, request)
+    stage_objects(staged, tag, request, once)
     return staged
 
 
@@ -287,10 +297,17 @@ def _full_state(records: list[Any], groups: list[list[str]], files: list[Path]):
     order = [name for names in groups for name in names]
     if "base_state" in first:
         return full_state_of(records, order, files)
+    numbering = torch_group_problems(first["param_groups"], [{"params": g} for g in groups], "param_groups")
+    if numbering:
+        raise CheckpointError(f"{files[0]} does not number its parameters as torch.optim does (0..n-1 in group order, "
+                              f"each once): {'; '.join(numbering[:4])}.")
     by_id = dict(zip((i for g in first["param_groups"] for i in g["params"]), order))
     state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in order}
     if not isinstance(first.get("state", {}), Mapping):
         raise CheckpointError(f"{files[0]}: its state is not {{parameter id: state}}.")
+    check_distinct([(f"state/{i}/{key}", v) for i, entry in first.get("state", {}).items() if isinstance(entry, Mapping)
+                    for key, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0], str(files[0]),
+                   "each moment is a tensor of its own")
     for i, entry in first.get("state", {}).items():
         if isinstance(i, bool) or i not in by_id:
             raise CheckpointError(f"{files[0]} holds state for parameter {i!r}, which its param groups do not list.")

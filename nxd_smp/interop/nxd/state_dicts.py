@@ -28,7 +28,7 @@ from ...backend.agreement import decide
 from ...backend.coordination import Coordinator
 from ...checkpointing.files import Folder, after_publish, place_directory
 from ...checkpointing.pipeline import read_rank_state
-from ...checkpointing.reader import MAX_DEPTH, load_bytes
+from ...checkpointing.reader import MAX_DEPTH, check_distinct, load_bytes
 from ...checkpointing.save import check_async_save, close_opened, open_made, write_and_publish
 from ...checkpointing.staged import Request, Staged, Targets
 from ...checkpointing.typed_json import loads
@@ -266,10 +266,11 @@ def read_state_dicts(tag: Folder, targets: Targets, request: Request) -> Staged:
         raise CheckpointError(f"{tag.where()} is not a complete checkpoint tag (no '{DONE_FILE}' file).")
     check_complete(tag)
     staged = Staged(source=str(tag.where()), fill={})
+    once: dict[tuple[int, int], str] = {}  # every file read once
     model, optimizer = targets.model, targets.optimizer
     if model is not None:
         model_file = rank_file("model", 0, coordinate.tensor, coordinate.pipeline)
-        weights = read_file(tag, model_file, staged.replicated)
+        weights = read_file(tag, model_file, staged.replicated, once)
         if isinstance(model, nn.Module):
             stage_model(staged, weights, str(tag.where(model_file)))
         elif not isinstance(weights, Mapping):
@@ -292,10 +293,15 @@ def read_state_dicts(tag: Folder, targets: Targets, request: Request) -> Staged:
                 f"DP size {saved_size}, or save with the model and optimizer objects, whose checkpoints load at any "
                 f"DP size.")
         source = files[coordinate.data if len(files) > 1 else 0]
-        value = read_file(tag, source)
+        value = read_file(tag, source, once=once)
         if not isinstance(value, Mapping):
             raise CheckpointError(f"{tag.where(source)} is not an optimizer state dict.")
         staged.source_of["optimizer"] = str(tag.where(source))
+        if not isinstance(optimizer, MutableMapping):  # (installed: each moment and master its own record)
+            entries = value.get("state") if isinstance(value.get("state"), Mapping) else {}
+            check_distinct([(f"state/{i}/{key}", v) for i, entry in entries.items() if isinstance(entry, Mapping)
+                            for key, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0],
+                           str(tag.where(source)), "each moment and master is a tensor of its own")
         if targets.zero1 is not None:
             try:
                 staged.optimizer = read_rank_state(targets, dict(value), request).optimizer
@@ -306,5 +312,5 @@ def read_state_dicts(tag: Folder, targets: Targets, request: Request) -> Staged:
             staged.torch_optimizer = dict(value)
         elif isinstance(optimizer, MutableMapping):
             staged.fill["optimizer"] = value
-    stage_objects(staged, tag, request)
+    stage_objects(staged, tag, request, once)
     return staged
