@@ -334,3 +334,35 @@ def one_rank_fails_unexpectedly(rank: int, world: int, folders: list[tuple[str, 
 
 if __name__ == "__main__":
     main(*sys.argv[1:3])
+
+
+def each_rank_loads_its_own(rank: int, world: int, cases: list[tuple[str, list[str]]]) -> list[dict[str, Any]]:
+    """Each case's folder for this rank (``paths[rank]``) loaded with its loader at DP ``world``: what this
+    rank raised, how long the load took, what it changed. Stops at the first error that is not a
+    CheckpointError (the ranks no longer agree on what comes next)."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(120, exit=True)  # a hung collective ends the test, not the suite
+    out = []
+    try:
+        for loader, paths in cases:
+            model, opt, scheduler = live(loader)
+            before = snapshot(model, opt, scheduler)
+            start = time.monotonic()
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    load(loader, paths[rank], model, opt, scheduler)
+                error = None
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                error = e
+            out.append({"loader": loader, "seconds": time.monotonic() - start,
+                        "type": None if error is None else type(error).__name__,
+                        "checkpoint_error": isinstance(error, CheckpointError),
+                        "message": "" if error is None else str(error),
+                        "changes": changes(before, model, opt, scheduler)})
+            if error is not None and not isinstance(error, CheckpointError):
+                break
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    return out
