@@ -27,8 +27,9 @@ decodes into a tree: every tensor entry is referred to once, nesting is bounded,
 dtype outside this table is a ``CheckpointError`` naming the file and the place (``decode``).
 
 Reading costs time and memory linear in the file: ``json.loads`` (C) builds at most one object per
-byte of input, each object's keys given once (a key repeated in one object is refused: ``loads``), and ``decode`` charges every node it builds to a budget linear in the file's size
-(``budget.Budget``), stopping at the first overrun. A key of a ``$dict`` is one whose hash an
+byte of input, each object's keys given once (a key repeated in one object is refused: ``loads``),
+and ``decode`` charges every node it builds to a budget linear in the file's size (``budget.Budget``),
+stopping at the first overrun. A key of a ``$dict`` is one whose hash an
 attacker cannot make collide (Python's int hashes are not randomised: ``hash(k * (2**61 - 1)) == 0``,
 so colliding keys would make building the dict quadratic): a string, bytes, bool, None, a float, a
 dtype, or an int below ``2**61 - 1`` in size (``hash_safe_key``); of any other key (a tuple) one dict
