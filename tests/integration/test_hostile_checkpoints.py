@@ -298,6 +298,13 @@ def base_state(edit: Callable) -> Callable:
     return each
 
 
+def overflowing(moment: torch.Tensor) -> torch.Tensor:
+    """``moment`` as float64 with one value (1e300) that no fp32 shard holds."""
+    out = moment.double().clone()
+    out.reshape(-1)[0] = 1e300
+    return out
+
+
 def without_masters(tag: Path) -> None:
     """NxD's optimizer file without master weights (the loader then rebuilds them): the weights
     in the model file are the only source of the parameters."""
@@ -624,6 +631,13 @@ BAD_VALUES = {  # accepted before, or refused with a raw error instead of a Chec
                                     (RANK_FILE,), "exp_avg"),
     "xla: exp_avg a string": Attack("xla", lambda d, h: edit_file(d / RANK_FILE, base_state(
         lambda e: e.__setitem__("exp_avg", "x"))), (RANK_FILE,), "exp_avg"),
+    # a value that does not narrow into its fp32 shard (it became inf there, silently)
+    "nxd: a float64 moment of 1e300": Attack("nxd", nxd_optim(base_state(lambda e: e.__setitem__(
+        "exp_avg", overflowing(e["exp_avg"])))), (RANK_FILE,), "exp_avg"),
+    "xla: a float64 moment of 1e300": Attack("xla", lambda d, h: edit_file(d / RANK_FILE, base_state(
+        lambda e: e.__setitem__("exp_avg", overflowing(e["exp_avg"])))), (RANK_FILE,), "exp_avg"),
+    "torch: a float64 moment of 1e300": Attack("torch", native_state(lambda e: e.__setitem__(
+        "exp_avg", overflowing(e["exp_avg"]))), NATIVE_FILES, "exp_avg"),
     # the scheduler
     "nxd_smp: scheduler gamma NaN": Attack("nxd_smp", scheduler_values(gamma={"$float": "nan"}), (EXTRA,), "gamma"),
     "nxd_smp: scheduler step_size 0": Attack("nxd_smp", scheduler_values(step_size=0), (EXTRA,), "step_size"),
