@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..core.errors import ConfigError
 from ..core.dtensors import DeviceMesh
 from ..core.layout import BucketLayout
-from ..core.memory import staggered_empty
+from ..core.memory import plain_alias, staggered_empty
 from .base import Backend, GroupSpec, PendingShard, check_replica_groups, is_replica_groups
 from .coordination import Coordinator, LocalCoordinator, ProcessGroupCoordinator
 
@@ -196,16 +196,24 @@ class EagerBackend(Backend):
     @torch.no_grad()
     def place_params(self, params: Sequence[torch.Tensor], layouts: Sequence[BucketLayout]) -> None:
         """Each parameter becomes a view into its bucket's flat buffer, which the all-gather
-        fills in place."""
+        fills in place. On the host each one gets a storage of its own over its range of the
+        buffer (``plain_alias``: offset 0, writes through either seen by both), as a parameter
+        made alone has: torch 2.13's ``DTensor.detach()`` of a local part at a nonzero offset of a
+        shared storage reports a pointer into no storage, and ``dcp.async_save``'s staging
+        (TorchTitan's asynchronous checkpoints under tensor parallelism) fails on it. (On an
+        accelerator a slice of a storage is memory its caching allocator does not own: there the
+        parameters stay plain views until that is tested.)"""
         self._params = list(params)
         self._homes = {}
+        own_storage = torch.device(self.device).type == "cpu"
         for layout in layouts:
             first = params[layout.param_indices[0]]
             flat = staggered_empty(layout.padded_numel, first.dtype, self.device, "param").zero_()
             for i, index in enumerate(layout.param_indices):
                 start, end = layout.param_range(i)
                 flat[start:end].copy_(params[index].detach().reshape(-1))
-                params[index].data = flat[start:end].view(params[index].shape)
+                view = flat[start:end].view(params[index].shape)
+                params[index].data = plain_alias(view) if own_storage else view
                 self._homes[index] = flat[start:end]
             self._flat_params.append(flat)
         self._home_pointers = [self._homes[i].data_ptr() for i in range(len(self._params))]

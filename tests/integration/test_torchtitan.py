@@ -78,19 +78,22 @@ def manager(folder: str, model, optimizers, **options):
                              lr_schedulers=None, states={}, sd_adapter=None, base_folder=folder)
 
 
-def titan_run(rank: int, world: int, folder: str) -> dict:
+def titan_run(rank: int, world: int, folder: str, async_mode: str = "disabled") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model, optimizers = build(0, mesh)
     train(model, optimizers, mesh, range(3))
     before = {k: v.clone() for k, v in optimizers.optimizers[0].inner_optimizer.state_dict()["state"][0].items()}
-    saver = manager(folder, model, optimizers, exclude_from_loading=["dataloader", "lr_scheduler"])
+    saver = manager(folder, model, optimizers, exclude_from_loading=["dataloader", "lr_scheduler"],
+                    async_mode=async_mode)
     saver.save(curr_step=3)
+    saver.maybe_wait_for_staging()  # (an asynchronous save has copied the state by here: training may go on)
     after = optimizers.optimizers[0].inner_optimizer.state_dict()["state"][0]
     unchanged = all(torch.equal(before[k], after[k]) for k in before)  # the save stepped nothing
     train(model, optimizers, mesh, range(3, 5))
     uninterrupted = full(model)
+    saver.maybe_wait_for_saving()
     saver.close()
     torch.distributed.barrier()
 
@@ -109,8 +112,11 @@ def titan_run(rank: int, world: int, folder: str) -> dict:
             "model_only": resumed[False]}
 
 
-def test_torchtitans_checkpoint_manager_round_trips_a_zero1_optimizer_at_tp2_dp2(tmp_path):
-    results = run_ranks(4, titan_run, str(tmp_path))
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_torchtitans_checkpoint_manager_round_trips_a_zero1_optimizer_at_tp2_dp2(tmp_path, async_mode):
+    """Synchronous, and TorchTitan's asynchronous save (``dcp.async_save``: the state dict staged, DTensor
+    parameters' local parts included, then written in the background)."""
+    results = run_ranks(4, titan_run, str(tmp_path), async_mode)
     for rank, result in enumerate(results):
         assert result["unchanged"], rank
         for name, value in result["uninterrupted"].items():

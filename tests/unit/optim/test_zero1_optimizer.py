@@ -133,9 +133,13 @@ def test_parameters_are_views_into_flat_buffers_and_frozen_ones_are_untouched():
     frozen_storage = model.frozen.untyped_storage().data_ptr()
     opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, bucket_cap_mb=math.inf)
     (flat,) = opt.backend._flat_params
-    for p in model.parameters():
-        if p.requires_grad:
-            assert p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    managed = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():  # (the parameters' memory is the buffer's: what is written there, they hold)
+        flat.copy_(torch.arange(flat.numel(), dtype=flat.dtype))
+    for p in managed:
+        start = (p.data_ptr() - flat.data_ptr()) // flat.element_size()
+        assert torch.equal(p.detach().reshape(-1), torch.arange(start, start + p.numel(), dtype=flat.dtype))
+        assert p.storage_offset() == 0  # (a storage of its own over its range, as a parameter made alone)
     assert model.frozen.untyped_storage().data_ptr() == frozen_storage
     assert len(opt.bucket_layouts) == 1
     # at DP=1 the gradient shard is the main_grad buffer itself: no copy
