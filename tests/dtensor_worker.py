@@ -318,7 +318,34 @@ def checkpoint_load_rank(rank: int, world_size: int, root: str, export: str) -> 
     state = {"model": titan.state_dict()}
     dcp.load(state, checkpoint_id=export)
     titan.load_state_dict(state["model"])
-    return {**loaded, "wrong": wrong, "exported": {n: _full(p) for n, p in titan.named_parameters()}}
+    return {**loaded, "wrong": wrong, "exported": {n: _full(p) for n, p in titan.named_parameters()},
+            "full_set": _full_state_set(root, mesh, opt)}
+
+
+def _full_state_set(root: str, mesh, loaded: Zero1Optimizer) -> dict:
+    """The whole state of both coordinates' checkpoints (joined by the offline reader: global shapes, the
+    masters beside the moments) set through torch's ``set_state_dict`` with ``full_state_dict=True`` into a
+    fresh DTensor model and optimizer: each rank slices its tensor-parallel part, then its range, on
+    arrival. Returns its parameters and masters, whole, and whether its inner state is ``loaded``'s."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    from nxd_smp.checkpointing.tools import read_whole_checkpoint
+
+    whole = read_whole_checkpoint([f"{root}/tp0", f"{root}/tp1"])
+    optimizer = whole["optimizer"]
+    state = {"state": {name: {**entry, "master": optimizer["master_weights"][name]}
+                       for name, entry in optimizer["state"].items()},
+             "param_groups": [{**group["hyper"], "params": list(group["params"])} for group in optimizer["groups"]]}
+    model = parallelize_module(full_model(seed=3), mesh["tp"], PLAN)
+    opt = _smp_optimizer(model, device_mesh=mesh)
+    set_state_dict(model, opt, model_state_dict=whole["model"], optim_state_dict=state,
+                   options=StateDictOptions(full_state_dict=True))
+    ours, theirs = opt.inner_optimizer.state_dict()["state"], loaded.inner_optimizer.state_dict()["state"]
+    same = ours.keys() == theirs.keys() and all(
+        ours[k].keys() == theirs[k].keys() and all(torch.equal(ours[k][f], theirs[k][f]) for f in ours[k])
+        for k in ours)
+    return {"params": {n: _full(p) for n, p in model.named_parameters()}, "masters": _full_masters(opt, model, mesh),
+            "inner state as loaded": same}
 
 
 def written_in_place_rank(rank: int, world_size: int) -> dict:

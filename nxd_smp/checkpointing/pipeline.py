@@ -259,7 +259,9 @@ def read_rank_state(targets: Targets, state_dict: Any, request: Request) -> Stag
     optimizer's order. Each moment and master is this rank's range of its parameter: a ``FlatShard``,
     which says which range (what ``dcp.load`` filled in place, from any DP size), or a plain 1-D tensor
     (a ``torch.save``d copy), which only the state dict's ``nxd_smp`` record of the same rank, DP size
-    and layout places. The loss scaler's state is the first group's ``loss_scaler``.
+    and layout places; or the whole tensor (torch's ``set_optimizer_state_dict`` with
+    ``full_state_dict=True`` hands every rank the whole per-parameter state), sliced on arrival, at any
+    DP and TP size. The loss scaler's state is the first group's ``loss_scaler``.
 
     Raises:
         CheckpointError: not such a dict, a range this rank does not hold (another rank's, another DP
@@ -304,7 +306,7 @@ def read_rank_state(targets: Targets, state_dict: Any, request: Request) -> Stag
     names = request.optimizer.names  # (param-group order: the order of the groups' ``params``)
     param_of = dict(zip(targets.names(), optimizer.managed_params))
     state: dict[str, dict[str, Any]] = {name: {} for name in names}
-    masters: dict[str, Pieces] = {}
+    masters: dict[str, Pieces | Whole] = {}
     bad = []
     for key, entry in state_dict["state"].items():
         name = name_of.get(key) if isinstance(key, (int, str)) and not isinstance(key, bool) else None
@@ -315,8 +317,11 @@ def read_rank_state(targets: Targets, state_dict: Any, request: Request) -> Stag
         for field, value in entry.items():
             if not isinstance(field, str) or not isinstance(value, torch.Tensor):
                 bad.append(f"{name}/{describe(field)} is a {type(value).__name__}, not a tensor")
-            elif value.dim() == 0 and not isinstance(value, FlatShard):
-                state[name][field] = Whole(value)
+            elif value.dim() == 0 and not isinstance(value, FlatShard):  # a counter, or a 0-dim parameter's whole
+                if field == MASTER_KEY:
+                    masters[name] = Whole(value)
+                else:
+                    state[name][field] = Whole(value)
             else:
                 found = _range_of(value, request.optimizer, name, param_of[name], placed_by_record)
                 if isinstance(found, str):
@@ -397,11 +402,14 @@ def _range_of(value: torch.Tensor, request: Any, name: str, param: torch.Tensor,
               ) -> Pieces | str:
     """``value``, one moment or master of parameter ``name`` (the live ``param``), as the ``Pieces`` this
     rank installs: a ``FlatShard`` of this rank's range of this rank's part (its place in the whole tensor
-    included: a tensor-parallel peer's is another part), or (``placed_by_record``) a plain 1-D tensor as
-    long as this rank's range; else what is wrong."""
+    included: a tensor-parallel peer's is another part); (``placed_by_record``) a plain 1-D tensor as
+    long as this rank's range; or the whole tensor, of the parameter's global shape, sliced on arrival
+    (this rank's part of it, then its range of that: what torch's ``set_optimizer_state_dict`` hands
+    over with ``full_state_dict=True``, a consolidated state); else what is wrong."""
     shape = request.shapes[name]
     slots = request.slots.get(name, [])
     wanted = (slots[0].start, slots[0].end) if slots else None
+    held = wanted[1] - wanted[0] if wanted else 0
     if isinstance(value, FlatShard):
         where = (tuple(value.shape), value.global_offset)
         if value.local_shape != tuple(shape) or where != (tuple(param.shape), global_offset(param)):
@@ -411,13 +419,17 @@ def _range_of(value: torch.Tensor, request: Any, name: str, param: torch.Tensor,
         if (start, value.end) != (wanted or (start, start)):
             return (f"elements [{start}, {value.end}), this rank holds "
                     + (f"[{wanted[0]}, {wanted[1]})" if wanted else "none") + " (another rank's or DP size's state)")
-    elif placed_by_record and value.dim() == 1:
+    elif placed_by_record and value.dim() == 1 and (value.numel() == held or tuple(value.shape) != tuple(param.shape)):
         data = value
-        if value.numel() != (wanted[1] - wanted[0] if wanted else 0):
-            return f"{value.numel()} elements, this rank holds {wanted[1] - wanted[0] if wanted else 0} of it"
+        if value.numel() != held:
+            return f"{value.numel()} elements, this rank holds {held} of it"
+    elif value.dim() > 0 and tuple(value.shape) == tuple(param.shape):
+        part = value[tuple(slice(o, o + n) for o, n in zip(global_offset(param), shape))]
+        data = part.reshape(-1)[wanted[0]:wanted[1]] if wanted else part.reshape(-1)[:0]
     else:
-        return (f"a plain tensor of shape {tuple(value.shape)}, which only a state dict of this rank's own record "
-                f"places (pass what state_dict() returned)")
+        return (f"a plain tensor of shape {tuple(value.shape)}: neither the parameter's whole tensor "
+                f"{tuple(param.shape)} nor, in a state dict of this rank's own record, its range of it (pass what "
+                f"state_dict() returned, or the whole per-parameter state)")
     if not data.dtype.is_floating_point:
         return f"{data.dtype}, not a floating dtype"
     return Pieces(tuple(shape), data.dtype, {wanted[0]: data} if wanted else {})

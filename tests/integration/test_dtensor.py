@@ -103,6 +103,10 @@ def test_checkpoints_per_tp_coordinate_reshard_over_dp_and_export_whole(four):
             assert torch.equal(got["params"][name], value), name
             assert torch.equal(got["masters"][name], saved[0]["masters"][name]), name
             assert torch.equal(got["exported"][name], saved[0]["masters"][name]), name
+            # torch's full-state set of the joined whole state: each rank's part and range, sliced on arrival
+            assert torch.equal(got["full_set"]["params"][name], value), name
+            assert torch.equal(got["full_set"]["masters"][name], saved[0]["masters"][name]), name
+        assert got["full_set"]["inner state as loaded"]
 
 
 def test_weights_written_in_place_after_the_build_are_kept(two):

@@ -17,13 +17,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_optimizer_state_dict,
     get_state_dict,
     set_optimizer_state_dict,
     set_state_dict,
 )
 
-from nxd_smp import CheckpointError, MixedPrecisionConfig, Zero1Optimizer
+from nxd_smp import CheckpointError, MixedPrecisionConfig, Zero1Optimizer, load_checkpoint, save_checkpoint
+from nxd_smp.checkpoint import read_checkpoint
 from nxd_smp.core.flat_shard import FlatShard
 from tests.distributed import run_ranks
 from tests.oracle import assert_params_close, make_model, param_groups
@@ -194,3 +196,71 @@ def test_save_and_load_must_agree_on_masters(tmp_path):
         # CheckpointException, a BaseException, naming the key)
         dcp.load(template, checkpoint_id=str(tmp_path / "ckpt"))
     assert same(before, snapshot(model2, opt2))
+
+
+# ---------------------------------------------------------------- a full state set at any DP size
+def full_state_of(path: str) -> tuple[dict, dict]:
+    """The model's and the optimizer's whole state in torch's shape (``get_optimizer_state_dict`` with
+    ``full_state_dict=True`` over an unsharded optimizer: ``state`` and ``params`` by FQN), the master
+    weights beside the moments: the checkpoint consolidated by the offline reader."""
+    full = read_checkpoint(path)
+    optimizer = full["optimizer"]
+    state = {name: {**entry, "master": optimizer["master_weights"][name]} for name, entry in optimizer["state"].items()}
+    groups = [{**group["hyper"], "params": list(group["params"])} for group in optimizer["groups"]]
+    return full["model"], {"state": state, "param_groups": groups}
+
+
+def save_then_continue(rank, world_size, path):
+    model, opt = build(seed=0)
+    train(model, opt, 3, 0, rank, world_size)
+    save_checkpoint(path, model=model, optimizer=opt)
+    train(model, opt, 2, 3, rank, world_size)
+    return params_of(model)
+
+
+def full_set_then_continue(rank, world_size, path, how):
+    """The full state set into a fresh optimizer at this DP size (``how``: torch's ``set_optimizer_state_dict``
+    with ``full_state_dict=True``, every rank holding it or rank 0 alone with ``broadcast_from_rank0``; or,
+    the oracle, ``load_checkpoint`` of the checkpoint it was consolidated from), then two more steps."""
+    model, opt = build(seed=5)  # everything must come from the state set
+    if how == "load_checkpoint":
+        load_checkpoint(path, model=model, optimizer=opt)
+    else:
+        weights, state = full_state_of(path)
+        model.load_state_dict(weights)
+        broadcast = how == "broadcast_from_rank0"
+        set_optimizer_state_dict(model, opt, state if rank == 0 or not broadcast else {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast))
+    installed = {"masters": [m.clone() for m in opt.master_shards],
+                 "inner": copy.deepcopy(opt.inner_optimizer.state_dict()["state"])}
+    train(model, opt, 2, 3, rank, world_size)
+    return {"params": params_of(model), **installed}
+
+
+@pytest.fixture(scope="module")
+def saved_dp2_run(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("full") / "ckpt")
+    return path, run_ranks(2, save_then_continue, path)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("how", ["full_state_dict", "broadcast_from_rank0"])
+def test_a_full_state_set_at_any_dp_size_installs_what_a_checkpoint_load_does_and_continues(saved_dp2_run,
+                                                                                           world_size, how):
+    """torch's ``set_optimizer_state_dict`` with ``full_state_dict=True`` hands every rank the whole tensors in
+    place of its ranges: each rank slices its own on arrival. Saved at DP 2, set at DP 1, 2 and 3: each
+    rank installs exactly what ``load_checkpoint`` of the same state installs there (masters and inner
+    state bit for bit), the run continues like the uninterrupted one (bit for bit at DP 2, to rounding
+    elsewhere), and the same state without the optimizer's part does not."""
+    path, uninterrupted = saved_dp2_run
+    set_full = run_ranks(world_size, full_set_then_continue, path, how)
+    loaded = run_ranks(world_size, full_set_then_continue, path, "load_checkpoint")
+    for rank in range(world_size):
+        assert same(set_full[rank]["masters"], loaded[rank]["masters"]), rank
+        assert same(set_full[rank]["inner"], loaded[rank]["inner"]), rank
+        assert same(set_full[rank]["params"], loaded[rank]["params"]), rank
+    if world_size == 2:
+        assert same(set_full[0]["params"], uninterrupted[0])
+    else:
+        assert_params_close(set_full[0]["params"], uninterrupted[0], max_ulp=2, max_flip_fraction=0.05)
+
