@@ -287,6 +287,23 @@ def main(spec_file: str, results_file: str) -> None:
 
 
 # ---------------------------------------------------------------- DP 2 on gloo
+def timed_load(loader: str, path: str, model: Any, opt: Any, scheduler: Any, before: Any) -> dict[str, Any]:
+    """One load of ``path`` into the live objects: what it raised (its type, whether a CheckpointError, its
+    message), how long it took, and what it changed since ``before`` (``snapshot``)."""
+    start = time.monotonic()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load(loader, path, model, opt, scheduler)
+        error = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        error = e
+    return {"loader": loader, "seconds": time.monotonic() - start,
+            "type": None if error is None else type(error).__name__,
+            "checkpoint_error": isinstance(error, CheckpointError), "message": "" if error is None else str(error),
+            "changes": changes(before, model, opt, scheduler)}
+
+
 def one_rank_fails_unexpectedly(rank: int, world: int, folders: list[tuple[str, str]]) -> list[dict[str, Any]]:
     """Each folder (healthy) loads at DP 2 while rank 1's ``os.fstat`` (which the one safe open of
     every file a loader reads calls) raises a RuntimeError, an error no check expects. Returns per
@@ -309,22 +326,12 @@ def one_rank_fails_unexpectedly(rank: int, world: int, folders: list[tuple[str, 
                 raise RuntimeError("rank 1's disk failed in a way no check expects")
 
             os.fstat = sabotaged if rank == 1 else real_load
-            start = time.monotonic()
             try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    load(loader, path, model, opt, scheduler)
-                error = None
-            except Exception as e:  # noqa: BLE001 - reported to the test
-                error = e
+                outcome = timed_load(loader, path, model, opt, scheduler, before)
             finally:
                 os.fstat = real_load
-            out.append({"loader": loader, "seconds": time.monotonic() - start, "fired": fired[0],
-                        "type": None if error is None else type(error).__name__,
-                        "checkpoint_error": isinstance(error, CheckpointError),
-                        "message": "" if error is None else str(error),
-                        "changes": changes(before, model, opt, scheduler)})
-            if error is not None and not isinstance(error, CheckpointError):
+            out.append({**outcome, "fired": fired[0]})
+            if outcome["type"] is not None and not outcome["checkpoint_error"]:
                 break
     finally:
         os.fstat = real_load
@@ -347,21 +354,9 @@ def each_rank_loads_its_own(rank: int, world: int, cases: list[tuple[str, list[s
     try:
         for loader, paths in cases:
             model, opt, scheduler = live(loader)
-            before = snapshot(model, opt, scheduler)
-            start = time.monotonic()
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    load(loader, paths[rank], model, opt, scheduler)
-                error = None
-            except Exception as e:  # noqa: BLE001 - reported to the test
-                error = e
-            out.append({"loader": loader, "seconds": time.monotonic() - start,
-                        "type": None if error is None else type(error).__name__,
-                        "checkpoint_error": isinstance(error, CheckpointError),
-                        "message": "" if error is None else str(error),
-                        "changes": changes(before, model, opt, scheduler)})
-            if error is not None and not isinstance(error, CheckpointError):
+            outcome = timed_load(loader, paths[rank], model, opt, scheduler, snapshot(model, opt, scheduler))
+            out.append(outcome)
+            if outcome["type"] is not None and not outcome["checkpoint_error"]:
                 break
     finally:
         faulthandler.cancel_dump_traceback_later()

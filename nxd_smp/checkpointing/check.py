@@ -42,7 +42,7 @@ from ..core.errors import CheckpointError
 from ..optim.loss_scaler import check_scaler_state
 from ..optim.param_groups import KERNEL_OPTIONS
 from ..optim.state_fit import StateFit, check_state_entry, describe, misfit, torch_group_problems
-from .staged import Pieces, Staged, StagedOptimizer, Targets, Whole, named_pieces, param_group_names
+from .staged import Pieces, Staged, StagedOptimizer, Targets, Whole, param_group_names
 
 SCHEDULER = "scheduler"  # the name the scheduler's state is saved under
 
@@ -341,39 +341,36 @@ def _check_optimizer(staged: StagedOptimizer, targets: Targets, plan: Plan) -> N
 
 def _staged_problems(staged: StagedOptimizer, targets: Targets, plan: Plan, names: list[str]) -> list[str]:
     """What the install would copy of each moment and master weight, as it will copy it: a ``Pieces``
-    holds exactly the ranges this rank installs, each a 1-D floating tensor of the range's length; a
-    value narrower in the shard's dtype than as read (fp64 into fp32, fp32 into fp16) keeps every finite
-    value finite (``check_cast``)."""
-    zero1 = targets.zero1
-    slots: dict[str, list[tuple[int, int, int]]] = {name: [] for name in names}
-    for b, name, piece in named_pieces(zero1.bucket_layouts, zero1.rank, names):
-        slots[name].append((piece.param_start, piece.param_end, b))
-    shard_dtypes = [targets.backend.device_dtype(shard.dtype) for shard in zero1.inner_shards]
-    values = [(name, f"{name}/{key}", staged.state[name][key]) for name in names
+    holds exactly this rank's slots (``Request``), each a 1-D floating tensor of the slot's length; a
+    value narrower in its shard's dtype than as read (fp64 into fp32, fp32 into fp16) keeps every finite
+    value finite (``check_cast``). (A ``Whole`` tensor's shape and kind are ``_check_optimizer``'s.)"""
+    request = targets.request().optimizer
+    values = [(name, f"{name}/{key}", staged.state[name][key], None) for name in names
               for key in plan.moments.get(name, [])]
-    if staged.masters is not None and zero1.mixed_precision.use_master_weights:
-        values += [(name, f"master weight {name}", staged.masters[name]) for name in names]
+    if staged.masters is not None and targets.zero1.mixed_precision.use_master_weights:
+        values += [(name, f"master weight {name}", staged.masters[name], torch.float32) for name in names]
     problems = []
-    for name, where, value in values:
-        mine = {start: (end - start, b) for start, end, b in slots[name]}
-        master = where.startswith("master")
+    for name, where, value, installed_as in values:  # (the masters' shards are built in fp32)
+        slots = request.slots.get(name, [])
         if isinstance(value, Pieces):
-            if set(value.parts) != set(mine):
+            if set(value.parts) != {slot.start for slot in slots}:
                 problems.append(f"{where}: the ranges from {sorted(value.parts)[:4]}, this rank installs the ranges "
-                                f"from {sorted(mine)[:4]}")
+                                f"from {sorted(slot.start for slot in slots)[:4]}")
                 continue
-            parts = [(value.parts[start], numel, b) for start, (numel, b) in mine.items()]
+            parts = [(value.parts[slot.start], slot) for slot in slots]
+            wrong = [(part, slot) for part, slot in parts if part.dim() != 1 or part.numel() != slot.end - slot.start
+                     or not part.dtype.is_floating_point]
+            if wrong:
+                part, slot = wrong[0]
+                problems.append(f"{where}: a {part.dtype} tensor of shape {tuple(part.shape)} where this rank "
+                                f"installs {slot.end - slot.start} floating elements")
+                continue
         elif isinstance(value, Whole):
-            parts = [(value.tensor, value.tensor.numel(), b) for _, b in list(mine.values())[:1]]
+            parts = [(value.tensor, slot) for slot in slots[:1]]
         else:
             continue
-        for part, numel, b in parts:
-            if part.dim() != (1 if isinstance(value, Pieces) else part.dim()) or part.numel() != numel \
-                    or not part.dtype.is_floating_point:
-                problems.append(f"{where}: a {part.dtype} tensor of shape {tuple(part.shape)} where this rank "
-                                f"installs {numel} floating elements")
-                continue
-            dtype = torch.float32 if master else shard_dtypes[b]
+        for part, slot in parts:
+            dtype = installed_as or request.shard_dtypes[slot.bucket]
             if torch.finfo(part.dtype).max > torch.finfo(dtype).max:
                 try:
                     check_cast(part, dtype, where)

@@ -317,19 +317,15 @@ def read_rank_state(targets: Targets, state_dict: Any, request: Request) -> Stag
         for field, value in entry.items():
             if not isinstance(field, str) or not isinstance(value, torch.Tensor):
                 bad.append(f"{name}/{describe(field)} is a {type(value).__name__}, not a tensor")
-            elif value.dim() == 0 and not isinstance(value, FlatShard):  # a counter, or a 0-dim parameter's whole
-                if field == MASTER_KEY:
-                    masters[name] = Whole(value)
-                else:
-                    state[name][field] = Whole(value)
+                continue
+            found = (Whole(value) if value.dim() == 0 and not isinstance(value, FlatShard)  # (a counter, or a
+                     else _range_of(value, request.optimizer, name, param_of[name], placed_by_record))  # 0-dim whole)
+            if isinstance(found, str):
+                bad.append(f"{name}/{field}: {found}")
+            elif field == MASTER_KEY:
+                masters[name] = found
             else:
-                found = _range_of(value, request.optimizer, name, param_of[name], placed_by_record)
-                if isinstance(found, str):
-                    bad.append(f"{name}/{field}: {found}")
-                elif field == MASTER_KEY:
-                    masters[name] = found
-                else:
-                    state[name][field] = found
+                state[name][field] = found
     if bad:
         raise CheckpointError(f"{source} does not fit the optimizer: " + "; ".join(bad) + ".")
     scaler = groups[0].get(SCALER_KEY) if optimizer.loss_scaler is not None else None
@@ -350,6 +346,10 @@ def _key_names(groups: list, live_groups: list, request_groups: list[list[str]],
     order. Without live names, both map by position (as torch.optim's own ``load_state_dict`` does),
     each entry then checked against its parameter's shape and place."""
     keys = [g.get("params") for g in groups]
+
+    def by_position() -> dict[Any, str]:  # (once the keys are known to be lists of numbers or names)
+        return {key: name for k, names_g in zip(keys, request_groups) for key, name in zip(k, names_g)}
+
     if all(isinstance(k, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in k) for k in keys):
         problems = torch_group_problems(list(groups), live_groups, "param_groups")
         if not problems and live_names is not None:
@@ -361,8 +361,7 @@ def _key_names(groups: list, live_groups: list, request_groups: list[list[str]],
                     problems.append(f"param_groups[{i}]['param_names'] names other parameters than the optimizer's, "
                                     f"in order ({'; '.join(differ) or f'{len(saved)} names for {len(live)}'}): a "
                                     f"numbered state maps by position only onto the parameters it was saved for")
-        return problems, ({key: name for g, names_g in zip(groups, request_groups) for key, name in
-                           zip(g["params"], names_g)} if not problems else {})
+        return problems, ({} if problems else by_position())
     problems = []
     for i, (k, live) in enumerate(zip(keys, live_groups)):
         if not isinstance(k, list) or not all(isinstance(n, str) for n in k):
@@ -374,10 +373,10 @@ def _key_names(groups: list, live_groups: list, request_groups: list[list[str]],
     if problems:
         return problems, {}
     if live_names is None:
-        problems = [f"param_groups[{i}]['params'] lists {len(k)} names, the optimizer's group has {len(live['params'])} "
-                    f"parameters" for i, (k, live) in enumerate(zip(keys, live_groups)) if len(k) != len(live["params"])]
-        return problems, ({key: name for k, names_g in zip(keys, request_groups) for key, name in zip(k, names_g)}
-                          if not problems else {})
+        problems = [f"param_groups[{i}]['params'] lists {len(k)} names, the optimizer's group has "
+                    f"{len(live['params'])} parameters"
+                    for i, (k, live) in enumerate(zip(keys, live_groups)) if len(k) != len(live["params"])]
+        return problems, ({} if problems else by_position())
     where = {canonical_name(n): (g, name) for g, (live, names_g) in enumerate(zip(live_names, request_groups))
              for n, name in zip(live, names_g)}
     name_of: dict[Any, str] = {}
@@ -419,13 +418,13 @@ def _range_of(value: torch.Tensor, request: Any, name: str, param: torch.Tensor,
         if (start, value.end) != (wanted or (start, start)):
             return (f"elements [{start}, {value.end}), this rank holds "
                     + (f"[{wanted[0]}, {wanted[1]})" if wanted else "none") + " (another rank's or DP size's state)")
-    elif placed_by_record and value.dim() == 1 and (value.numel() == held or tuple(value.shape) != tuple(param.shape)):
+    elif value.dim() > 0 and tuple(value.shape) == tuple(param.shape):  # (a 1-D range as long: the same elements)
+        part = value[tuple(slice(o, o + n) for o, n in zip(global_offset(param), shape))]
+        data = part.reshape(-1)[wanted[0]:wanted[1]] if wanted else part.reshape(-1)[:0]
+    elif placed_by_record and value.dim() == 1:
         data = value
         if value.numel() != held:
             return f"{value.numel()} elements, this rank holds {held} of it"
-    elif value.dim() > 0 and tuple(value.shape) == tuple(param.shape):
-        part = value[tuple(slice(o, o + n) for o, n in zip(global_offset(param), shape))]
-        data = part.reshape(-1)[wanted[0]:wanted[1]] if wanted else part.reshape(-1)[:0]
     else:
         return (f"a plain tensor of shape {tuple(value.shape)}: neither the parameter's whole tensor "
                 f"{tuple(param.shape)} nor, in a state dict of this rank's own record, its range of it (pass what "

@@ -920,11 +920,20 @@ def check_distinct(tensors: Any, source: str, what: str) -> None:
         end = start + (1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))) * itemsize
         spans.setdefault(tensor.untyped_storage().data_ptr(), []).append((start, end, field))
     for found in spans.values():
-        found.sort()
-        for (_, end, first), (start, _, second) in zip(found, found[1:]):
-            if start < end:
-                raise CheckpointError(f"{source}: {second} is the record of {first} again (one tensor, or views of one "
-                                      f"storage that overlap); {what}, each record used once. Refused.")
+        pair = first_overlap(found)
+        if pair is not None:
+            raise CheckpointError(f"{source}: {pair[1]} is the record of {pair[0]} again (one tensor, or views of one "
+                                  f"storage that overlap); {what}, each record used once. Refused.")
+
+
+def first_overlap(spans: list[tuple[int, int, Any]]) -> tuple[Any, Any] | None:
+    """The keys of the first two of ``spans`` (``(start, end, key)`` byte ranges of one file or storage)
+    that overlap, in order; None where none do. Sorts ``spans`` in place: linear after the sort."""
+    spans.sort(key=lambda span: span[:2])
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            return first, second
+    return None
 
 
 def check_tree(value: Any, source: str, bound: int, max_depth: int) -> None:

@@ -31,7 +31,7 @@ from ..core.errors import CheckpointError, ChecksumError
 from .budget import Budget
 from .check import check_cast, is_shape, is_size
 from .files import Folder, check_name
-from .reader import load_bytes
+from .reader import first_overlap, load_bytes
 from .typed_json import dtype_named, loads
 
 #: The index: a JSON file.
@@ -201,11 +201,10 @@ def check_spans(folder: Folder, records: Iterable[tuple[str, Any, int, int]], *,
                                   f"which holds {size} (truncated, or a crafted index).")
         spans.setdefault(identity, []).append((offset, offset + length, key))
     for found in spans.values():
-        found.sort()
-        for (_, end, first), (start, _, second) in zip(found, found[1:]):
-            if start < end:
-                raise CheckpointError(f"{source}: the entries {first!r} and {second!r} overlap in one file; refused "
-                                      f"(each record's bytes are its own).")
+        pair = first_overlap(found)
+        if pair is not None:
+            raise CheckpointError(f"{source}: the entries {pair[0]!r} and {pair[1]!r} overlap in one file; refused "
+                                  f"(each record's bytes are its own).")
 
 
 def read_tensors(folder: Folder, index: Mapping[str, StoredTensor], targets: Mapping[str, torch.Tensor], *,

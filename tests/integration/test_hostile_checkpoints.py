@@ -1251,12 +1251,21 @@ def test_an_unexpected_error_on_one_rank_is_a_checkpoint_error_on_every_rank(hea
     folders = [("nxd_smp", str(healthy.root / "nxd_smp" / "ckpt")),
                ("nxd", str(healthy.root / "nxd" / TAG)), ("torch", str(healthy.root / "torch"))]
     ranks = run_ranks(2, one_rank_fails_unexpectedly, folders)
+    problems = refused_together(ranks, [loader for loader, _ in folders])
+    assert not problems, problems
+
+
+def refused_together(ranks: list[list[dict[str, Any]]], cases: list[str]) -> list[str]:
+    """What in each rank's outcomes of ``cases`` (``hostile_worker.timed_load``'s, in order) is not a
+    refusal of every rank together: an accepted load, an error that is not a CheckpointError, ranks that
+    did not agree within seconds, a changed object, a rank that stopped early."""
     problems = []
     for rank, outcomes in enumerate(ranks):
-        for (loader, _), outcome in zip(folders, outcomes):
-            where = f"rank {rank}, {loader}"
+        for case, outcome in zip(cases, outcomes):
+            where = f"rank {rank}, {case}"
             if outcome["type"] is None:
-                problems.append(f"{where}: the load was accepted (the sabotage fired {outcome['fired']} times)")
+                fired = f" (the sabotage fired {outcome['fired']} times)" if "fired" in outcome else ""
+                problems.append(f"{where}: the load was accepted{fired}")
             elif not outcome["checkpoint_error"]:
                 problems.append(f"{where}: {outcome['type']}, not a CheckpointError: {outcome['message'][:300]}")
             if "Connection closed" in outcome["message"] or outcome["seconds"] >= 20:
@@ -1264,9 +1273,9 @@ def test_an_unexpected_error_on_one_rank_is_a_checkpoint_error_on_every_rank(hea
                                 f"{outcome['message'][:300]}")
             if outcome["changes"]:
                 problems.append(f"{where}: changed {outcome['changes'][:6]}")
-        if len(outcomes) < len(folders):
+        if len(outcomes) < len(cases):
             problems.append(f"rank {rank}: stopped after {[o['loader'] for o in outcomes]}")
-    assert not problems, problems
+    return problems
 
 
 @pytest.mark.parametrize("case", sorted(CLI))
@@ -1406,20 +1415,7 @@ def test_a_repeated_record_on_one_rank_is_a_checkpoint_error_on_every_rank(healt
         cases.append((attack.load_with(), [str(copy_of(healthy, attack.source, tmp_path / f"{i}_rank0")),
                                            str(make(attack, healthy, tmp_path / f"{i}_rank1"))]))
     ranks = run_ranks(2, each_rank_loads_its_own, cases)
-    problems = []
-    for rank, outcomes in enumerate(ranks):
-        for name, outcome in zip(DP2, outcomes):
-            where = f"rank {rank}, {name}"
-            if outcome["type"] is None:
-                problems.append(f"{where}: the load was accepted")
-            elif not outcome["checkpoint_error"]:
-                problems.append(f"{where}: {outcome['type']}, not a CheckpointError: {outcome['message'][:300]}")
-            if "Connection closed" in outcome["message"] or outcome["seconds"] >= 20:
-                problems.append(f"{where}: the ranks did not agree ({outcome['seconds']:.1f} s)")
-            if outcome["changes"]:
-                problems.append(f"{where}: changed {outcome['changes'][:6]}")
-        if len(outcomes) < len(cases):
-            problems.append(f"rank {rank}: stopped after {[o['loader'] for o in outcomes]}")
+    problems = refused_together(ranks, DP2)
     for name, outcome in zip(DP2, ranks[1]):
         problems += [f"rank 1, {name}: {p}" for p in names_problems(without(tmp_path, outcome["message"]),
                                                                      REPEATED[name])]
