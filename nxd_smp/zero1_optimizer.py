@@ -53,7 +53,7 @@ from .optim.param_groups import (
     sequence_parallel_marked,
 )
 from .optim.precision import PrecisionPlan
-from .optim import rank_state
+from .optim import full_state, rank_state
 from .optim.rank_state import STATE_LOADED, ParamStates, RankState
 from .optim.topology import Topology
 
@@ -467,7 +467,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
             state = result if state is None else state
         if state is None:
             self.adopt_param_changes()
-            state = self.rank_state.state_dict()
+            whole = full_state.asked_by_torch(self.loss_scaler is not None)
+            state = self.rank_state.state_dict() if whole is None else self.rank_state.full_state_dict(**whole)
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, state)
             state = state if result is None else result

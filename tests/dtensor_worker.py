@@ -276,7 +276,11 @@ def _full_masters(opt: Zero1Optimizer, model: nn.Module, mesh) -> dict[str, torc
 
 
 def checkpoint_save_rank(rank: int, world_size: int, root: str) -> dict:
-    """TP 2 x DP 2: two steps, then each TP coordinate saves its own checkpoint."""
+    """TP 2 x DP 2: two steps, then each TP coordinate saves its own checkpoint; torch's whole state of the
+    same moment (``get_optimizer_state_dict`` with ``full_state_dict``, without and with ``cpu_offload``), and
+    the two checkpoints' whole state set back at TP 2 x DP 2 (``_full_state_set``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
     from nxd_smp import save_checkpoint
 
     mesh = mesh_2x2()
@@ -289,6 +293,11 @@ def checkpoint_save_rank(rank: int, world_size: int, root: str) -> dict:
         opt.step()
     save_checkpoint(f"{root}/tp{tp}", model=model, optimizer=opt)
     saved = {"params": {n: _full(p) for n, p in model.named_parameters()}, "masters": _full_masters(opt, model, mesh)}
+    dist.barrier()  # (both coordinates' checkpoints written)
+    saved["full_get"] = {cpu: get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
+                                                                                             cpu_offload=cpu))
+                         for cpu in (False, True)}
+    saved["full_set"] = _full_state_set(root, mesh, opt)
     x, y = data(dp, 2, 0)  # one more step and a second save: its parts must not join the first's
     ((model(x).float() - y.float()) ** 2).mean().backward()
     opt.step()

@@ -201,6 +201,11 @@ class Backend(ABC):
             flush(dtype)
 
     @abstractmethod
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` (1-D, of one length on every rank) joined in rank order: a new
+        tensor of ``world_size`` times its length, on the device."""
+
+    @abstractmethod
     def local_shard(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's part of a flat tensor that holds the same values on every rank."""
 

@@ -175,6 +175,13 @@ class EagerBackend(Backend):
         work = _reduce_scatter(out, flat, group=self.group, async_op=True)
         return PendingShard(out, work, flat)
 
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor.clone()
+        out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        _all_gather(out, tensor.contiguous(), group=self.group)
+        return out
+
     def begin_step(self) -> None:
         """Refuse to step alone among ranks: an optimizer built before torch.distributed was
         initialised holds the whole model as one rank's shard, and every rank would train on

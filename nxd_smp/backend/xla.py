@@ -255,6 +255,9 @@ class XlaBackend(Backend):
 
         return self._per_bucket(op, shards)
 
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._all_gather([tensor])[0]
+
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         if self._cpu:
             # No all-reduce form takes a channel id of our choosing: gather and add up (these

@@ -285,6 +285,9 @@ def read_rank_state(targets: Targets, state_dict: Any, request: Request) -> Stag
         found, name_of = _key_names(groups, live_groups, request.optimizer.groups,
                                     known_names(targets.model, optimizer))
         problems += found
+    if optimizer.loss_scaler is not None and groups and isinstance(groups[0], Mapping) and SCALER_KEY not in groups[0]:
+        problems.append(f"no loss scaler state (the first param group's {SCALER_KEY!r}), which this optimizer's scaler "
+                        f"needs (torch's flatten_optimizer_state_dict drops it on the set side: use the nested layout)")
     record = state_dict.get(RECORD_KEY)
     placed_by_record = isinstance(record, Mapping) and record.get("format") == STATE_DICT_FORMAT
     if placed_by_record:

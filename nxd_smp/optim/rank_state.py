@@ -25,6 +25,7 @@ import torch
 from ..core.dtensors import global_offset, local_shape
 from ..core.flat_shard import FlatShard
 from ..core.layout import BucketLayout, Piece
+from .full_state import gather, placements
 from .param_groups import index_groups
 from .state_fit import torch_state_dict
 
@@ -187,16 +188,61 @@ class RankState:
                           if isinstance(value, torch.Tensor)})  # (its own step, where it is not its bucket's)
             if entry:
                 state[numbers[id(param)]] = entry
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [numbers[id(p)] for p in g["params"]]}
-                  for g in self._param_groups]
-        if self._loss_scaler is not None:
-            groups[0][SCALER_KEY] = self._loss_scaler.state_dict()
-        return {"state": state, "param_groups": groups,
+        return {"state": state, "param_groups": self._groups(numbers),
                 RECORD_KEY: {"format": STATE_DICT_FORMAT, "world_size": self._backend.world_size,
                              "rank": self._backend.rank,
                              "model_parallel_rank": [self._coordinate.tensor, self._coordinate.pipeline],
                              "mixed_precision": self._mixed_precision.to_dict(),
                              "layout": layout_signature(self._layouts)}}
+
+    def _groups(self, numbers: Mapping[int, int]) -> list[dict[str, Any]]:
+        """The param groups as a state dict holds them: hyperparameters, parameter numbers, and in the first
+        the loss scaler's state."""
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [numbers[id(p)] for p in g["params"]]}
+                  for g in self._param_groups]
+        if self._loss_scaler is not None:
+            groups[0][SCALER_KEY] = self._loss_scaler.state_dict()
+        return groups
+
+    def full_state_dict(self, *, keep: bool = True, cpu: bool = False) -> dict[str, Any]:
+        """The whole state in torch.optim's shape, as torch's ``full_state_dict`` option gives it: ``state``
+        by parameter number, each parameter's moments (and ``master``) whole in its global shape, gathered
+        from every rank's range and joined over its tensor-parallel mesh (``optim.full_state``), its counters;
+        ``param_groups`` as ``state_dict()`` holds them; no ``nxd_smp`` record (the state is every rank's).
+        Every rank of the job calls it at once. One parameter's tensor is gathered at a time, and moved to
+        the host at once with ``cpu``; with ``keep=False`` (torch's ``cpu_offload`` on a rank other than 0)
+        this rank takes part in the gathers and keeps none of it: its ``state`` holds the counters only."""
+        masters = self._masters.values() if self.masters_in_state else None
+        numbers = self.numbers()
+        where = placements(self._layouts, len(self._managed))
+        state: dict[int, dict[str, Any]] = {}
+        for i, param in enumerate(self._managed):
+            layout, position = where[i]
+            entry: dict[str, Any] = {}
+            for key, value in sorted(self.param_state(i, masters).items()):
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if value.dim() == 0:
+                    entry[key] = value.detach().clone()
+                    continue
+                whole = gather(value, layout, position, self._backend, param)
+                if keep:
+                    entry[key] = whole.cpu() if cpu else whole
+            if entry:
+                state[numbers[id(param)]] = entry
+        return {"state": state, "param_groups": self._groups(numbers)}
+
+    def gathered_masters(self) -> list[torch.Tensor]:
+        """Per managed parameter (layout order), its master weight whole over the data-parallel group, shaped
+        like the parameter's local part (its tensor-parallel part for a DTensor): one parameter gathered at
+        a time (``optim.full_state.gather``). Every rank of the data-parallel group calls it at once."""
+        masters = self._masters.values()
+        where = placements(self._layouts, len(self._managed))
+        out = []
+        for i, (param, (b, piece)) in enumerate(zip(self._managed, self.places())):
+            layout, position = where[i]
+            out.append(gather(_in_shard(masters[b], piece), layout, position, self._backend, param, join=False))
+        return out
 
     # ------------------------------------------------------------------ an install, in two halves
     def install(self, state: Mapping[int, Mapping[str, Any]], hyperparameters: Sequence[Mapping[str, Any]],

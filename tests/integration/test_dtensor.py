@@ -97,6 +97,17 @@ def test_checkpoints_per_tp_coordinate_reshard_over_dp_and_export_whole(four):
         read_whole_checkpoint([root / "ckpt" / "tp1", root / "ckpt" / "tp0"])
     for name, value in saved[0]["masters"].items():
         assert torch.equal(whole["optimizer"]["master_weights"][name], value), name
+    # torch's full_state_dict at TP 2 x DP 2: gathered over dp and joined over tp, as the offline reader joins it
+    optimizer = whole["optimizer"]
+    oracle = {name: {**entry, "master": optimizer["master_weights"][name]} for name, entry in optimizer["state"].items()}
+    for rank, got in enumerate(saved):
+        assert same_tensors(got["full_get"][False]["state"], oracle), rank
+        assert same_tensors(got["full_get"][True]["state"], oracle) if rank == 0 else got["full_get"][True] == {}
+        # and the whole state set back at TP 2 x DP 2: what the checkpoints hold, installed as they load
+        assert got["full_set"]["inner state as loaded"], rank
+        for name, value in saved[0]["params"].items():
+            assert torch.equal(got["full_set"]["params"][name], value), name
+            assert torch.equal(got["full_set"]["masters"][name], saved[0]["masters"][name]), name
     for got in run_ranks(2, w.checkpoint_load_rank, str(root / "ckpt"), str(export)):
         assert "tensor-parallel rank" in got["wrong"] and "each tensor-parallel coordinate" in got["wrong"]
         for name, value in saved[0]["params"].items():
@@ -107,6 +118,14 @@ def test_checkpoints_per_tp_coordinate_reshard_over_dp_and_export_whole(four):
             assert torch.equal(got["full_set"]["params"][name], value), name
             assert torch.equal(got["full_set"]["masters"][name], saved[0]["masters"][name]), name
         assert got["full_set"]["inner state as loaded"]
+
+
+def same_tensors(got: dict, expected: dict) -> bool:
+    """Two ``{name: {key: tensor}}`` maps hold the same keys and tensors (dtype, shape, bits)."""
+    return got.keys() == expected.keys() and all(
+        got[n].keys() == expected[n].keys() and all(
+            type(got[n][k]) is torch.Tensor and got[n][k].dtype == v.dtype and got[n][k].shape == v.shape
+            and torch.equal(got[n][k], v) for k, v in expected[n].items()) for n in expected)
 
 
 def test_weights_written_in_place_after_the_build_are_kept(two):

@@ -264,3 +264,135 @@ def test_a_full_state_set_at_any_dp_size_installs_what_a_checkpoint_load_does_an
     else:
         assert_params_close(set_full[0]["params"], uninterrupted[0], max_ulp=2, max_flip_fraction=0.05)
 
+
+
+# ---------------------------------------------------------------- the whole state from torch's get side
+def full_get_then_continue(rank, world_size, path):
+    """Three steps, a checkpoint (the oracle's source), then torch's ``get_optimizer_state_dict`` with
+    ``full_state_dict=True``, without and with ``cpu_offload``; the state must not change, and training goes on."""
+    model, opt = build(seed=0)
+    train(model, opt, 3, 0, rank, world_size)
+    save_checkpoint(path, model=model, optimizer=opt)
+    before = snapshot(model, opt)
+    got = {cpu: get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu))
+           for cpu in (False, True)}
+    unchanged = same(before, snapshot(model, opt))
+    train(model, opt, 1, 3, rank, world_size)
+    return got, unchanged
+
+
+def plain_torch_full_state() -> dict:
+    """What torch gives for the same model in fp32 under ``torch.optim.AdamW``, unsharded: the shape to match."""
+    model = make_model(0).float()
+    opt = torch.optim.AdamW(param_groups(model, lr_a=1e-2, lr_b=3e-2))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) if p.requires_grad else None
+    opt.step()
+    return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_full_state_dict_is_the_whole_state_on_every_rank_or_on_rank0s_host(tmp_path, world_size):
+    """``get_optimizer_state_dict(full_state_dict=True)`` is the whole per-parameter state: every moment and
+    master whole in the parameter's shape, equal bit for bit to the checkpoint of the same moment consolidated
+    by the offline reader, in torch's own layout (the keys torch gives an unsharded AdamW, plus ``master``).
+    On every rank's device without ``cpu_offload``; with it on rank 0's host alone, the others' empty, as
+    torch places it."""
+    path = str(tmp_path / "ckpt")
+    results = run_ranks(world_size, full_get_then_continue, path)
+    _, oracle = full_state_of(path)
+    torch_shape = plain_torch_full_state()
+    for rank, (got, unchanged) in enumerate(results):
+        assert unchanged, rank
+        for whole in [got[False]] + ([got[True]] if rank == 0 else []):
+            assert same(whole["state"], oracle["state"]), rank
+            assert all(type(v) is torch.Tensor and v.device.type == "cpu" for e in whole["state"].values()
+                       for v in e.values())
+            assert [g["params"] for g in whole["param_groups"]] == [g["params"] for g in oracle["param_groups"]]
+            assert all(g[k] == o[k] for g, o in zip(whole["param_groups"], oracle["param_groups"]) for k in o)
+            assert set(whole["state"]) == set(torch_shape["state"])
+            for name, entry in torch_shape["state"].items():
+                assert set(whole["state"][name]) == set(entry) | {"master"}, name
+                assert all(whole["state"][name][k].shape == v.shape and whole["state"][name][k].dtype == v.dtype
+                           for k, v in entry.items()), name
+            assert set(whole["param_groups"][0]) >= set(torch_shape["param_groups"][0]) - {"decoupled_weight_decay"}
+        if rank:
+            assert got[True] == {}
+
+
+# ---------------------------------------------------------------- flatten_optimizer_state_dict
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def flat_save_then_continue(rank, world_size, path):
+    model, opt = build(seed=0)
+    train(model, opt, 3, 0, rank, world_size)
+    flat = get_optimizer_state_dict(model, opt, options=FLAT)
+    dcp.save({"optim": flat, "model": model.state_dict()}, checkpoint_id=path)
+    train(model, opt, 2, 3, rank, world_size)
+    return {"keys": sorted(flat), "params": params_of(model)}
+
+
+def flat_load_then_continue(rank, world_size, path):
+    model, opt = build(seed=5)
+    state = {"optim": get_optimizer_state_dict(model, opt, options=FLAT), "model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"], options=FLAT)
+    train(model, opt, 2, 3, rank, world_size)
+    return params_of(model)
+
+
+@pytest.mark.parametrize("load_size", [2, 3])
+def test_flatten_optimizer_state_dict_round_trips_across_dp_sizes(tmp_path, load_size):
+    """TorchTitan's layout before 0.3 (``flatten_optimizer_state_dict=True``: ``state.<fqn>.<key>`` and
+    ``param_groups.<fqn>.<key>``, masters included) through ``dcp.save``/``dcp.load``: a resume at DP 2 is
+    the uninterrupted run bit for bit, at DP 3 within rounding."""
+    path = str(tmp_path / "flat")
+    uninterrupted = run_ranks(2, flat_save_then_continue, path)
+    assert "state.lin1.weight.master" in uninterrupted[0]["keys"] and "param_groups.lin1.weight.lr" in \
+        uninterrupted[0]["keys"]
+    resumed = run_ranks(load_size, flat_load_then_continue, path)
+    if load_size == 2:
+        assert same(resumed[0], uninterrupted[0]["params"]) and same(resumed[1], uninterrupted[1]["params"])
+    else:
+        assert_params_close(resumed[0], uninterrupted[0]["params"], max_ulp=2, max_flip_fraction=0.05)
+
+
+def test_flatten_with_a_loss_scaler_is_refused_on_both_sides():
+    """The scaler's state rides in the first param group, which torch's unflatten rebuilds from the live
+    groups' keys: it would be lost on the way back. Refused by name on the get side, and on the set side a
+    state without it is refused before anything changes."""
+    from nxd_smp.optim.loss_scaler import DynamicLossScaler
+
+    model = make_model(0)
+    opt = Zero1Optimizer(param_groups(model, lr_a=1e-2, lr_b=3e-2), torch.optim.AdamW, compile_update=False,
+                         loss_scaler=DynamicLossScaler(init_scale=2.0**8))
+    train(model, opt, 1, 0)
+    with pytest.raises(CheckpointError, match="flatten_optimizer_state_dict.*loss_scaler"):
+        get_optimizer_state_dict(model, opt, options=FLAT)
+    nested = get_optimizer_state_dict(model, opt)
+    assert "loss_scaler" in nested["param_groups"][0]
+    before = snapshot(model, opt)
+    del nested["param_groups"][0]["loss_scaler"]  # what torch's unflatten hands back
+    with pytest.raises(CheckpointError, match="no loss scaler state.*flatten_optimizer_state_dict"):
+        set_optimizer_state_dict(model, opt, nested)
+    assert same(before, snapshot(model, opt))
+
+
+def test_a_caller_in_torchs_state_dict_module_that_nxd_smp_does_not_know_is_refused_when_full():
+    """The options are read from torch's own frame; a newer torch whose function nxd_smp does not know, asking
+    for a full state, is refused rather than answered with this rank's ranges. Without ``full_state_dict`` it
+    gets the ranges, as any caller does."""
+    model, opt = build()
+    train(model, opt, 1, 0)
+    newer_torch = {"__name__": "torch.distributed.checkpoint.state_dict"}
+    exec("def _get_optim_state_dict_v2(optimizer, info):\n    return optimizer.state_dict()\n", newer_torch)
+
+    class Info:
+        full_state_dict, cpu_offload = True, False
+
+    with pytest.raises(RuntimeError, match="does not know.*read_checkpoint"):
+        newer_torch["_get_optim_state_dict_v2"](opt, Info())
+    Info.full_state_dict = False
+    assert isinstance(newer_torch["_get_optim_state_dict_v2"](opt, Info())["state"][0]["exp_avg"], FlatShard)
