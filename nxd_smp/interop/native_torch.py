@@ -54,7 +54,7 @@ from ..core.dtensors import is_dtensor
 from ..core.errors import CheckpointError
 from ..zero1_optimizer import Zero1Optimizer
 
-__all__ = ["export_torch", "import_torch", "export_safetensors"]
+__all__ = ["export_torch", "import_torch", "export_safetensors", "model_state_dict_of", "master_state_dict"]
 
 MODEL = "model"
 OPTIM = "optim"
@@ -69,7 +69,7 @@ def _as_fp32(tensor: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- export
 def export_torch(path: str | os.PathLike | Sequence[str | os.PathLike], out_dir: str | os.PathLike, *,
-                 overwrite: bool = False) -> Path:
+                 model: nn.Module | None = None, overwrite: bool = False) -> Path:
     """Write the checkpoint at ``path`` as a DCP directory ``out_dir`` holding ``{"model":
     model_sd, "optim": optim_sd}`` in ``get_state_dict(model, optimizer)``'s layout for the
     same model in fp32 under the checkpoint's ``torch.optim`` class.
@@ -88,6 +88,14 @@ def export_torch(path: str | os.PathLike | Sequence[str | os.PathLike], out_dir:
     defaults for every key the class writes (``foreach``, ``fused``, ...), ``params`` as
     FQN lists. A checkpoint saved without an optimizer exports ``{"model": model_sd}`` only.
 
+    ``model``: an instance of the saved model (on the meta device is fine; not parallelized), whose own
+    ``state_dict()`` names the entries: the masters are swapped in as its parameters and its state-dict
+    hooks run over them (``model_state_dict_of``), so a fused parameter (TorchTitan's ``wqkv``, a fused
+    SwiGLU's ``w13``) is exported as the pieces its hooks give (``wq``/``wk``/``wv``), in fp32. Needed where
+    those hooks rename or split parameters; checked against the saved model state dict (the same keys, and
+    each entry rounds to its saved value). The optimizer state stays keyed by parameter FQN, as torch's
+    ``get_state_dict`` keys it.
+
     Written with ``dcp.save(..., no_dist=True)`` into a fresh staging directory beside
     ``out_dir`` (``tempfile.mkdtemp``), moved into place once complete. ``out_dir`` must be
     absent or an empty directory (checked before the checkpoint is read); with
@@ -102,15 +110,18 @@ def export_torch(path: str | os.PathLike | Sequence[str | os.PathLike], out_dir:
         ConfigError: ``path`` or ``out_dir`` is a URL (``s3://...``): object storage is not supported yet.
         CheckpointError: ``out_dir`` exists and is not an empty directory (without
             ``overwrite``); the checkpoint is damaged; its inner optimizer class is not a
-            ``torch.optim`` class.
-        TypeError: ``out_dir`` is not a path or ``overwrite`` not a bool.
+            ``torch.optim`` class; masters the saved model state dict names otherwise and no
+            ``model``, or a ``model`` that is not the one saved.
+        TypeError: ``out_dir`` is not a path, ``model`` not a module or ``overwrite`` not a bool.
     """
+    _check_model_arg(model)
     out = check_output(out_dir, overwrite=overwrite, directory=True)
     full = read_whole_checkpoint(path)
     opt = full["optimizer"]
     masters = None if opt is None else opt["master_weights"]
     if masters is not None:
-        check_masters_named_as_saved(full["model"], masters, path)
+        masters = (masters_through_model(model, full["model"], masters, path) if model is not None
+                   else check_masters_named_as_saved(full["model"], masters, path))
     managed = set() if opt is None else {name for g in opt["groups"] for name in g["params"]}
     model_sd: dict[str, torch.Tensor] = {}
     upcast: dict[str, torch.dtype] = {}
@@ -137,18 +148,21 @@ def export_torch(path: str | os.PathLike | Sequence[str | os.PathLike], out_dir:
 
 
 def check_masters_named_as_saved(model: Mapping[str, torch.Tensor], masters: Mapping[str, torch.Tensor], path: Any
-                                 ) -> None:
+                                 ) -> Mapping[str, torch.Tensor]:
     """The masters are keyed by the parameters' names (``named_parameters``), the model's entries by its
     ``state_dict()`` keys: a model whose state-dict hooks rename or split parameters (TorchTitan's fused
     ``wqkv`` presented as ``wq``/``wk``/``wv``) has masters that no entry is named by, and entries that
     would be written as their saved bf16 values upcast, passing for masters. That is refused, naming both.
+
+    Returns:
+        ``masters``, each named by a saved entry.
 
     Raises:
         CheckpointError: masters under names the model's state dict does not hold.
     """
     unnamed = sorted(set(masters) - set(model))
     if not unnamed:
-        return
+        return masters
     narrow = sorted(key for key, value in model.items() if key not in masters and value.is_floating_point()
                     and value.element_size() < 4)
     raise CheckpointError(
@@ -156,10 +170,70 @@ def check_masters_named_as_saved(model: Mapping[str, torch.Tensor], masters: Map
         f"that name in the saved model state dict, whose "
         + (f"entries {narrow[:8]}{' and more' if len(narrow) > 8 else ''} hold saved low-precision values instead"
            if narrow else "keys differ")
-        + ": the model's state-dict hooks rename or split its parameters, which nxd_smp cannot map its masters "
-        "onto exactly, and exporting the bf16 values upcast as masters would be wrong. Export the parameters as "
-        "saved (export_safetensors(masters=False)), or carry the masters by nxd_smp.load_checkpoint into the live "
-        "model and save that with its own state-dict API.")
+        + ": the model's state-dict hooks rename or split its parameters, and exporting the bf16 values upcast as "
+        "masters would be wrong. Pass an instance of the saved model (model=..., on the meta device is fine): its "
+        "own state_dict() then names the masters, its hooks run over them.")
+
+
+def model_state_dict_of(model: nn.Module, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with ``values`` (by parameter or buffer name, as ``named_parameters`` and
+    ``named_buffers`` give them) in place of the model's own tensors: the model's own code, its state-dict
+    hooks included, names and cuts them (a fused parameter comes out as the pieces its hooks give). The
+    tensors are swapped in for the call only (``torch.nn.utils.stateless``); the model is left as it was."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    with torch.no_grad(), _reparametrize_module(model, dict(values), tie_weights=True, strict=False):
+        return dict(model.state_dict())
+
+
+def _check_model_arg(model: Any) -> None:
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an instance of the saved model (an nn.Module, on the meta device is fine), "
+                        f"got {type(model).__name__}.")
+    if model is not None and any(is_dtensor(p) for p in model.parameters()):
+        raise TypeError("model must be the saved model before parallelize_module (plain parameters, on the meta "
+                        "device is fine): the export holds whole tensors.")
+
+
+def masters_through_model(model: nn.Module, saved: Mapping[str, torch.Tensor], masters: Mapping[str, torch.Tensor],
+                          path: Any) -> dict[str, torch.Tensor]:
+    """The masters under the names ``model``'s own state dict gives them (``model_state_dict_of``: the masters
+    as its parameters, the saved entries as its other parameters and its buffers): the entries it makes of
+    the masters (each in the masters' dtype where the saved one is narrower), every one checked to round to
+    its saved value; the other entries left out.
+
+    Raises:
+        CheckpointError: the model's parameters or buffers are not the saved ones (names, shapes), its state
+            dict names entries the saved one does not, or an entry it makes from the masters does not round to
+            its saved value (another model, or hooks that compute rather than select); each named.
+    """
+    values: dict[str, torch.Tensor] = {}
+    problems: list[str] = []
+    parameters = dict(model.named_parameters())
+    for name, tensor in list(parameters.items()) + list(model.named_buffers()):
+        value = masters.get(name, saved.get(name))
+        if value is None:  # (a buffer the state dict leaves out, or names otherwise: checked below)
+            if name in parameters:
+                problems.append(f"{name}: a parameter neither a master nor a saved entry")
+            continue
+        if tuple(value.shape) != tuple(tensor.shape):
+            problems.append(f"{name}: {tuple(value.shape)} in the checkpoint, {tuple(tensor.shape)} in the model")
+            continue
+        values[name] = value
+    if not problems:
+        made = model_state_dict_of(model, values)
+        problems += [f"{k}: made by the model, not saved" for k in sorted(set(made) - set(saved))[:8]]
+        problems += [f"{k}: saved, not made by the model" for k in sorted(set(saved) - set(made))[:8]]
+        problems += [f"{k}: made by the model from none of the saved tensors" for k, v in made.items()
+                     if isinstance(v, torch.Tensor) and v.is_meta][:8]
+    if not problems:
+        differ = [k for k, v in made.items() if v.shape != saved[k].shape or not torch.equal(v.to(saved[k].dtype), saved[k])]
+        problems += [f"{k}: what the model's state dict makes of the masters does not round to the saved value"
+                     for k in differ[:8]]
+    if problems:
+        raise CheckpointError(f"{path}: the model passed is not the one saved (or its state-dict hooks compute "
+                              f"rather than select): " + "; ".join(problems) + ".")
+    return {key: value for key, value in made.items() if value.dtype != saved[key].dtype}
 
 
 def _torch_optim_state_dict(opt: Mapping[str, Any], inner_class: str) -> dict[str, Any]:
@@ -216,13 +290,15 @@ def _save_dcp(state: dict[str, Any], staging: str, out: Path) -> None:
 
 def export_safetensors(
     path: str | os.PathLike | Sequence[str | os.PathLike], out_file: str | os.PathLike, *, masters: bool = False,
-    overwrite: bool = False,
+    model: nn.Module | None = None, overwrite: bool = False,
 ) -> Path:
     """Write the checkpoint's model weights to one safetensors file ``out_file``: the
     saved parameters (bf16 under SMP) and buffers as they are; with ``masters=True`` the
     fp32 master weights in place of the managed parameters (other entries as saved). A DTensor
     model's checkpoints go in together, in tensor-parallel rank order (``path`` a list), joined into
-    whole tensors as ``export_torch`` joins them; one coordinate's alone is refused.
+    whole tensors as ``export_torch`` joins them; one coordinate's alone is refused. ``model``: an instance of
+    the saved model (meta device is fine), whose own state dict names the masters where its hooks rename or
+    split parameters (``export_torch``'s ``model``).
     Written with ``{"format": "pt"}`` as its metadata into a fresh staging file beside
     ``out_file`` (``tempfile.mkstemp``), moved into place once complete. An existing
     ``out_file`` (a file, or a link, dangling or not) is refused, checked before the
@@ -236,11 +312,15 @@ def export_safetensors(
         ImportError: the ``safetensors`` package is missing (``pip install safetensors``).
         ConfigError: ``path`` or ``out_file`` is a URL (``s3://...``): object storage is not supported yet.
         CheckpointError: ``masters=True`` and the checkpoint holds no master weights;
-            ``out_file`` is a directory, or exists (without ``overwrite``).
+            ``out_file`` is a directory, or exists (without ``overwrite``); masters the saved model state
+            dict names otherwise and no ``model``, or a ``model`` that is not the one saved.
         TypeError: ``masters`` or ``overwrite`` is not a bool, ``out_file`` not a path.
     """
     if not isinstance(masters, bool) or not isinstance(overwrite, bool):
         raise TypeError(f"masters and overwrite must be True or False, got {masters!r} and {overwrite!r}.")
+    _check_model_arg(model)
+    if model is not None and not masters:
+        raise TypeError("model= names the masters (masters=True); the saved parameters keep their saved names.")
     try:
         from safetensors.torch import save
     except ImportError:
@@ -255,8 +335,8 @@ def export_safetensors(
                 f"{path} holds no fp32 master weights; export the saved parameters with masters=False, "
                 f"or save with use_master_weights_in_ckpt=True."
             )
-        check_masters_named_as_saved(tensors, opt["master_weights"], path)
-        tensors.update(opt["master_weights"])
+        tensors.update(masters_through_model(model, tensors, opt["master_weights"], path) if model is not None
+                       else check_masters_named_as_saved(tensors, opt["master_weights"], path))
     tensors = {key: value.contiguous() for key, value in tensors.items()}
     return write_output_file(out, lambda f: f.write(save(tensors, metadata={"format": "pt"})), overwrite=overwrite)
 
@@ -441,3 +521,41 @@ def _read(directory: Path, model: nn.Module, optimizer: Zero1Optimizer, request:
                    if optimizer.mixed_precision.use_master_weights else None)
         staged.optimizer = full_state(state, hypers, masters, source=str(folder.where(METADATA_FILE)))
     return staged
+
+
+# ---------------------------------------------------------------------------- the live model's masters
+def master_state_dict(model: nn.Module, optimizer: Zero1Optimizer) -> dict[str, torch.Tensor]:
+    """``model``'s own ``state_dict()`` with the fp32 master weights in place of the parameters the optimizer
+    manages: its keys, its state-dict hooks run over the masters (``model_state_dict_of``), so a fused
+    parameter comes out as the pieces the model's own state dict gives (TorchTitan's ``wqkv`` as
+    ``wq``/``wk``/``wv``, in fp32). A DTensor parameter's master is a DTensor of the parameter's mesh and
+    placements, so the hooks treat it as they treat the parameter, and the entries are what the model's own
+    state dict holds (DTensors for DTensor parameters). Every rank of the job calls it (the masters are
+    gathered over the data-parallel group, one parameter at a time); each rank then holds the model's fp32
+    weights, as ``model.float().state_dict()`` would.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``Zero1Optimizer`` (or NxD's wrapper of one) over ``model``.
+        CheckpointError: the optimizer keeps no master weights (``use_master_weights=False``): the parameters
+            are the weights, in ``model.state_dict()``.
+    """
+    zero1 = check_args(model, optimizer)
+    if zero1 is None:
+        raise TypeError("master_state_dict needs the Zero1Optimizer whose masters it gives.")
+    if not zero1.mixed_precision.use_master_weights:
+        raise CheckpointError("this optimizer keeps no master weights (use_master_weights=False): the parameters are "
+                              "the weights; use model.state_dict().")
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    missing = [i for i, p in enumerate(zero1.managed_params) if id(p) not in name_of]
+    if missing:
+        raise TypeError(f"the optimizer manages {len(missing)} parameters that are not model's: pass the model whose "
+                        f"parameters it was built with.")
+    values: dict[str, torch.Tensor] = {}
+    for param, master in zip(zero1.managed_params, zero1.rank_state.gathered_masters()):
+        if is_dtensor(param):
+            from torch.distributed.tensor import DTensor
+
+            master = DTensor.from_local(master, param.device_mesh, param.placements, run_check=False,
+                                        shape=param.shape, stride=param.stride())
+        values[name_of[id(param)]] = master
+    return model_state_dict_of(model, values)
