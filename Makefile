@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "nxd_smp pins torch 2.9 + torch-xla 2.9 for Python 3.11; found " + sys.version.split()[0])'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade --quiet pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[xla,test,scripts]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[xla,test,scripts,lightning]'
 	touch $(STAMP)
 
 # A plain install (torch's own dependencies resolved, torch kept at constraints-native.txt's

@@ -7,7 +7,10 @@ MODE ``clip``: ``fit`` for STEPS steps with ``gradient_clip_val=CLIP`` and the c
 parameters, fp32 masters and Adam moments, gathered whole. MODE ``resume``: an uninterrupted run, and
 a run saved with ``trainer.save_checkpoint`` after HALF steps and resumed with ``fit(ckpt_path=...)``
 in a fresh module and trainer; both runs' final parameters and masters. MODE ``no_callback``: the
-save and resume without the callback (the refusal it meets).
+save and resume without the callback (the refusal it meets). MODE ``chain_first:PATH``: an uninterrupted
+run of three epochs, and one epoch saved at PATH; ``chain_next:IN:OUT:EPOCHS``: IN resumed (at this launch's
+DP size) up to EPOCHS epochs and saved at OUT; ``refused:IN``: IN resumed into an SGD optimizer (refused),
+and whether the model changed. MODE ``xla``: the resume under Lightning's XLA strategy on one XLA device.
 """
 
 from __future__ import annotations
@@ -24,11 +27,15 @@ from torch.utils.data import DataLoader, TensorDataset
 GLOBAL_BATCH, STEPS, HALF, LR, CLIP = 8, 6, 3, 1e-3, 0.1
 
 
-def data() -> TensorDataset:
+#: The global batch of the runs that move across DP 2, 1 and 3 (divisible by each).
+CHAIN_BATCH = 12
+
+
+def data(global_batch: int = GLOBAL_BATCH) -> TensorDataset:
     """One epoch of HALF global batches: the save after HALF steps falls at an epoch's end (Lightning
     replays a loader without state from its epoch's start on a resume)."""
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(GLOBAL_BATCH * HALF, 12, generator=g)
+    x = torch.randn(global_batch * HALF, 12, generator=g)
     return TensorDataset(x, x.sum(dim=1, keepdim=True).tanh())
 
 
@@ -37,7 +44,7 @@ def initial_model() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 1)).to(torch.bfloat16)
 
 
-def module_class():
+def module_class(optimizer_class=torch.optim.AdamW):
     import pytorch_lightning as pl
 
     from nxd_smp import MixedPrecisionConfig, Zero1Optimizer
@@ -56,7 +63,7 @@ def module_class():
             self.norms.append(float(self.optimizers().optimizer.grad_norm))
 
         def configure_optimizers(self):
-            return Zero1Optimizer(self.parameters(), torch.optim.AdamW, lr=LR, compile_update=False,
+            return Zero1Optimizer(self.parameters(), optimizer_class, lr=LR, compile_update=False,
                                   mixed_precision=MixedPrecisionConfig(use_master_weights_in_ckpt=True))
 
     return Module
@@ -77,13 +84,46 @@ def trainer(epochs: int, callback: bool, clip: float | None = None):
                       callbacks=[Zero1LightningCallback()] if callback else [])
 
 
-def loader() -> DataLoader:
+def xla_trainer(epochs: int):
+    """Lightning's own XLA strategy on the XLA CPU device: its accelerator counts TPU cores only, so the
+    accelerator is told the one PJRT device there is; the strategy (``SingleDeviceXLAStrategy``, with its
+    ``XLACheckpointIO``) is Lightning's."""
+    import pytorch_lightning as pl
+    import torch_xla
+    from pytorch_lightning.accelerators import XLAAccelerator
+    from pytorch_lightning.strategies import SingleDeviceXLAStrategy
+
+    from nxd_smp.interop.lightning import Zero1LightningCallback
+
+    class XlaCpu(XLAAccelerator):
+        @staticmethod
+        def is_available() -> bool:
+            return True
+
+        @staticmethod
+        def auto_device_count() -> int:
+            return 1
+
+        @staticmethod
+        def parse_devices(devices):
+            return 1
+
+        @staticmethod
+        def get_parallel_devices(devices):
+            return [torch_xla.device()]
+
+    return pl.Trainer(accelerator=XlaCpu(), strategy=SingleDeviceXLAStrategy(device=torch_xla.device()), devices=1,
+                      max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[Zero1LightningCallback()])
+
+
+def loader(global_batch: int = GLOBAL_BATCH) -> DataLoader:
     """This rank's part of each global batch, in order (Lightning's own distributed sampler is off: the
-    global batch of step s is rows [s * GLOBAL_BATCH, (s + 1) * GLOBAL_BATCH), at any DP size)."""
+    global batch of step s is rows [s * global_batch, (s + 1) * global_batch), at any DP size)."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    per_rank = GLOBAL_BATCH // world
-    x, y = data().tensors
-    rows = [s * GLOBAL_BATCH + rank * per_rank + i for s in range(len(x) // GLOBAL_BATCH) for i in range(per_rank)]
+    per_rank = global_batch // world
+    x, y = data(global_batch).tensors
+    rows = [s * global_batch + rank * per_rank + i for s in range(len(x) // global_batch) for i in range(per_rank)]
     return DataLoader(TensorDataset(x[rows], y[rows]), batch_size=per_rank, shuffle=False)
 
 
@@ -144,18 +184,65 @@ def run(mode: str) -> dict:
         half = trainer(1, callback)
         half.fit(first, loader())
         half.save_checkpoint(path)
-        resumed = Module()
-        with torch.no_grad():  # (everything must come from the checkpoint)
-            for p in resumed.parameters():
-                p.add_(0.5)
+        resumed = perturbed(Module())
         try:
             trainer(STEPS // HALF, callback).fit(resumed, loader(), ckpt_path=path)
             result["resumed"] = gathered_state(resumed)
         except Exception as e:  # noqa: BLE001 - the refusal is what the test reads
             result["refused"] = f"{type(e).__name__}: {e}"
+    elif mode.startswith("chain_first:"):  # the uninterrupted run, and its first epoch saved
+        path = mode.split(":", 1)[1]
+        uninterrupted = Module()
+        trainer(3, True).fit(uninterrupted, loader(CHAIN_BATCH))
+        result["uninterrupted"] = gathered_state(uninterrupted)
+        first = Module()
+        half = trainer(1, True)
+        half.fit(first, loader(CHAIN_BATCH))
+        half.save_checkpoint(path)
+        result["saved"] = gathered_state(first)
+    elif mode.startswith("chain_next:"):  # resume IN for one more epoch (EPOCHS in all), save OUT
+        _, src, out, epochs = mode.split(":")
+        resumed = perturbed(Module())
+        resuming = trainer(int(epochs), True)
+        resuming.fit(resumed, loader(CHAIN_BATCH), ckpt_path=src)
+        resuming.save_checkpoint(out)
+        result["resumed"] = gathered_state(resumed)
+    elif mode == "xla":  # one XLA device, under Lightning's own XLA strategy
+        uninterrupted = Module()
+        xla_trainer(2).fit(uninterrupted, loader())
+        path = os.path.join(tempfile.mkdtemp(), "half.ckpt")
+        half = xla_trainer(1)
+        half.fit(Module(), loader())
+        half.save_checkpoint(path)
+        resumed = perturbed(Module())
+        xla_trainer(2).fit(resumed, loader(), ckpt_path=path)
+        saved = torch.load(path, weights_only=True)["optimizer_states"][0]
+        opts = [m.optimizers().optimizer for m in (uninterrupted, resumed)]
+        result = {"format": saved["format"], "saved keys": sorted(saved["state_dict"]["state"][0]),
+                  "strategy": type(half.strategy).__name__,
+                  "params": [{n: p.detach().cpu() for n, p in m.net.named_parameters()} for m in (uninterrupted, resumed)],
+                  "masters": [[t.detach().cpu() for t in o.master_shards] for o in opts]}
+    elif mode.startswith("refused:"):  # IN into an SGD optimizer: refused before the model changes
+        src = mode.split(":", 1)[1]
+        other = perturbed(module_class(torch.optim.SGD)())
+        before = {n: p.detach().clone() for n, p in other.net.named_parameters()}
+        try:
+            trainer(2, True).fit(other, loader(CHAIN_BATCH), ckpt_path=src)
+            result["refused"] = None
+        except Exception as e:  # noqa: BLE001 - the refusal is what the test reads
+            result["refused"] = f"{type(e).__name__}: {e}"
+        result["model unchanged"] = all(torch.equal(p, before[n]) for n, p in other.net.named_parameters())
     else:
         raise ValueError(f"unknown mode {mode!r}")
     return result
+
+
+def perturbed(module):
+    """``module`` with every weight moved: what a resume installs must come from the checkpoint."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.5)
+    return module
 
 
 if __name__ == "__main__":

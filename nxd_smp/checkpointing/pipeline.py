@@ -450,3 +450,28 @@ def load_rank_state(optimizer: Zero1Optimizer, state_dict: Any, *, install: bool
 
 
 rank_state.register_loader(load_rank_state)
+
+
+def load_together(model: nn.Module, optimizer: Zero1Optimizer, model_state: Mapping[str, Any] | None, state_dict: Any,
+                  *, what: str) -> None:
+    """A model's state dict and its optimizer's (``state_dict()``'s layout: this rank's ranges, or each
+    parameter's whole tensors, sliced on arrival at any DP size) installed together: read, checked, agreed
+    on by every rank and installed in one transaction, so a state that does not fit changes neither the
+    model nor the optimizer. ``model_state`` None: the optimizer's alone. Every rank calls it.
+
+    Raises:
+        CheckpointError: the state does not fit the model or the optimizer, on any rank; naming how.
+    """
+    targets = Targets(model=model if model_state is not None else None, optimizer=optimizer, objects={},
+                      backend=optimizer.backend)
+
+    def read(request: Request) -> Staged:
+        staged = read_rank_state(targets, state_dict, request)
+        if model_state is not None:
+            tensors = {key: value for key, value in model_state.items() if isinstance(value, torch.Tensor)}
+            staged.model_shapes = {key: (tuple(value.shape), value.dtype) for key, value in tensors.items()}
+            staged.model = {key: value for key, value in tensors.items() if key in (request.model_keys or ())}
+            staged.source_of["model"] = what
+        return staged
+
+    run(read, targets, what=what)

@@ -6,13 +6,21 @@ checkpoints, its gradient clipping and DDP's all-reduce::
     trainer.fit(module)                      # configure_optimizers returns a Zero1Optimizer
     trainer.fit(module, ckpt_path="last.ckpt")
 
-* **Checkpoints.** Lightning puts ``optimizer.state_dict()`` of each rank in the checkpoint and
-  writes it from rank 0 alone: a ZeRO-1 state is that rank's shard. At each save the callback
-  gathers every rank's state dict to rank 0 (on the host, pickled as plain tensors) into the
-  checkpoint's ``optimizer_states``; at ``fit(ckpt_path=...)`` each rank takes its own back before
-  Lightning hands it to ``load_state_dict`` (the one load pipeline: checked, agreed on, installed).
-  Rank 0 holds every rank's optimizer state while Lightning writes, as its single file does. The
-  resume is at the same DP size; ``nxd_smp.save_checkpoint`` or torch's DCP move across sizes.
+* **Checkpoints, at any DP size.** Lightning puts ``optimizer.state_dict()`` of each rank in the
+  checkpoint and writes it from rank 0 alone: a ZeRO-1 state is that rank's shard. At each save the
+  callback puts the whole state there instead: every parameter's moments and master gathered over the
+  data-parallel group through the optimizer's own backend (``RankState.full_state_dict``, one parameter
+  at a time, to rank 0's host; torch.distributed or, under ``XLAStrategy``, XLA's collectives), the
+  state ``torch``'s ``full_state_dict`` option gives. A resume at any DP size slices each rank's ranges
+  from it on arrival.
+* **Model and optimizer installed together.** Lightning restores the model before the optimizer
+  exists (under DDP it is built afterwards), so a resume that does not fit would leave the model loaded
+  and the optimizer not. The callback wraps the strategy's ``checkpoint_io`` in ``setup``: when Lightning
+  reads a checkpoint of this callback's, the model's entries are held back (Lightning restores the
+  module's own current values, which changes nothing), and when Lightning loads the optimizer's state the
+  model's entries and the optimizer's state go through nxd_smp's one load pipeline together (read,
+  check, every rank's agreement, install): a checkpoint that does not fit is refused before the model
+  changes, on every rank.
 * **Clipping.** Lightning clips ``.grad``, which fp32 accumulation leaves empty. With
   ``gradient_clip_val`` set the callback makes it the optimizer's clipping (``max_norm``, applied
   inside ``step()`` to the fp32 norm of the whole model); ``gradient_clip_algorithm="value"`` is
@@ -28,31 +36,80 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from pytorch_lightning import Callback
-from torch.utils._pytree import tree_map_only
 
+from ..checkpointing.pipeline import load_together
 from ..core.errors import CheckpointError, ConfigError
+from ..optim import rank_state
 from ..optim.clip_watch import silence
-from ..zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
+from ..zero1_optimizer import STATE_LOADED, Zero1Optimizer, zero1_optimizer_of
 from .ddp import skip_ddp_allreduce
 
 __all__ = ["Zero1LightningCallback"]
 
-#: What the callback puts in a Lightning checkpoint's ``optimizer_states`` for a nxd_smp optimizer.
-RANKS_FORMAT = "nxd_smp.lightning_ranks/1"
+#: What the callback puts in a Lightning checkpoint's ``optimizer_states`` for a nxd_smp optimizer:
+#: ``{"format": WHOLE_FORMAT, "state_dict": the whole state}``.
+WHOLE_FORMAT = "nxd_smp.lightning_whole/1"
+
+rank_state.add_hint(f"format:{WHOLE_FORMAT}",
+                    "It is a Lightning checkpoint's whole optimizer state: resume it with Zero1LightningCallback "
+                    "among the trainer's callbacks, which installs it with the model at any DP size.")
+
+
+class _Pending:
+    """What a resume holds back until the optimizer's state is loaded: the model's entries and, per
+    optimizer, the whole state; Lightning is handed this in place of each state."""
+
+    def __init__(self, model: Mapping[str, Any], states: dict[int, Any]):
+        self.model = model
+        self.states = states
+        self.model_installed = False
 
 
 class Zero1LightningCallback(Callback):
-    """Makes Lightning's checkpoints hold every rank's optimizer state, its ``gradient_clip_val`` the
-    optimizer's clipping, and DDP's all-reduce nothing (the module's docstring says how).
+    """Makes Lightning's checkpoints hold the optimizer's whole state (resumable at any DP size, with the
+    model installed together with it), its ``gradient_clip_val`` the optimizer's clipping, and DDP's
+    all-reduce nothing (the module's docstring says how).
 
     Raises:
         TypeError: at the start of ``fit``, none of the trainer's optimizers is a ``Zero1Optimizer``.
-        ValueError: at the start of ``fit``, ``gradient_clip_algorithm="value"``.
-        CheckpointError: at a resume, a checkpoint saved at another DP size, or its ranks' states damaged.
+        ConfigError: at the start of ``fit``, ``gradient_clip_algorithm="value"``.
+        CheckpointError: at a resume, a checkpoint whose state does not fit the model and optimizer (every
+            rank refuses, nothing changed), or whose optimizer state is damaged.
     """
+
+    def __init__(self) -> None:
+        self._pending: _Pending | None = None
+        self._hooks: list[Any] = []
+        self._io: Any = None
+
+    # ---------------------------------------------------------------- set up
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """The strategy's ``checkpoint_io`` reads as it does, and then holds a checkpoint's model entries back
+        (``_hold_back``). Its ``load_checkpoint`` is wrapped on the instance, since a strategy may take only
+        its own class of ``checkpoint_io`` (XLA's); ``teardown`` unwraps it."""
+        io = trainer.strategy.checkpoint_io
+        if "load_checkpoint" in vars(io):
+            return
+        trainer.strategy.checkpoint_io = io  # (XLA's strategies make a new one at each read until one is set)
+        read = io.load_checkpoint
+
+        def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            checkpoint = read(*args, **kwargs)
+            self._hold_back(trainer, checkpoint)
+            return checkpoint
+
+        io.load_checkpoint = load_checkpoint
+        self._io = io
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._io is not None:
+            vars(self._io).pop("load_checkpoint", None)
+            self._io = None
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._pending = None
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         optimizers = self._zero1_optimizers(trainer)
@@ -66,45 +123,66 @@ class Zero1LightningCallback(Callback):
                                  f"the whole model inside step(); use gradient_clip_algorithm='norm' (the default).")
             for zero1 in optimizers:
                 zero1.set_clipping(True, float(value))
-        for zero1 in optimizers:
+        for i, optimizer in enumerate(trainer.optimizers):
+            zero1 = zero1_optimizer_of(optimizer)
+            if zero1 is None:
+                continue
             silence(zero1.managed_params)  # (Lightning's clip_grad_norm_ finds no .grad: the optimizer clips)
             skip_ddp_allreduce(trainer.strategy.model, zero1)
+            self._hooks.append(zero1.register_load_state_dict_pre_hook(
+                lambda opt, state, i=i: self._install(trainer, opt, state, i)))
 
     @staticmethod
     def _zero1_optimizers(trainer: Any) -> list[Zero1Optimizer]:
         found = [zero1_optimizer_of(o) for o in trainer.optimizers]
         return [z for z in found if z is not None]
 
+    # ---------------------------------------------------------------- save
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """Every rank: each nxd_smp optimizer's whole state gathered to rank 0's host (the only rank whose
+        checkpoint Lightning writes) in place of this rank's ranges."""
         states = checkpoint.get("optimizer_states")
         if not isinstance(states, list):
             return
         for i, optimizer in enumerate(trainer.optimizers[:len(states)]):
-            if zero1_optimizer_of(optimizer) is None:
+            zero1 = zero1_optimizer_of(optimizer)
+            if zero1 is None:
                 continue
-            local = tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), states[i])  # (FlatShards stay)
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-                dist.gather_object(local, gathered, dst=0)
-            else:
-                gathered = [local]
-            states[i] = {"format": RANKS_FORMAT, "ranks": gathered}
+            zero1.adopt_param_changes()
+            whole = zero1.rank_state.full_state_dict(keep=trainer.global_rank == 0, cpu=True)
+            states[i] = {"format": WHOLE_FORMAT, "state_dict": whole}
 
-    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+    # ---------------------------------------------------------------- resume
+    def _hold_back(self, trainer: Any, checkpoint: dict[str, Any]) -> None:
+        """Lightning read ``checkpoint``: hold its model entries and this callback's optimizer states back,
+        handing Lightning the module's own current values and a marker in their place."""
         states = checkpoint.get("optimizer_states")
         if not isinstance(states, list):
             return
+        ours: dict[int, Any] = {}
         for i, state in enumerate(states):
-            if not (isinstance(state, Mapping) and state.get("format") == RANKS_FORMAT):
-                continue
-            ranks = state.get("ranks")
-            if not isinstance(ranks, list) or not all(isinstance(r, Mapping) for r in ranks):
-                raise CheckpointError(f"the checkpoint's optimizer_states[{i}] is damaged: its ranks' states are not "
-                                      f"a list of state dicts.")
-            if len(ranks) != trainer.world_size:
-                raise CheckpointError(
-                    f"the checkpoint holds the optimizer states of {len(ranks)} ranks and this run has "
-                    f"{trainer.world_size}: a Lightning checkpoint resumes at the DP size it was saved at. To change "
-                    f"it, save with nxd_smp.save_checkpoint (or torch's dcp.save of get_optimizer_state_dict) and "
-                    f"load that at the new size.")
-            states[i] = ranks[trainer.global_rank]
+            if isinstance(state, Mapping) and state.get("format") == WHOLE_FORMAT:
+                if not isinstance(state.get("state_dict"), Mapping):
+                    raise CheckpointError(f"the checkpoint's optimizer_states[{i}] is damaged: its whole state is not "
+                                          f"a state dict.")
+                ours[i] = state["state_dict"]
+        model = checkpoint.get("state_dict")
+        if not ours or not isinstance(model, Mapping):
+            return
+        module = trainer.lightning_module
+        self._pending = _Pending(model, ours)
+        checkpoint["state_dict"] = {key: value.detach().clone() for key, value in module.state_dict().items()}
+        for i in ours:
+            states[i] = self._pending
+
+    def _install(self, trainer: Any, optimizer: Zero1Optimizer, state: Any, i: int) -> Any:
+        """The optimizer's ``load_state_dict`` pre-hook: a held-back state installed with the model's entries
+        (the first time: with the first optimizer's state) through the one load pipeline."""
+        pending = self._pending
+        if state is not pending or pending is None:
+            return None
+        model = trainer.lightning_module
+        load_together(model, optimizer, pending.model if not pending.model_installed else None, pending.states[i],
+                      what=f"the Lightning checkpoint's optimizer_states[{i}]")
+        pending.model_installed = True
+        return STATE_LOADED

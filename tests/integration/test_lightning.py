@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("pytorch_lightning")
 
-from tests.distributed import run_launched  # noqa: E402
+from tests.distributed import run_launched, run_python  # noqa: E402
 from tests.lightning_worker import CLIP, GLOBAL_BATCH, LR, STEPS, data, initial_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,3 +115,67 @@ def test_lightnings_own_save_and_resume_hold_every_ranks_shard(launched, ranks):
 def test_without_the_callback_a_ddp_resume_is_refused_on_every_rank(launched):
     run = launched(2)["no_callback"]
     assert "CheckpointError" in run.get("refused", ""), run.get("refused")
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    """Saved by Lightning at DDP 2 after one epoch, resumed at DP 1 for the second and saved, resumed at
+    DDP 3 for the third; and the DP 1 checkpoint resumed into an SGD optimizer. Each launch's rank 0 results."""
+    folder = tmp_path_factory.mktemp("chain")
+    env = {**os.environ, "USE_TORCH_XLA": "0", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    one, two = folder / "dp2.ckpt", folder / "dp1.ckpt"
+    steps = [(2, [f"chain_first:{one}"]), (1, [f"chain_next:{one}:{two}:2", f"refused:{two}"]),
+             (3, [f"chain_next:{two}:{folder / 'dp3.ckpt'}:3"])]
+    results = []
+    for ranks, modes in steps:
+        out = folder / f"out{len(results)}.pt"
+        proc = run_launched(ranks, ["-m", "tests.lightning_worker", str(out), *modes], cwd=ROOT, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        results.append(torch.load(out, weights_only=True))
+    return results
+
+
+def test_lightning_resumes_at_any_dp_size_like_the_uninterrupted_run(chain):
+    """DDP 2 -> DP 1 -> DDP 3 through Lightning's own ``save_checkpoint`` and ``fit(ckpt_path=...)``: each
+    checkpoint holds the whole state, each resume slices its ranks' ranges, and the run ends where the
+    uninterrupted DDP 2 run does, to rounding (the sum over ranks rounds differently at each size)."""
+    from tests.oracle import assert_params_close
+
+    first, second, third = chain
+    uninterrupted = next(v for k, v in first.items() if k.startswith("chain_first:"))
+    final = next(v for k, v in third.items() if k.startswith("chain_next:"))["resumed"]
+    expected = uninterrupted["uninterrupted"]
+    assert_params_close(final["params"], expected["params"], max_ulp=2, max_flip_fraction=0.1)
+    masters = {k: v for k, v in expected["state"].items() if k.endswith("/master")}
+    moments = {k: v for k, v in expected["state"].items() if not k.endswith("/master")}
+    assert update_error({k.split("/")[0]: v for k, v in final["state"].items() if k.endswith("/master")},
+                        {k.split("/")[0]: v for k, v in masters.items()}) < 5e-2
+    assert moment_error(final["state"], moments) < 1e-2
+    # calibration: the state after the first epoch, or the second, is not the end of the run
+    for earlier in (uninterrupted["saved"], next(v for k, v in chain[1].items() if k.startswith("chain_next:"))["resumed"]):
+        assert moment_error(earlier["state"], moments) > 5e-2
+
+
+def test_a_resume_that_does_not_fit_is_refused_before_lightning_changes_the_model(chain):
+    refused = next(v for k, v in chain[1].items() if k.startswith("refused:"))
+    assert "CheckpointError" in (refused["refused"] or ""), refused["refused"]
+    assert refused["model unchanged"]
+
+
+@pytest.mark.requires_xla
+def test_under_lightnings_xla_strategy_the_resume_equals_the_uninterrupted_run(tmp_path):
+    """Lightning's ``SingleDeviceXLAStrategy`` on the XLA CPU device (no torch.distributed): the checkpoint
+    holds the whole state, gathered through the optimizer's XLA backend, and the resume equals the
+    uninterrupted run bit for bit (parameters and masters)."""
+    out = tmp_path / "xla.pt"
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    proc = run_python(["-m", "tests.lightning_worker", str(out), "xla"], cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = torch.load(out, weights_only=True)["xla"]
+    assert got["strategy"] == "SingleDeviceXLAStrategy" and got["format"] == "nxd_smp.lightning_whole/1"
+    assert got["saved keys"] == ["exp_avg", "exp_avg_sq", "master", "step"]
+    uninterrupted, resumed = got["params"]
+    assert all(torch.equal(resumed[n], v) for n, v in uninterrupted.items())
+    assert all(torch.equal(a, b) for a, b in zip(*got["masters"]))
+
