@@ -222,6 +222,17 @@ def run(mode: str) -> dict:
                   "strategy": type(half.strategy).__name__,
                   "params": [{n: p.detach().cpu() for n, p in m.net.named_parameters()} for m in (uninterrupted, resumed)],
                   "masters": [[t.detach().cpu() for t in o.master_shards] for o in opts]}
+    elif mode.startswith("validate:"):  # validate(ckpt_path=IN) restores the model alone, as Lightning does
+        src = mode.split(":", 1)[1]
+
+        class Validated(Module):
+            def validation_step(self, batch, _):
+                return self.training_step(batch, _)
+
+        module = perturbed(Validated())
+        trainer(1, True).validate(module, loader(CHAIN_BATCH), ckpt_path=src, verbose=False)
+        saved = torch.load(src, weights_only=True)["state_dict"]
+        result["model restored"] = all(torch.equal(p, saved[f"net.{n}"]) for n, p in module.net.named_parameters())
     elif mode.startswith("refused:"):  # IN into an SGD optimizer: refused before the model changes
         src = mode.split(":", 1)[1]
         other = perturbed(module_class(torch.optim.SGD)())

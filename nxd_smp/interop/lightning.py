@@ -87,7 +87,10 @@ class Zero1LightningCallback(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """The strategy's ``checkpoint_io`` reads as it does, and then holds a checkpoint's model entries back
         (``_hold_back``). Its ``load_checkpoint`` is wrapped on the instance, since a strategy may take only
-        its own class of ``checkpoint_io`` (XLA's); ``teardown`` unwraps it."""
+        its own class of ``checkpoint_io`` (XLA's); ``teardown`` unwraps it. Only for ``fit``: ``validate``,
+        ``test`` and ``predict`` restore the model alone, as Lightning does."""
+        if stage != "fit":
+            return
         io = trainer.strategy.checkpoint_io
         if "load_checkpoint" in vars(io):
             return
@@ -155,7 +158,7 @@ class Zero1LightningCallback(Callback):
     # ---------------------------------------------------------------- resume
     def _hold_back(self, trainer: Any, checkpoint: dict[str, Any]) -> None:
         """Lightning read ``checkpoint``: hold its model entries and this callback's optimizer states back,
-        handing Lightning the module's own current values and a marker in their place."""
+        handing Lightning the module's own current tensors and the pending install in their place."""
         states = checkpoint.get("optimizer_states")
         if not isinstance(states, list):
             return
@@ -169,9 +172,9 @@ class Zero1LightningCallback(Callback):
         model = checkpoint.get("state_dict")
         if not ours or not isinstance(model, Mapping):
             return
-        module = trainer.lightning_module
         self._pending = _Pending(model, ours)
-        checkpoint["state_dict"] = {key: value.detach().clone() for key, value in module.state_dict().items()}
+        # (the module's own tensors: Lightning copies each onto itself, no memory and no change)
+        checkpoint["state_dict"] = dict(trainer.lightning_module.state_dict())
         for i in ours:
             states[i] = self._pending
 

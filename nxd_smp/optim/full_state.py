@@ -26,7 +26,7 @@ import torch
 
 from ..core.dtensors import is_dtensor, local_shape
 from ..core.errors import CheckpointError
-from ..core.layout import BucketLayout
+from ..core.layout import BucketLayout, intersect
 
 #: The module of torch's distributed state-dict API, and its functions that call ``state_dict()``.
 TORCH_STATE_DICT = "torch.distributed.checkpoint.state_dict"
@@ -85,16 +85,15 @@ def gather(value: torch.Tensor, layout: BucketLayout, position: int, backend: An
     same parameter at once (and the parameter's tensor-parallel peers, for a DTensor). ``join=False``: this
     rank's tensor-parallel part, in the shape of the parameter's local part (no collective over its mesh)."""
     start, end = layout.param_range(position)
-    size = layout.shard_numel
-    spans = [(max(start, r * size), min(end, (r + 1) * size)) for r in range(layout.world_size)]
-    longest = max(0, *(hi - lo for lo, hi in spans))
+    spans = [intersect((start, end), layout.shard_range(r)) or (0, 0) for r in range(layout.world_size)]
+    longest = max(hi - lo for lo, hi in spans)
     if layout.world_size == 1 or longest == 0:
         whole = value.detach().clone()
     else:
         padded = value.new_zeros(longest)
         padded[:value.numel()] = value.detach()
         gathered = backend.all_gather(padded)
-        whole = torch.cat([gathered[r * longest:r * longest + max(hi - lo, 0)] for r, (lo, hi) in enumerate(spans)])
+        whole = torch.cat([gathered[r * longest:r * longest + hi - lo] for r, (lo, hi) in enumerate(spans)])
         del gathered
     whole = whole.view(local_shape(param))
     if join and is_dtensor(param):

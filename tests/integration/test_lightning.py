@@ -124,7 +124,7 @@ def chain(tmp_path_factory):
     folder = tmp_path_factory.mktemp("chain")
     env = {**os.environ, "USE_TORCH_XLA": "0", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     one, two = folder / "dp2.ckpt", folder / "dp1.ckpt"
-    steps = [(2, [f"chain_first:{one}"]), (1, [f"chain_next:{one}:{two}:2", f"refused:{two}"]),
+    steps = [(2, [f"chain_first:{one}"]), (1, [f"chain_next:{one}:{two}:2", f"refused:{two}", f"validate:{two}"]),
              (3, [f"chain_next:{two}:{folder / 'dp3.ckpt'}:3"])]
     results = []
     for ranks, modes in steps:
@@ -178,4 +178,9 @@ def test_under_lightnings_xla_strategy_the_resume_equals_the_uninterrupted_run(t
     uninterrupted, resumed = got["params"]
     assert all(torch.equal(resumed[n], v) for n, v in uninterrupted.items())
     assert all(torch.equal(a, b) for a, b in zip(*got["masters"]))
+
+
+def test_validate_from_a_checkpoint_restores_the_model_as_lightning_does(chain):
+    """Outside ``fit`` the callback holds nothing back: ``validate(ckpt_path=...)`` loads the saved weights."""
+    assert next(v for k, v in chain[1].items() if k.startswith("validate:"))["model restored"]
 

@@ -337,7 +337,8 @@ DOCUMENTED = {
     "nxd_smp.interop.nxd": ["neuronx_distributed_config", "initialize_parallel_optimizer", "ClippedOptimizer",
                             "NxDOptimizer", "NeuronZero1Optimizer", "configs_from_nxd_dict", "patch_neuronx_distributed"],
     "nxd_smp.interop.torch_xla": ["export_xla", "import_xla"],
-    "nxd_smp.interop.native_torch": ["export_torch", "import_torch", "export_safetensors"],
+    "nxd_smp.interop.native_torch": ["export_torch", "import_torch", "export_safetensors", "master_state_dict",
+                                     "model_state_dict_of"],
     "nxd_smp.interop.loop_checkpoints": ["save_beside", "load_beside", "read_reference", "refer_to_checkpoint",
                                          "checkpoint_reference"],
     "nxd_smp.interop.accelerate": ["register_accelerate_hooks"],
@@ -345,7 +346,7 @@ DOCUMENTED = {
     "nxd_smp.interop.torchtitan": ["build_zero1_optimizers"],
     "nxd_smp.interop.lightning": ["Zero1LightningCallback"],
 }
-#: Documented modules that import a framework the pinned environment does not install (the native one does).
+#: Documented modules that import a framework an environment may lack (both suites' environments install it).
 NEEDS = {"nxd_smp.interop.lightning": "pytorch_lightning"}
 
 
