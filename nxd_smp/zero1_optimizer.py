@@ -26,7 +26,7 @@ this rank's state (``optim.rank_state``: the state dict, ``opt.state``'s view, t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -359,12 +359,6 @@ class Zero1Optimizer(torch.optim.Optimizer):
         if cached is None or cached[0] != self._state_generation:
             cached = self.__dict__["_masters_cache"] = (self._state_generation, self._masters.values())
         return cached[1]
-
-    def load_master_shards(self, shards: Sequence[torch.Tensor]) -> None:
-        """Set the master shards (shaped as ``master_shards``) and make every rank's parameters
-        ``master.to(param dtype)``. Every rank of the group calls it."""
-        self._require_initialized()
-        self._masters.load(shards)
 
     def rebuild_master_from_params(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Rebuild the master weights of ``params`` (default: every managed parameter) from their

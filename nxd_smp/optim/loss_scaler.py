@@ -235,10 +235,6 @@ class DynamicLossScaler:
             "hysteresis_tracker": self.hysteresis_tracker.detach().clone(),
         }
 
-    def check_state(self, state: Any) -> list[str]:
-        """``check_scaler_state(state, self)``: the problems of ``state`` as this scaler's state."""
-        return check_scaler_state(state, self)
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Install ``state`` (``state_dict()``'s), checked first (``check_scaler_state``): all of it
         or, refused, nothing.

@@ -358,8 +358,7 @@ class StateFit:
 
     ``problems`` says everything that does not fit: the group count, each group's hyperparameters
     (their kinds, and their values as the class's constructor accepts them), and each state entry
-    handed to it. ``expected_keys`` says which state keys the installed groups
-    make, for a format that records keys rather than entries.
+    handed to it.
     """
 
     def __init__(self, optimizer_class: type, live_groups: Sequence[Mapping[str, Any]], saved_groups: Sequence[Any]):
@@ -399,15 +398,3 @@ class StateFit:
         for group, where, entry, shape in entries:
             problems += check_state_entry(entry, self.kinds(group), shape, where)
         return problems
-
-    def expected_keys(self) -> tuple[set[str], set[str]] | None:
-        """The state keys every installed group makes together: (moments, 0-dim), or None where
-        a class could not be probed."""
-        tensors, scalars = set(), set()
-        for group in range(len(self.live_groups)):
-            kinds = self.kinds(group)
-            if kinds is None:
-                return None
-            tensors |= {k for k, moment in kinds.items() if moment}
-            scalars |= {k for k, moment in kinds.items() if moment is False}
-        return tensors, scalars

@@ -66,6 +66,11 @@ class NxDOptimizer(torch.optim.Optimizer):
     NxD), so LR schedulers act on it; ``state_dict``, ``load_state_dict``, ``add_param_group``
     and ``zero_grad`` (``set_to_none=False`` by default, as NxD's) go to it; any other attribute
     is looked up on it (``master_shards``, ``init_zero``, ``backend``, ``mixed_precision``...).
+    With ZeRO-1 on, ``load_state_dict`` is the ``Zero1Optimizer``'s, nxd_smp's one load pipeline. With
+    ZeRO-1 off it is the plain torch optimizer's own, and that is enough: every rank holds the whole,
+    unsharded state, with no masters, layout or ranges to check against, so nothing nxd_smp adds applies
+    (its checkpoints, ``save_checkpoint(..., optimizer=wrapper)``, refuse a plain optimizer and say how to
+    save it).
 
     Args:
         optimizer: what the config asks for: a ``Zero1Optimizer`` with ZeRO-1 on (built with the
