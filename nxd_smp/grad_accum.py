@@ -13,9 +13,10 @@ Three sources, one per way the gradient is accumulated (the precision plan says 
   bucket reduce-scattered from the hooks as soon as backward has produced it.
 
 A fourth, ``ReplicatedGrads``, serves NxD's trainer wrapper with ZeRO-1 off: there a plain optimizer
-steps every parameter on every rank, so the gradient stays whole in ``.grad`` and is all-reduced in
-place, in NxD's order, through the same topology; the norm and the clip then run as every other
-source's (``Topology.global_norm`` by norm role, ``optim.norm``'s coefficient).
+steps every parameter on every rank, so this rank's part of each gradient is the whole of it, in
+``.grad``, all-reduced in place, in NxD's order, through the same topology (``grad_reduction`` "mean"
+or "sum" as the optimizer's); the norm and the clip are the one function every source's step calls
+(``Topology.norm_and_coefficient``).
 
 With fp32 accumulation a post-accumulate-grad hook adds each micro-batch's gradient into
 the parameter's ``main_grad`` and frees ``param.grad``, so the low-precision gradient lives
@@ -52,7 +53,7 @@ from .optim.param_groups import sequence_parallel_marked
 from .optim.precision import PrecisionPlan
 from .optim.topology import Topology
 
-__all__ = ["GradientSource", "AutogradGrads", "MainGradBuffers", "ShardedMainGrads"]
+__all__ = ["GradientSource", "AutogradGrads", "MainGradBuffers", "ShardedMainGrads", "ReplicatedGrads"]
 
 # The hook currently registered on each parameter. A parameter is accumulated by one
 # MainGradBuffers at a time: building a new one for the same parameter (a new optimizer
@@ -488,34 +489,56 @@ class ShardedMainGrads(GradientSource):
         return self._sums[b]
 
 
-class ReplicatedGrads:
+class ReplicatedGrads(GradientSource):
     """The gradient of a plain (unsharded) optimizer under NxD's trainer wrapper with ZeRO-1 off: every
-    rank holds the whole gradient in ``.grad``, all-reduced in place.
+    rank holds the whole gradient in ``.grad``, reduced in place. Its part of each gradient is the whole
+    of it (``reduce``), every parameter's ``.grad``, which autograd accumulates and the loop clears.
 
     Args:
         param_groups: returns the optimizer's param groups (asked at each step: a load or an added
             group may replace them; the parameters with a ``.grad`` then are reduced).
         topology: the groups.
+        plan: the dtypes (the norm's).
+        grad_reduction: ``"mean"`` (NxD's: each gradient divided by the data-parallel size, and over
+            context parallelism by its size, before it is summed) or ``"sum"`` (summed: a loss that is
+            each rank's sum over its tokens divided by the global token count).
     """
 
-    def __init__(self, param_groups: Callable[[], Sequence[dict]], topology: Topology):
+    def __init__(self, param_groups: Callable[[], Sequence[dict]], topology: Topology, plan: PrecisionPlan,
+                 grad_reduction: str = "mean"):
+        super().__init__([], [], topology, plan)
+        if grad_reduction not in ("mean", "sum"):
+            raise ConfigError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}.")
+        self.grad_reduction = grad_reduction
         self._groups = param_groups
-        self._topology = topology
+        self._reduced: list[torch.Tensor] = []
+
+    def _with_grad(self) -> list[torch.Tensor]:
+        return [p for group in self._groups() for p in group["params"] if p.grad is not None]
 
     @torch.no_grad()
-    def reduce(self) -> dict[str, list[torch.Tensor]]:
-        """Every ``.grad`` reduced in place in NxD's order: the mean over context parallelism, the sum over
-        tensor parallelism of the parameters marked ``sequence_parallel_enabled``, the data-parallel
-        mean (bucketed, last parameters first). Returns them by norm role (``optim.norm.norm_role``)."""
-        with_grad = [p for group in self._groups() for p in group["params"] if p.grad is not None]
+    def reduce(self) -> list[torch.Tensor]:
+        """Every ``.grad`` reduced in place in NxD's order, and returned (the parameters' order): the
+        context-parallel mean, the sum over tensor parallelism of the parameters marked
+        ``sequence_parallel_enabled``, the data-parallel mean (bucketed, last parameters first); with
+        ``"sum"`` the context- and data-parallel sums instead. The norm's roles: ``norm_roles``."""
+        with_grad = self._with_grad()
         grads = [p.grad for p in with_grad]
-        self._topology.sum_model_parallel_(grads, [sequence_parallel_marked(p) for p in with_grad], per_parameter=True)
+        mean = self.grad_reduction == "mean"
+        self._topology.sum_model_parallel_(grads, [sequence_parallel_marked(p) for p in with_grad],
+                                           per_parameter=True, mean=mean)
         data = self._topology.data
         if data.world_size > 1:
-            torch._foreach_div_(grads, float(data.world_size))
+            if mean:
+                torch._foreach_div_(grads, float(data.world_size))
             data.all_reduce_many_(grads[::-1])
+        self._reduced = with_grad
+        return grads
+
+    def norm_roles(self) -> dict[str, list[torch.Tensor]]:
+        """The gradients the last ``reduce`` returned, by norm role (``optim.norm.norm_role``)."""
         pipeline = bool(self._topology.pipeline)
         by_role: dict[str, list[torch.Tensor]] = {role: [] for role in NORM_ROLES}
-        for p in with_grad:
+        for p in self._reduced:
             by_role[norm_role(p, pipeline_parallel=pipeline)].append(p.grad)
         return by_role

@@ -43,7 +43,7 @@ from .optim.frozen import FrozenParams
 from .optim.inner_step import InnerStep
 from .optim.loss_scaler import DynamicLossScaler
 from .optim.masters import MasterWeights
-from .optim.norm import NORM_ROLES, gradient_coefficient, norm_role
+from .optim.norm import NORM_ROLES, norm_role
 from .optim.param_groups import (
     check_optimizer_class,
     group_kernel_choices,
@@ -542,19 +542,12 @@ class Zero1Optimizer(torch.optim.Optimizer):
         grads = self._grads.reduce()  # 1. reduce
         if frozen is not None:
             frozen.zero_(grads)  # (a frozen parameter's gradient is no part of the norm)
-        norm = self._topology.global_norm(  # 2. norm
+        norm, coef, found_inf = self._topology.norm_and_coefficient(  # 2. norm, 3. clip (the mean's 1/N, the scale)
             {role: [grads[b] for b in buckets] for role, buckets in self._norm_buckets.items()}, sharded=True,
-            dtype=self._plan.norm, device=self._backend.device,
-            compiled=self._inner_step.compiling_norm)
-        mean_over = self._topology.mean_over if self._config.grad_reduction == "mean" else 1
-        norm = norm / mean_over if mean_over > 1 else norm  # (sums -> means)
-        found_inf = None
-        if self._scaler is not None:
-            norm = norm / self._scaler.scale
-            found_inf = ~torch.isfinite(norm)  # the norm is reduced over every rank: all skip alike
-        coef = gradient_coefficient(  # 3. clip (with the mean's 1/N and the loss scale)
-            norm, self._config.grad_clipping, self._config.max_grad_norm, mean_over if mean_over > 1 else None,
-            None if self._scaler is None else self._scaler.scale)
+            dtype=self._plan.norm, device=self._backend.device, compiled=self._inner_step.compiling_norm,
+            divisor=self._topology.mean_over if self._config.grad_reduction == "mean" else 1,
+            grad_clipping=self._config.grad_clipping, max_norm=self._config.max_grad_norm,
+            loss_scale=None if self._scaler is None else self._scaler.scale)
         self._inner_step.update(grads, coef, found_inf, inner_args, self.param_groups, frozen)  # 4., 5. publish
         if self._scaler is not None:
             self._scaler.update(found_inf)

@@ -53,10 +53,12 @@ def grad(name: str, dp: int, tp: int, step: int, micro: int, dtype: torch.dtype)
     return (torch.randn(SHAPES[name], generator=torch.Generator().manual_seed(seed)) * 0.3).to(dtype)
 
 
-def backward(model: nn.Module, dp: int, tp: int, step: int, micro: int) -> None:
+def backward(model: nn.Module, dp: int, tp: int, step: int, micro: int, scale: float = 1.0) -> None:
+    """The loss whose gradient is ``grad(...)`` times ``scale`` (a per-token-sum loss divides by the
+    global token count: ``1 / DP`` of a rank's own mean)."""
     params = dict(model.named_parameters())
     loss = sum((p.float() * grad(n, dp, tp, step, micro, p.dtype).float()).sum() for n, p in params.items())
-    loss.backward()
+    (loss * scale if scale != 1.0 else loss).backward()
 
 
 def reference(*, dp_size: int, tp_size: int, cp_size: int = 1, sequence_parallel: bool, max_norm: float,
@@ -162,10 +164,10 @@ CP_CASES = {
 }
 
 
-def _train(model: nn.Module, opt, data_rank: int, step_fn=None) -> None:
+def _train(model: nn.Module, opt, data_rank: int, step_fn=None, scale: float = 1.0) -> None:
     for step in range(STEPS):
         for micro in range(MICRO):
-            backward(model, data_rank, 0, step, micro)
+            backward(model, data_rank, 0, step, micro, scale)
         (step_fn or opt.step)()
         opt.zero_grad()
 
@@ -319,6 +321,15 @@ def two_ranks(rank: int, world: int, directory: str | None = None) -> dict[Any, 
             opt = nxd_smp.initialize_parallel_optimizer(cfg, cls, model.parameters(), **kwargs)
             _train(model, opt, rank)
             out[("dp_mean", name, clip)] = _snapshot(model, opt)
+    for clip, max_norm in SP_MAX_NORM.items():  # ZeRO-1 off, a per-token-sum loss, summed over the ranks
+        for reduction in ("sum", "mean"):
+            model = Block(0, torch.float32)
+            cfg = nxd_smp.neuronx_distributed_config(optimizer_config={"zero_one_enabled": False,
+                                                                       "max_grad_norm": max_norm})
+            opt = nxd_smp.initialize_parallel_optimizer(cfg, torch.optim.SGD, model.parameters(),
+                                                        grad_reduction=reduction, **SGD)
+            _train(model, opt, rank, scale=1.0 / world)
+            out[("token_sum", reduction, clip)] = _snapshot(model, opt)
     for case, (zero1, dp_groups, dtype) in CP_CASES.items():  # context parallelism of 2 ranks
         model = Block(0, dtype)
         cfg = nxd_smp.neuronx_distributed_config(context_parallel_size=2, optimizer_config={

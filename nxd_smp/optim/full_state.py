@@ -10,8 +10,10 @@ exactly when torch asked for a full state, and refuses when torch's code has cha
 return one rank's ranges as the whole.
 
 Memory (``gather``): one parameter at a time. A rank's pieces of a parameter are padded to the longest
-one's length and all-gathered over the data-parallel group (``Backend.all_gather``): at most the
-parameter's bucket on the device at once, plus the parameter's whole tensor. Kept on the device, or moved
+one's length and all-gathered over the data-parallel group (``Backend.all_gather``): the gathered buffer
+is at most the DP size times the parameter and at most its bucket, beside the parameter's whole tensor
+(and the collective's own staging): a few times the largest parameter, whatever the model's size
+(``scripts/bench_full_state.py``). Kept on the device, or moved
 to the host as soon as it is whole (``cpu``), or dropped where this rank keeps nothing (``keep=False``,
 torch's ``cpu_offload``: rank 0 alone holds the result).
 """

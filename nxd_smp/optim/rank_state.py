@@ -228,6 +228,7 @@ class RankState:
                 whole = gather(value, layout, position, self._backend, param)
                 if keep:
                     entry[key] = whole.cpu() if cpu else whole
+                del whole  # (not kept past the next gather)
             if entry:
                 state[numbers[id(param)]] = entry
         return {"state": state, "param_groups": self._groups(numbers)}

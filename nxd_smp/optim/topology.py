@@ -29,7 +29,7 @@ import torch
 from ..core.errors import ConfigError
 from ..backend import Backend, GroupSpec, NormGroupSpec, group_backends, select_backend
 from ..core.dtensors import DeviceMesh, fully_sharded, param_mesh
-from .norm import global_norm, sum_of_squares
+from .norm import global_norm, gradient_coefficient, sum_of_squares
 from .param_groups import check_sequence_parallel
 
 __all__ = ["Coordinate", "Topology"]
@@ -150,17 +150,18 @@ class Topology:
                           self.pipeline[0].rank if self.pipeline else 0)
 
     def sum_model_parallel_(self, tensors: Sequence[torch.Tensor], marked: Sequence[bool], *,
-                            per_parameter: bool = False) -> None:
+                            per_parameter: bool = False, mean: bool = True) -> None:
         """NxD's trainer wrapper's reductions before the step, in its order, in place: every tensor
         over the context-parallel groups, then those ``marked`` (sequence parallel) over the
         tensor-parallel groups (when ``sequence_parallel``).
 
         ``per_parameter``: as NxD's wrapper does on ``.grad``: the context-parallel mean divides
-        first, tensors are all-reduced in buckets (``Backend.all_reduce_many_``) and groups of one
-        send nothing. Else the tensors are flat buckets (or shards of them), each all-reduced
-        alone, and the context-parallel sum is left a sum (its 1/size is in ``mean_over``)."""
+        first (unless ``mean`` is False: ``grad_reduction="sum"``), tensors are all-reduced in buckets
+        (``Backend.all_reduce_many_``) and groups of one send nothing. Else the tensors are flat buckets
+        (or shards of them), each all-reduced alone, and the context-parallel sum is left a sum (its
+        1/size is in ``mean_over``)."""
         for group in self.context:
-            if per_parameter and group.world_size > 1 and tensors:
+            if per_parameter and mean and group.world_size > 1 and tensors:
                 torch._foreach_div_(list(tensors), float(group.world_size))
             _sum_over(group, tensors, per_parameter)
         if self.sequence_parallel:
@@ -185,6 +186,25 @@ class Topology:
             data_parallel=self.data if sharded else None,
             pipeline_parallel=self.pipeline,
         ).to(dtype)
+
+    def norm_and_coefficient(self, by_role: Mapping[str, Sequence[torch.Tensor]], *, sharded: bool,
+                             dtype: torch.dtype, device: torch.device, divisor: int = 1, grad_clipping: bool,
+                             max_norm: float | None, loss_scale: torch.Tensor | None = None, compiled: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor | float | None, torch.Tensor | None]:
+        """A step's norm and what its gradients are multiplied by, for every gradient source (the
+        optimizer's shards, NxD's wrapper's whole ``.grad``): ``global_norm`` of ``by_role``, divided by
+        ``divisor`` (the mean's size, where the gradients are still sums: ``mean_over``) and by the loss
+        scale; then ``norm.gradient_coefficient``: the clip coefficient, over the same divisor and scale
+        (None for 1). Returns ``(norm, coefficient, found_inf)``, ``found_inf`` (the scaled norm not
+        finite: a step to skip, alike on every rank) None without a loss scale."""
+        norm = self.global_norm(by_role, sharded=sharded, dtype=dtype, device=device, compiled=compiled)
+        norm = norm / divisor if divisor > 1 else norm  # (sums -> means)
+        found_inf = None
+        if loss_scale is not None:
+            norm = norm / loss_scale
+            found_inf = ~torch.isfinite(norm)  # the norm is reduced over every rank: all skip alike
+        coef = gradient_coefficient(norm, grad_clipping, max_norm, divisor if divisor > 1 else None, loss_scale)
+        return norm, coef, found_inf
 
 
 def _sum_over(group: Backend, tensors: Sequence[torch.Tensor], per_parameter: bool) -> None:

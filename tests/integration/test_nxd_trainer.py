@@ -154,6 +154,21 @@ def test_zero1_off_averages_over_data_parallel_ranks_then_clips(pair, optimizer,
     assert not all(torch.allclose(own[n], want[n]) for n in want)
 
 
+@pytest.mark.parametrize("clip", sorted(SP_MAX_NORM))
+def test_zero1_off_with_a_per_token_sum_loss_sums_over_the_ranks(pair, clip):
+    """A per-token-sum loss (each rank's sum over its tokens divided by the global token count: 1/DP of
+    its own mean) with ``grad_reduction="sum"``: NxD's wrapper with ZeRO-1 off sums the ranks' gradients,
+    which is the global mean gradient, so it trains as the DP 2 reference of the mean. ``"mean"`` on the
+    same loss divides once more (the calibration: its norm is half, and unclipped its weights differ)."""
+    want = reference(dp_size=2, tp_size=1, sequence_parallel=False, max_norm=SP_MAX_NORM[clip], dtype=torch.float32)[0]
+    for rank in pair[1]:
+        _close(rank[("token_sum", "sum", clip)]["params"], want)
+    summed, halved = (pair[1][0][("token_sum", reduction, clip)] for reduction in ("sum", "mean"))
+    assert halved["norm"] == pytest.approx(summed["norm"] / 2, rel=1e-3)
+    if summed["norm"] <= SP_MAX_NORM[clip]:  # (clipped, a scale of the gradient is clipped away)
+        assert not all(torch.allclose(halved["params"][n], want[n], rtol=1e-4) for n in want)
+
+
 @pytest.mark.parametrize("case", sorted(CP_CASES))
 def test_context_parallel_ranks_average_their_gradients(pair, case):
     """Context parallelism of 2 ranks: every gradient averaged over them first (ZeRO-1 off; ZeRO-1

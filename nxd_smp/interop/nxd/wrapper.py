@@ -22,7 +22,6 @@ from ...backend import GroupSpec, NormGroupSpec
 from ...core.errors import ConfigError
 from ...mixed_precision_config import MixedPrecisionConfig, OptimizerConfig
 from ...grad_accum import ReplicatedGrads
-from ...optim.norm import NORM_ROLES, clip_coefficient
 from ...optim.param_groups import (
     check_optimizer_class,
     inner_hyperparameters,
@@ -80,6 +79,9 @@ class NxDOptimizer(torch.optim.Optimizer):
             off, the data-, tensor-, pipeline- and context-parallel groups (any form
             ``Zero1Optimizer`` takes); with ZeRO-1 on the ``Zero1Optimizer`` holds its own.
         topology: those groups as one ``Topology`` instead (ZeRO-1 off).
+        grad_reduction: with ZeRO-1 off, ``"mean"`` (NxD's, the default) or ``"sum"`` (the ranks' gradients
+            summed: a loss that is each rank's sum over its tokens divided by the global token count);
+            with ZeRO-1 on it is the ``Zero1Optimizer``'s.
 
     Raises:
         ConfigError: the optimizer does not fit the config, or a reduction the config asks for
@@ -96,6 +98,7 @@ class NxDOptimizer(torch.optim.Optimizer):
         pipeline_groups: NormGroupSpec = None,
         context_parallel_groups: NormGroupSpec = None,
         topology: Topology | None = None,
+        grad_reduction: str | None = None,
     ):
         opt_cfg, _ = configs_from_nxd_dict(nxd_config)
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -121,8 +124,9 @@ class NxDOptimizer(torch.optim.Optimizer):
                     f"the config has ZeRO-1 on, but the optimizer is a {type(optimizer).__name__}; build it "
                     f"with initialize_parallel_optimizer(config, optimizer_class, params, ...)."
                 )
-            if groups_given:
-                raise TypeError("with ZeRO-1 on the Zero1Optimizer holds the groups; pass them when building it.")
+            if groups_given or grad_reduction is not None:
+                raise TypeError("with ZeRO-1 on the Zero1Optimizer holds the groups and the grad_reduction; pass them "
+                                "when building it.")
             if (sequence_parallel and not optimizer.sequence_parallel and optimizer.tensor_parallel_size > 1
                     and any(sequence_parallel_marked(p) for p in optimizer.managed_params)):
                 raise ConfigError(
@@ -144,6 +148,7 @@ class NxDOptimizer(torch.optim.Optimizer):
                 "Zero1Optimizer; set zero_one_enabled=True, or pass a plain torch optimizer."
             )
         self._grad_clipping, self._max_norm = opt_cfg.grad_clipping, opt_cfg.max_grad_norm
+        grad_reduction = "mean" if grad_reduction is None else grad_reduction
         device = self.params[0].device if self.params else torch.device("cpu")
         topology = Topology.build(
             device, data=process_group, tensor=grad_norm_groups, pipeline=pipeline_groups,
@@ -155,8 +160,8 @@ class NxDOptimizer(torch.optim.Optimizer):
             raise ConfigError(missing_groups(["context_parallel_groups=<the context-parallel groups> "
                                               f"(context_parallel_size={nxd_config['context_parallel_size']})"]))
         self._topology = topology
-        self._grads = ReplicatedGrads(lambda: self.param_groups, topology)
         self._plan = PrecisionPlan.resolve(MixedPrecisionConfig(False, False), backend=topology.data)
+        self._grads = ReplicatedGrads(lambda: self.param_groups, topology, self._plan, grad_reduction)
 
     def __repr__(self) -> str:
         return f"NxDOptimizer({self.optimizer!r})"
@@ -252,11 +257,11 @@ class NxDOptimizer(torch.optim.Optimizer):
             return loss
         # 1.-3. the context-, sequence- and data-parallel reductions of .grad (its gradient source), the
         # norm over the model and the clip, as every source's
-        by_role = self._grads.reduce()
-        grads = [g for role in NORM_ROLES for g in by_role[role]]
+        grads = self._grads.reduce()
         device = grads[0].device if grads else torch.device("cpu")
-        norm = self._topology.global_norm(by_role, sharded=False, dtype=self._plan.norm, device=device)
-        coef = clip_coefficient(norm, self._grad_clipping, self._max_norm)
+        norm, coef, _ = self._topology.norm_and_coefficient(
+            self._grads.norm_roles(), sharded=False, dtype=self._plan.norm, device=device,
+            grad_clipping=self._grad_clipping, max_norm=self._max_norm)  # (already means, or sums as asked)
         if grads and coef is not None:
             torch._foreach_mul_(grads, coef.to(grads[0].device))
         self._grad_norm = norm
@@ -279,6 +284,8 @@ class ClippedOptimizer(NxDOptimizer):
         grad_norm_groups, pipeline_groups: the tensor- and pipeline-parallel groups of the norm.
         context_parallel_groups: average every gradient over these first.
         topology: those groups as one ``Topology`` instead.
+        grad_reduction: ``"mean"`` (the default, NxD's) or ``"sum"`` over the data-parallel (and
+            context-parallel) ranks.
         nxd_config: the config to take the clipping and ``sequence_parallel`` from instead of the
             keywords (``initialize_parallel_optimizer`` passes its own).
     """
@@ -296,6 +303,7 @@ class ClippedOptimizer(NxDOptimizer):
         context_parallel_groups: NormGroupSpec = None,
         nxd_config: Mapping[str, Any] | None = None,
         topology: Topology | None = None,
+        grad_reduction: str = "mean",
     ):
         if nxd_config is None:
             if not isinstance(sequence_parallel, bool):
@@ -308,7 +316,7 @@ class ClippedOptimizer(NxDOptimizer):
             raise TypeError("pass grad_clipping, max_norm and sequence_parallel in nxd_config or as keywords, not both.")
         super().__init__(optimizer, nxd_config, process_group=process_group, grad_norm_groups=grad_norm_groups,
                          pipeline_groups=pipeline_groups, context_parallel_groups=context_parallel_groups,
-                         topology=topology)
+                         topology=topology, grad_reduction=grad_reduction)
         if configs_from_nxd_dict(nxd_config)[0].zero_one_enabled:
             raise ConfigError("ClippedOptimizer is the ZeRO-1-off wrapper; this nxd_config has ZeRO-1 on: use "
                               "initialize_parallel_optimizer.")
@@ -333,6 +341,9 @@ def initialize_parallel_optimizer(
       parameters' gradients over the tensor-parallel group when ``sequence_parallel`` is on,
       and averaging over the context-parallel groups;
     * ZeRO-1 off: ``optimizer_class(parameters, **defaults)``, in a ``ClippedOptimizer``.
+
+    ``grad_reduction`` among ``defaults`` (``"mean"``, NxD's, or ``"sum"``) is the ``Zero1Optimizer``'s with
+    ZeRO-1 on and the wrapper's with it off, never the inner class's.
 
     ``defaults`` are the inner optimizer's hyperparameters; NxD Training passes
     ``**torch_optimizer.defaults``, so ``decoupled_weight_decay`` is dropped where the class
@@ -363,5 +374,6 @@ def initialize_parallel_optimizer(
         zero1 = Zero1Optimizer(groups, optimizer_class, mixed_precision=mp_cfg, grad_clipping=opt_cfg.grad_clipping,
                                max_norm=opt_cfg.max_grad_norm, topology=topology, **defaults)
         return NxDOptimizer(zero1, nxd_config)
+    grad_reduction = defaults.pop("grad_reduction", "mean")  # (the wrapper's, with ZeRO-1 off: not the class's)
     inner = optimizer_class(groups, **inner_hyperparameters(optimizer_class, defaults))
-    return ClippedOptimizer(inner, nxd_config=nxd_config, topology=topology)
+    return ClippedOptimizer(inner, nxd_config=nxd_config, topology=topology, grad_reduction=grad_reduction)

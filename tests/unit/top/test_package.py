@@ -325,7 +325,7 @@ DOCUMENTED = {
     "nxd_smp.mixed_precision_config": ["MixedPrecisionConfig", "OptimizerConfig", "Zero1Config", "ConfigError"],
     "nxd_smp.zero1_optimizer": ["Zero1Optimizer", "STATE_LOADED"],
     "nxd_smp.optim.topology": ["Coordinate", "Topology"],
-    "nxd_smp.grad_accum": ["GradientSource", "AutogradGrads", "MainGradBuffers", "ShardedMainGrads"],
+    "nxd_smp.grad_accum": ["GradientSource", "AutogradGrads", "MainGradBuffers", "ShardedMainGrads", "ReplicatedGrads"],
     "nxd_smp.backend": ["select_backend", "Backend", "EagerBackend", "XlaBackend"],
     "nxd_smp.precision_ops": ["softmax", "log_softmax", "cross_entropy", "layer_norm", "rms_norm", "residual_add",
                               "set_fp32_attr_to_module", "is_fp32_module", "cast_model", "NaiveAMPModel",
