@@ -37,7 +37,8 @@ def test_a_memory_slope_over_sizes_the_meter_cannot_tell_apart_is_refused_not_di
 #: Every benchmark and comparison in scripts/ (the demo, train_gpt.py, runs in test_scripts.py; the
 #: accelerator check in tests/unit/backend/test_device_decisions.py).
 BENCHMARKS = ["bench_step.py", "bench_checkpoint.py", "bench_peers.py", "bench_tp.py", "bench_xla.py",
-              "compare_memory_options.py", "compare_precision.py", "compare_checkouts.py", "xla_memory_phases.py"]
+              "compare_memory_options.py", "compare_precision.py", "compare_checkouts.py", "xla_memory_phases.py",
+              "bench_full_state.py"]
 
 PARSE_ALL = """
 import contextlib, io, runpy, sys
