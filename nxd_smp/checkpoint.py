@@ -8,8 +8,9 @@ The public entry points; the work is done in ``nxd_smp.checkpointing``:
 * a save (``save``) writes nxd_smp's format into a version folder and swaps the checkpoint's link
   (``versions``), now or in the background (``writer``);
 * every file operation goes through one filesystem room (``files``: directory descriptors, no link
-  followed below the root), every pickled file through one strict reader (``reader``), every
-  JSON file through ``typed_json``, each parse charged to a budget linear in its input (``budget``);
+  followed below the root), every pickled file through one strict reader (``reader``, its pickle
+  read by ``unpickler``), every JSON file through ``typed_json``, each parse charged to a budget
+  linear in its input (``budget``);
 * ``tools``: the offline tools (process-local: they never communicate).
 
 A checkpoint saved at DP size N loads at any DP size M; ``path`` always names a complete

@@ -10,8 +10,9 @@ every parse is charged to a budget as it goes.
   retention: ``versions``), now or in the background (``writer``);
 * the bytes: ``files`` (the one filesystem room: directory descriptors, nothing followed below the
   root), ``storage`` (raw tensor bytes and their JSON index), ``reader`` (the one strict reader of
-  pickled files), ``typed_json`` (the one JSON parse), ``dcp_index`` (DCP's index), ``budget`` (what
-  a parse may spend, linear in its input);
+  pickled files: the zip and the entry points) and ``unpickler`` (its pickle machine), ``typed_json``
+  (the one JSON parse), ``dcp_index`` (DCP's index), ``budget`` (what a parse may spend, linear in
+  its input);
 * ``tools`` (the offline tools: the same reader, no communication) and ``progress``.
 
 Nothing here imports interop; interop registers what it adds (``pipeline.register_format``).

@@ -5,7 +5,8 @@ it has made the process gigabytes larger or busy for minutes.
 
 A parser charges what each step allocates or does (a container made, an item inserted, a string
 copied, one node of a tree) and calls nothing else: the budget knows no format. The strict reader
-of pickled files (``reader``) charges every opcode it runs; a JSON reader can charge each node.
+of pickled files (its unpickler, ``unpickler``) charges every opcode it runs; a JSON reader can
+charge each node.
 
 Why linear: a legitimate file holds what its parse builds, so its parse allocates a bounded
 multiple of its size (the constant is the parser's, measured on real files and documented there).

@@ -40,8 +40,9 @@ from torch.distributed.checkpoint.metadata import (
 from ..core.errors import CheckpointError, UnsafeFileError
 from .check import is_shape
 from .files import Folder
-from .reader import _show, load_pickle  # (_show: a file's value in a message, short)
+from .reader import load_pickle
 from .storage import check_spans
+from .unpickler import _show  # (a file's value in a message, short)
 
 METADATA_FILE = ".metadata"
 #: The most bytes a DCP index may hold (a few hundred bytes per entry; a million entries is ~300 MB).

@@ -38,8 +38,9 @@ import torch
 from ...checkpointing.check import SCHEDULER
 from ...checkpointing.files import Folder
 from ...checkpointing.pipeline import full_state
-from ...checkpointing.reader import XserReference, check_distinct, load_file
+from ...checkpointing.reader import check_distinct, load_file
 from ...checkpointing.staged import Request, Staged, Targets, param_group_names
+from ...checkpointing.unpickler import XserReference
 from ...checkpointing.versions import DONE_FILE, MARKER_FILE
 from ...core.errors import CheckpointError
 from ...optim.state_fit import torch_group_problems

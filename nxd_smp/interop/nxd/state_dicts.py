@@ -28,10 +28,11 @@ from ...backend.agreement import decide
 from ...backend.coordination import Coordinator
 from ...checkpointing.files import Folder, after_publish, place_directory
 from ...checkpointing.pipeline import read_rank_state
-from ...checkpointing.reader import MAX_DEPTH, check_distinct, load_bytes
+from ...checkpointing.reader import check_distinct, load_bytes
 from ...checkpointing.save import check_async_save, close_opened, open_made, write_and_publish
 from ...checkpointing.staged import Request, Staged, Targets
 from ...checkpointing.typed_json import loads
+from ...checkpointing.unpickler import MAX_DEPTH
 from ...checkpointing.versions import DONE_FILE, LEFT, MARKER_FILE
 from ...checkpointing.writer import start_save
 from ...core.errors import CheckpointError
@@ -59,7 +60,7 @@ def _map_tensors(value: Any, fn, at: tuple = ()) -> Any:
     type and attributes (a model state dict's ``_metadata``). ``at``: the keys on the way here.
 
     Raises:
-        TypeError: containers nested deeper than the strict reader reads back (``reader.MAX_DEPTH``),
+        TypeError: containers nested deeper than the strict reader reads back (``unpickler.MAX_DEPTH``),
             naming where; nothing is saved.
     """
     if isinstance(value, torch.Tensor):

@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from nxd_smp import CheckpointError
-from nxd_smp.checkpointing import reader
+from nxd_smp.checkpointing import reader, unpickler
 from nxd_smp.checkpointing.budget import Budget
 from nxd_smp.core.errors import BudgetError
 from nxd_smp.checkpointing.reader import load_bytes, load_pickle
@@ -300,7 +300,7 @@ ATTACKS = [
            "2**61 - 1"),
     Attack("tuple keys of one hash in SETITEMS", colliding_tuples, (1_000, 4_000, 16_000), BOTH, "hash"),
     Attack("MetadataIndex keys of one hash", colliding_metadata_indexes, (500, 2_000, 8_000), PLAIN,
-           f"more than {reader.MAX_EQUAL_HASHES} MetadataIndex keys of one hash"),
+           f"more than {unpickler.MAX_EQUAL_HASHES} MetadataIndex keys of one hash"),
     Attack("whole views of one storage", views_of_one_storage, (2_000, 16_000, 50_000), ARCHIVE,
            "bytes of tensors", records={"0": bytes(4 * STORAGE_FLOATS)}),
     Attack("a key of 2**64 shared tuples", shared_tuple_key, (64,), BOTH, "tuple"),
@@ -423,7 +423,7 @@ def dcp_metadata(folder: Path) -> bytes:
 def allowed_mb(row: dict) -> float:
     """What the budget lets a case grow the process by: its parse budget (linear in its pickle) times
     ``PEAK_OVER_UNITS``, the file's own bytes (the storages are read), and the meter's noise."""
-    units = reader.PARSE_BUDGET_PER_BYTE * row["pickle_bytes"] + reader.PARSE_BUDGET_FLOOR
+    units = unpickler.PARSE_BUDGET_PER_BYTE * row["pickle_bytes"] + unpickler.PARSE_BUDGET_FLOOR
     return (PEAK_OVER_UNITS * units + row["file_bytes"]) / 2**20 + NOISE_MB
 
 
@@ -533,10 +533,10 @@ def test_real_files_use_less_than_half_of_the_parse_budget(monkeypatch, tmp_path
     than half of it); at a fifth, each is refused (so real files are charged, and this can fail)."""
     archives = [saved(make()) for make in HEALTHY.values()]
     plain = [dcp_metadata(tmp_path), sharded_dcp_metadata()]
-    per_byte = reader.PARSE_BUDGET_PER_BYTE
-    monkeypatch.setattr(reader, "PARSE_BUDGET_FLOOR", 0)
+    per_byte = unpickler.PARSE_BUDGET_PER_BYTE
+    monkeypatch.setattr(unpickler, "PARSE_BUDGET_FLOOR", 0)
     for share, refused in ((2, False), (5, True)):
-        monkeypatch.setattr(reader, "PARSE_BUDGET_PER_BYTE", per_byte // share)
+        monkeypatch.setattr(unpickler, "PARSE_BUDGET_PER_BYTE", per_byte // share)
         for read, data in [(load_bytes, d) for d in archives] + [(load_pickle, d) for d in plain]:
             if refused:
                 with pytest.raises(CheckpointError, match="crafted"):
@@ -585,7 +585,7 @@ def test_floats_of_one_hash_are_admitted_up_to_the_limit():
     floats = [2.0 ** (61 * k) for k in range(-16, 17)]
     assert len({hash(f) for f in floats}) == 1
     keys = lambda n: b"".join(b"G" + struct.pack(">d", f) + b"N" for f in floats[:n])
-    limit = reader.MAX_EQUAL_HASHES
+    limit = unpickler.MAX_EQUAL_HASHES
     assert load_pickle(b"\x80\x04}(" + keys(limit) + b"u.", SOURCE) == dict.fromkeys(floats[:limit])
     with pytest.raises(CheckpointError, match=f"more than {limit} float keys of one hash"):
         load_pickle(b"\x80\x04}(" + keys(limit + 1) + b"u.", SOURCE)

@@ -1,5 +1,5 @@
-"""The strict reader (``nxd_smp.checkpointing.reader``): every pickled file nxd_smp reads goes
-through one zip parse and one allow-listed unpickler per kind of file.
+"""The strict reader (``nxd_smp.checkpointing.reader`` and its ``unpickler``): every pickled file
+nxd_smp reads goes through one zip parse and one allow-listed unpickler per kind of file.
 
 Each attack below is built with real pickling (``zipfile`` for the archive, pickle opcodes or a
 ``__reduce__`` for the pickle) and must end in a ``CheckpointError`` naming the file. The oracle:
@@ -23,7 +23,8 @@ import torch
 
 from nxd_smp import CheckpointError
 from nxd_smp.checkpointing.files import Folder
-from nxd_smp.checkpointing.reader import XserReference, load_bytes, load_file, load_pickle
+from nxd_smp.checkpointing.reader import load_bytes, load_file, load_pickle
+from nxd_smp.checkpointing.unpickler import XserReference
 from tests.crafted import Reduces, archive, bomb
 
 SOURCE = "hostile.pt"

@@ -185,7 +185,7 @@ def test_the_top_holds_the_entry_modules_and_the_cli_only():
 
 def test_the_error_classes_are_defined_once_in_the_core():
     """Every exception class a part raises is defined in ``core/errors.py`` (a private signal that never
-    leaves its module, ``_Refused``, aside)."""
+    leaves the strict reader, ``_Refused``, aside)."""
     from nxd_smp.core import errors as errors_module
     exceptions = {name for name, value in vars(errors_module).items()
                   if isinstance(value, type) and issubclass(value, BaseException)}
@@ -281,13 +281,18 @@ def unpickling_in(path: Path) -> list[str]:
     return found
 
 
+#: The strict reader: its zip parse and entry points, and its allow-listed unpickler.
+STRICT_READER = (PACKAGE / "checkpointing" / "reader.py", PACKAGE / "checkpointing" / "unpickler.py")
+
+
 def test_only_the_strict_reader_unpickles_or_parses_a_zip():
-    """Every pickled file goes through ``checkpointing/reader.py``'s one zip parse and allow-listed
-    unpickler; a second reader elsewhere would be a second set of rules to attack."""
+    """Every pickled file goes through ``checkpointing/reader.py``'s one zip parse and
+    ``checkpointing/unpickler.py``'s allow-listed unpickler; a second reader elsewhere would be a
+    second set of rules to attack."""
     found = {str(p.relative_to(PACKAGE)): where for p in PACKAGE.rglob("*.py")
-             if (where := unpickling_in(p)) and p != PACKAGE / "checkpointing" / "reader.py"}
+             if (where := unpickling_in(p)) and p not in STRICT_READER}
     assert not found, found
-    assert unpickling_in(PACKAGE / "checkpointing" / "reader.py")  # (the rule sees the reader's own)
+    assert all(unpickling_in(p) for p in STRICT_READER)  # (the rule sees the reader's own zip and pickle)
 
 
 def test_the_public_surface_is_what_the_readme_documents():
