@@ -6,7 +6,7 @@ Under ``cpu_offload`` nxd_smp gathers each parameter's whole state (``exp_avg``,
 ``use_master_weights_in_ckpt`` the fp32 ``master``) over the data-parallel group one parameter at a time
 and keeps it on rank 0's host alone; the other ranks take part in every gather and keep nothing (torch
 hands them ``{}``). What that should cost: rank 0 grows by the result, 3 fp32 tensors = 12 bytes per
-parameter; any other rank by one bucket plus one parameter at most, whatever the model.
+parameter; any other rank by a few times the largest parameter, whatever the model.
 
 DP=2 over gloo on CPU, a stack of bf16 ``nn.Linear(width, width)`` at two depths. Each pair of ranks is
 spawned afresh (each size ``--repeats`` times): the model, ``Zero1Optimizer(AdamW, lr=1e-3,
@@ -278,7 +278,7 @@ def main() -> None:
     report += [
         "",
         f"expected slope: rank 0 {RESULT_BYTES_PER_PARAM} (the result, 3 fp32 tensors per parameter), the other "
-        f"ranks 0 (one bucket plus one parameter at most, whatever the model)",
+        f"ranks 0 (a few times the largest parameter, whatever the model)",
         f"largest bucket (padded_numel x 4 bytes): {mib(bucket_bytes[str(small)])} MiB at {small} layers "
         f"({buckets[str(small)]} bucket(s)), {mib(bucket_bytes[str(large)])} MiB at {large} layers "
         f"({buckets[str(large)]} bucket(s)); largest parameter in fp32: {mib(param_bytes)} MiB",
