@@ -45,6 +45,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .core.errors import ConfigError
 from .backend.base import PendingShard
 from .core.dtensors import local_grad, local_shape
+from .core.flatten import flatten_bucket
 from .core.layout import BucketLayout
 from .core.memory import staggered_empty
 from .optim.clip_watch import ClipWatch
@@ -143,7 +144,7 @@ class AutogradGrads(GradientSource):
 
     def reduce(self) -> list[torch.Tensor]:
         device = self._backend.device
-        flats = [concat_bucket(layout, [None if (p := self._params[i]).grad is None else local_grad(p, p.grad)
+        flats = [flatten_bucket(layout, [None if (p := self._params[i]).grad is None else local_grad(p, p.grad)
                                         for i in layout.param_indices], wire, device)
                  for layout, wire in zip(self._layouts, self._wire)]
         return self._in_master_dtype(self._reduce_flat(flats, [None] * len(flats)))
@@ -248,7 +249,7 @@ class MainGradBuffers(GradientSource):
             self.buffers[b][layout.numel :].zero_()  # padding: a step may have scaled it
             return self.buffers[b]
         parts = [None if self._fresh[index] else self._acc[index] for index in layout.param_indices]
-        return concat_bucket(layout, parts, self.dtype, self._device)
+        return flatten_bucket(layout, parts, self.dtype, self._device)
 
 
     def reduce(self) -> list[torch.Tensor]:
@@ -258,21 +259,6 @@ class MainGradBuffers(GradientSource):
         shards = self._reduce_flat([self.flat(b) for b in range(len(self._layouts))], spares or [None] * len(self._layouts))
         self.start_new_accumulation()
         return self._in_master_dtype(shards)
-
-
-def concat_bucket(layout: BucketLayout, parts: Sequence[torch.Tensor | None], dtype: torch.dtype,
-                  device: torch.device) -> torch.Tensor:
-    """Bucket ``layout``'s flat, padded tensor of ``dtype`` as one concatenation of ``parts``
-    (per parameter its tensor, or None for zeros): the one flattener of every source that builds a
-    bucket at step time (on XLA one concatenation beats slice updates of a large buffer, which would
-    each copy it; on eager devices it is one pass, as the copies into a zeroed buffer were)."""
-    flat = [
-        torch.zeros(n, dtype=dtype, device=device) if part is None else part.reshape(-1).to(dtype)
-        for part, n in zip(parts, layout.numels)
-    ]
-    if layout.padded_numel > layout.numel:
-        flat.append(torch.zeros(layout.padded_numel - layout.numel, dtype=dtype, device=device))
-    return torch.cat(flat)
 
 
 def _clip_watch(params: Sequence[torch.Tensor], owner: weakref.ref) -> ClipWatch:
@@ -411,18 +397,9 @@ class ShardedMainGrads(GradientSource):
     def _flatten(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s gradient of this pass, flat and padded, in its wire dtype."""
         layout, grads, dtype = self._layouts[b], self._grads[b], self._wire[b]
-        if self._persistent:
-            flat = self._borrow("staging", layout.padded_numel, dtype)
-            for i, index in enumerate(layout.param_indices):
-                start, end = layout.param_range(i)
-                if index in grads:
-                    flat[start:end].copy_(grads[index].reshape(-1))
-                else:
-                    flat[start:end].zero_()
-            flat[layout.numel :].zero_()
-            return flat
-        return concat_bucket(layout, [grads.get(index) for index in layout.param_indices], dtype,
-                             self._backend.device)
+        staging = self._borrow("staging", layout.padded_numel, dtype) if self._persistent else None
+        return flatten_bucket(layout, [grads.get(index) for index in layout.param_indices], dtype,
+                              self._backend.device, into=staging)
 
     def _finish_one(self) -> None:
         b, pending, staging, result = self._pending.popleft()

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.errors import ConfigError
+from ..core.flatten import flatten_bucket
 from ..core.layout import BucketLayout
 from ..core.environment import XLA_DOWNCAST_BF16, XLA_USE_BF16, xla_bf16_variable
 from .base import Backend, GroupSpec, PendingShard, check_replica_groups, is_replica_groups, replica_partition
@@ -280,11 +281,8 @@ class XlaBackend(Backend):
 
     def param_shard(self, b: int) -> torch.Tensor:
         layout = self._layouts[b]
-        parts = [self._params[index].detach().reshape(-1) for index in layout.param_indices]
-        padding = layout.padded_numel - layout.numel
-        if padding:
-            parts.append(torch.zeros(padding, dtype=parts[0].dtype, device=self.device))
-        return self.local_shard(torch.cat(parts))
+        parts = [self._params[index].detach() for index in layout.param_indices]
+        return self.local_shard(flatten_bucket(layout, parts, parts[0].dtype, self.device))
 
     @torch.no_grad()
     def publish(self, shards: Sequence[torch.Tensor]) -> None:

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..backend import Backend
+from ..core.flatten import flatten_bucket
 from ..core.layout import BucketLayout
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -47,9 +48,8 @@ Targets = Callable[[int], dict[str, torch.Tensor]]
 def bucket_mask(layout: BucketLayout, members: Sequence[bool], device: torch.device) -> torch.Tensor:
     """A bool per element of the bucket (padding included, False): whether it belongs to a member
     parameter (``members``: one flag per parameter of the bucket, in order)."""
-    parts = [torch.full((n,), m, dtype=torch.bool, device=device) for n, m in zip(layout.numels, members)]
-    parts.append(torch.zeros(layout.padded_numel - layout.numel, dtype=torch.bool, device=device))
-    return torch.cat(parts)
+    parts = [torch.ones(n, dtype=torch.bool, device=device) if m else None for n, m in zip(layout.numels, members)]
+    return flatten_bucket(layout, parts, torch.bool, device)
 
 
 def _frozen_ranges(layout: BucketLayout, members: Sequence[bool], rank: int) -> list[tuple[int, int]]:
