@@ -54,7 +54,7 @@ from .optim.param_groups import (
 )
 from .optim.precision import PrecisionPlan
 from .optim import full_state, rank_state
-from .optim.rank_state import STATE_LOADED, ParamStates, RankState
+from .optim.rank_state import STATE_LOADED, Generation, ParamStates, RankState
 from .optim.topology import Topology
 
 __all__ = ["Zero1Optimizer", "STATE_LOADED"]
@@ -192,7 +192,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._layout_frozen = True
         self._initialized = False
         self._grad_norm: torch.Tensor | None = None
-        self._state_generation = 0
+        self._generation = Generation()
         if not config.lazy_init:
             self.init_zero()
 
@@ -263,17 +263,15 @@ class Zero1Optimizer(torch.optim.Optimizer):
     @property
     def state_generation(self) -> int:
         """Changes whenever the state does (a step, a load): what a saved copy stands for."""
-        return self._state_generation
+        return self._generation.value
 
     @property
     def state(self) -> ParamStates:
         """Per managed parameter, its optimizer state as this rank holds it (``optim.rank_state.ParamStates``:
         views of this rank's range of each moment, its own counters), read-only; never empty once
-        built (the state is made at construction), so no framework steps the optimizer to create one."""
-        if "_param_states" not in self.__dict__:
-            held = self.__dict__.get  # (None until init_zero builds it: lazy_init)
-            self.__dict__["_param_states"] = ParamStates(lambda: held("_rank_state"), self._current_masters)
-        return self.__dict__["_param_states"]
+        built (the state is made at construction), so no framework steps the optimizer to create one
+        (empty before ``init_zero`` under ``lazy_init``)."""
+        return self.__dict__.get("_param_states") or ParamStates()
 
     @state.setter
     def state(self, value: Any) -> None:
@@ -353,13 +351,6 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._require_initialized()
         return self._rank_state
 
-    def _current_masters(self) -> list[torch.Tensor]:
-        """The master shards, rebuilt once per state generation where they are (parameter remainders)."""
-        cached = self.__dict__.get("_masters_cache")
-        if cached is None or cached[0] != self._state_generation:
-            cached = self.__dict__["_masters_cache"] = (self._state_generation, self._masters.values())
-        return cached[1]
-
     def rebuild_master_from_params(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Rebuild the master weights of ``params`` (default: every managed parameter) from their
         current values now; precision below the parameter dtype is lost. ``step()`` does it by itself
@@ -374,9 +365,6 @@ class Zero1Optimizer(torch.optim.Optimizer):
                                  f"parameters it was built with (requires_grad=True).")
             indices.append(position[id(p)])
         self._masters.rebuild(indices, only_changed_values=False)
-
-    def _state_changed(self) -> None:
-        self._state_generation += 1
 
     def adopt_param_changes(self) -> None:
         """Take up parameters written in place outside the optimizer since it last wrote them
@@ -429,8 +417,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._rank_state = RankState(
             inner_step=self._inner_step, masters=self._masters, layouts=self._layouts, backend=self._backend,
             coordinate=topology.coordinate, managed=params, param_groups=self.param_groups,
-            mixed_precision=self.mixed_precision, loss_scaler=self._scaler,
-            discard_gradients=lambda: self._grads.zero_grad(True), changed=self._state_changed)
+            mixed_precision=self.mixed_precision, loss_scaler=self._scaler, gradients=self._grads,
+            generation=self._generation)
+        self.__dict__["_param_states"] = ParamStates(self._rank_state)
         self._norm_buckets = {role: [b for b, layout in enumerate(self._layouts) if layout.key.role == role]
                               for role in NORM_ROLES}
         self._initialized = True
@@ -537,7 +526,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             inner_args["closure"] = closure
         frozen = self._frozen.now(self._layouts, self._backend)  # (host: requires_grad of each parameter)
         self._backend.begin_step()
-        self._state_changed()
+        self._generation.advance()
         self._masters.adopt_changes()  # weights written since the last step are the truth
         grads = self._grads.reduce()  # 1. reduce
         if frozen is not None:

@@ -74,30 +74,42 @@ def _in_shard(value: torch.Tensor, piece: Piece | None) -> torch.Tensor:
                                                  - piece.param_start]
 
 
+class Generation:
+    """A count that changes whenever the optimizer's state does (a step, a load): what a saved copy
+    stands for. The optimizer and its ``RankState`` hold the same one."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def advance(self) -> None:
+        self.value += 1
+
+
 class RankState:
     """This rank's state of a ``Zero1Optimizer``, which holds it: the state dict in torch.optim's shape,
-    each parameter's place and counters, and the two halves of installing a checked state. It gets
-    every part it reads at construction (the optimizer builds it in ``init_zero``):
+    each parameter's place and counters, and the two halves of installing a checked state. It holds
+    every part it reads, given at construction (the optimizer builds it in ``init_zero``), and calls
+    nothing back in the optimizer:
 
     Args:
         inner_step: the inner step (its optimizer over the shards, its per-parameter counters).
-        masters: the master weights (their shards; loaded, rebuilt and taken up here).
+        masters: the master weights (``MasterWeights``: their shards; loaded, rebuilt and taken up here).
         layouts: the buckets.
-        backend: the data-parallel rank and size.
+        backend: the data-parallel rank and size, the collectives.
         coordinate: this rank's place in the topology (its tensor- and pipeline-parallel ranks).
         managed: the managed parameters, in layout order.
         param_groups: the optimizer's param groups (the list itself: hyperparameters are installed
             into its dicts).
         mixed_precision: the ``MixedPrecisionConfig``.
         loss_scaler: the ``DynamicLossScaler``, or None.
-        discard_gradients: drops the gradients accumulated since the last step.
-        changed: called whenever an install changes the state.
+        gradients: the gradient source (``grad_accum.GradientSource``): a checkpoint's load drops what it
+            accumulated since the last step.
+        generation: the ``Generation`` the optimizer counts its steps in; an install advances it.
     """
 
     def __init__(self, *, inner_step: Any, masters: Any, layouts: Sequence[BucketLayout], backend: Any,
                  coordinate: Any, managed: Sequence[torch.Tensor], param_groups: list[dict[str, Any]],
-                 mixed_precision: Any, loss_scaler: Any, discard_gradients: Callable[[], None],
-                 changed: Callable[[], None]):
+                 mixed_precision: Any, loss_scaler: Any, gradients: Any, generation: Generation):
         self._inner_step = inner_step
         self._masters = masters
         self._layouts = list(layouts)
@@ -107,9 +119,10 @@ class RankState:
         self._param_groups = param_groups
         self._mixed_precision = mixed_precision
         self._loss_scaler = loss_scaler
-        self._discard_gradients = discard_gradients
-        self._changed = changed
+        self._gradients = gradients
+        self.generation = generation
         self._places: list[tuple[int, Piece | None]] | None = None
+        self._masters_cache: tuple[int, list[torch.Tensor]] | None = None
 
     @property
     def inner(self) -> torch.optim.Optimizer:
@@ -120,6 +133,13 @@ class RankState:
     def managed(self) -> list[torch.Tensor]:
         """The managed parameters, in layout order."""
         return self._managed
+
+    def current_masters(self) -> list[torch.Tensor]:
+        """The master shards, rebuilt once per state generation where they are rebuilt on demand
+        (parameter remainders)."""
+        if self._masters_cache is None or self._masters_cache[0] != self.generation.value:
+            self._masters_cache = (self.generation.value, self._masters.values())
+        return self._masters_cache[1]
 
     @property
     def masters_in_state(self) -> bool:
@@ -295,8 +315,8 @@ class RankState:
         ``discard_gradients``: drop the gradients accumulated since the last step (a checkpoint's load
         does; ``load_state_dict`` keeps them, as torch's optimizers do)."""
         if discard_gradients:
-            self._discard_gradients()
-        self._changed()
+            self._gradients.zero_grad(True)
+        self.generation.advance()
         if not self._mixed_precision.use_master_weights:
             return
         if masters is not None:
@@ -318,38 +338,28 @@ class ParamStates(Mapping):
     create one.
 
     Args:
-        held: the optimizer's ``RankState`` (None until it is built: ``lazy_init``).
-        masters: the master shards of the current state (rebuilt where parameter remainders hold them).
+        held: the optimizer's ``RankState``, or None for an optimizer not built yet (``lazy_init``: empty).
     """
 
-    def __init__(self, held: Callable[[], RankState | None], masters: Callable[[], list[torch.Tensor]]):
+    def __init__(self, held: RankState | None = None):
         self._held = held
-        self._masters = masters
-        self._index: dict[int, tuple[int, torch.Tensor]] | None = None  # id(param) -> (index, param)
+        self._index = {} if held is None else {id(p): (i, p) for i, p in enumerate(held.managed)}
 
     def _find(self, param: Any) -> tuple[RankState, int]:
-        held = self._held()
-        if held is None:
-            raise KeyError(param)
-        if self._index is None:
-            self._index = {id(p): (i, p) for i, p in enumerate(held.managed)}
         found = self._index.get(id(param))
-        if found is None or found[1] is not param:
+        if self._held is None or found is None or found[1] is not param:
             raise KeyError(param)
-        return held, found[0]
+        return self._held, found[0]
 
     def __getitem__(self, param: Any) -> dict[str, Any]:
         held, index = self._find(param)
-        masters = self._masters() if held.masters_in_state else None
-        return held.param_state(index, masters)
+        return held.param_state(index, held.current_masters() if held.masters_in_state else None)
 
     def __iter__(self):
-        held = self._held()
-        return iter([] if held is None else list(held.managed))
+        return iter([] if self._held is None else list(self._held.managed))
 
     def __len__(self) -> int:
-        held = self._held()
-        return 0 if held is None else len(held.managed)
+        return 0 if self._held is None else len(self._held.managed)
 
     def __setitem__(self, param: Any, value: Any) -> None:
         """Accept what a framework writes back unchanged (Lightning moves every state tensor ``.to`` its
