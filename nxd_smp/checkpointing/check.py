@@ -216,7 +216,7 @@ def check(staged: Staged, targets: Targets) -> Plan:
     elif isinstance(targets.model, MutableMapping) and staged.fill is None:
         raise CheckpointError(f"{staged.source} loads into the model and optimizer themselves, not into state dicts: "
                               f"pass model=<module> and optimizer=<optimizer>.")
-    if targets.zero1 is not None:
+    if targets.rank_state is not None:
         if staged.optimizer is None:
             raise CheckpointError(f"{staged.source} holds no optimizer state; load it with optimizer=None and build the "
                                   f"optimizer afresh.")
@@ -283,11 +283,11 @@ def _as_checked(value: Any) -> Any:
 
 
 def _check_optimizer(staged: StagedOptimizer, targets: Targets, plan: Plan) -> None:
-    zero1 = targets.zero1
-    groups = param_group_names(targets.model, zero1)
+    held = targets.rank_state
+    groups = param_group_names(targets.model, held)
     names = [name for group in groups for name in group]
     shapes = targets.shapes()
-    inner_class = type(zero1.inner_optimizer)
+    inner_class = type(held.inner_optimizer)
     if staged.arrangement is not None and staged.arrangement != groups:
         saved_names = {name for group in staged.arrangement for name in group}
         problems = name_differences(names, saved_names, "parameters missing from it",
@@ -298,7 +298,7 @@ def _check_optimizer(staged: StagedOptimizer, targets: Targets, plan: Plan) -> N
                                  f"{[len(g) for g in groups]} live)") + ".")
     problems = name_differences(names, staged.state, "parameters missing from it",
                                 "parameters it holds that the optimizer does not manage")
-    fit = StateFit(inner_class, zero1.param_groups, staged.groups)
+    fit = StateFit(inner_class, held.param_groups, staged.groups)
     group_problems = fit.group_problems()
     problems += group_problems
     if not problems:
@@ -320,7 +320,7 @@ def _check_optimizer(staged: StagedOptimizer, targets: Targets, plan: Plan) -> N
             keys = {frozenset(entry) for _, _, entry, _ in entries if entry}
             if len(keys) > 1:
                 problems.append(f"the parameters' state keys differ: {sorted(sorted(k) for k in keys)}")
-    if staged.masters is not None and zero1.mixed_precision.use_master_weights:
+    if staged.masters is not None and held.mixed_precision.use_master_weights:
         for name in sorted(set(names) & set(staged.masters)):
             master = staged.masters[name]
             if not isinstance(master, (Pieces, Whole)) or master.shape != shapes[name] \
@@ -331,7 +331,7 @@ def _check_optimizer(staged: StagedOptimizer, targets: Targets, plan: Plan) -> N
         problems += [f"master weight {name}: missing" for name in names if name not in staged.masters]
     if not problems:
         problems += _staged_problems(staged, targets, plan, names)
-    scaler = zero1.loss_scaler
+    scaler = held.loss_scaler
     if scaler is not None and staged.scaler is not None:
         problems += [f"loss_scaler{p}" for p in check_scaler_state(staged.scaler, scaler)]
     if problems:
@@ -347,7 +347,7 @@ def _staged_problems(staged: StagedOptimizer, targets: Targets, plan: Plan, name
     request = targets.request().optimizer
     values = [(name, f"{name}/{key}", staged.state[name][key], None) for name in names
               for key in plan.moments.get(name, [])]
-    if staged.masters is not None and targets.zero1.mixed_precision.use_master_weights:
+    if staged.masters is not None and targets.rank_state.mixed_precision.use_master_weights:
         values += [(name, f"master weight {name}", staged.masters[name], torch.float32) for name in names]
     problems = []
     for name, where, value, installed_as in values:  # (the masters' shards are built in fp32)

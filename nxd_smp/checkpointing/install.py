@@ -47,10 +47,10 @@ def install(staged: Staged, plan: Plan, targets: Targets) -> Callable[[], None]:
 
     try:
         undos.append(load_objects(targets.objects, staged.objects, staged.where("objects")))
-        if targets.zero1 is not None:
-            undos.append(targets.zero1.rank_state.install(
+        if targets.rank_state is not None:
+            undos.append(targets.rank_state.install(
                 _bucket_state(staged.optimizer, plan, targets), [g for g in staged.optimizer.groups],
-                staged.optimizer.scaler if targets.zero1.loss_scaler is not None else None,
+                staged.optimizer.scaler if targets.rank_state.loss_scaler is not None else None,
                 _param_counters(staged.optimizer, plan, targets)))
         elif isinstance(targets.optimizer, torch.optim.Optimizer) and staged.torch_optimizer is not None:
             undos.append(_install_torch_optimizer(targets.optimizer, staged.torch_optimizer))
@@ -74,15 +74,15 @@ def commit(staged: Staged, plan: Plan, targets: Targets) -> list[torch.Tensor] |
         for target, name in ((model, "model"), (targets.optimizer, "optimizer")):
             if isinstance(target, MutableMapping) and staged.fill.get(name) is not None:
                 target.update(staged.fill[name])  # NxD's way: every saved entry set, in place
-    return _masters(staged.optimizer, targets) if targets.zero1 is not None else None
+    return _masters(staged.optimizer, targets) if targets.rank_state is not None else None
 
 
 def publish(masters: list[torch.Tensor] | None, targets: Targets) -> None:
     """Once every rank committed: the master shards published into the parameters (a collective), or the
     masters rebuilt from the loaded parameters; the accumulated gradients dropped (a checkpoint's load)."""
-    zero1 = targets.zero1
-    if zero1 is not None:
-        zero1.rank_state.finish(masters, rebuild=targets.rebuild_masters, discard_gradients=targets.discard_gradients)
+    held = targets.rank_state
+    if held is not None:
+        held.finish(masters, rebuild=targets.rebuild_masters, discard_gradients=targets.discard_gradients)
 
 
 # ---------------------------------------------------------------------------- stateful objects
@@ -139,9 +139,9 @@ def _shard(staged: StagedOptimizer, key: str | None, values: Mapping[str, Any], 
 
 def _pieces_by_bucket(targets: Targets, names: list[str]) -> list[list[tuple[str, Any]]]:
     """Per bucket, this rank's pieces of it as (parameter name, piece)."""
-    zero1 = targets.zero1
-    pieces: list[list[tuple[str, Any]]] = [[] for _ in zero1.bucket_layouts]
-    for b, name, piece in named_pieces(zero1.bucket_layouts, zero1.rank, names):
+    held = targets.rank_state
+    pieces: list[list[tuple[str, Any]]] = [[] for _ in held.bucket_layouts]
+    for b, name, piece in named_pieces(held.bucket_layouts, held.rank, names):
         pieces[b].append((name, piece))
     return pieces
 
@@ -152,14 +152,14 @@ def _bucket_state(staged: StagedOptimizer, plan: Plan, targets: Targets) -> dict
     are installed beside it: ``_param_counters``; a parameter without state,
     which got no gradient in the saved run, starts from zero moments with its bucket's count; a
     bucket none of whose parameters has state takes its group's, or any parameter's, count)."""
-    zero1 = targets.zero1
+    held = targets.rank_state
     names = targets.names()
-    layouts = zero1.bucket_layouts
+    layouts = held.bucket_layouts
     pieces = _pieces_by_bucket(targets, names)
-    group_of_param = {id(p): g for g, group in enumerate(zero1.param_groups) for p in group["params"]}
-    group_of = {name: group_of_param[id(p)] for name, p in zip(names, zero1.managed_params)}
+    group_of_param = {id(p): g for g, group in enumerate(held.param_groups) for p in group["params"]}
+    group_of = {name: group_of_param[id(p)] for name, p in zip(names, held.managed_params)}
     with_state = [name for name in names if staged.state.get(name)]
-    shard_dtypes = [targets.backend.device_dtype(shard.dtype) for shard in zero1.inner_shards]
+    shard_dtypes = [targets.backend.device_dtype(shard.dtype) for shard in held.inner_shards]
     state: dict[int, dict[str, Any]] = {}
     for b, layout in enumerate(layouts):
         mine = [names[i] for i in layout.param_indices]
@@ -196,10 +196,10 @@ def _saved_counters(staged: StagedOptimizer, plan: Plan, name: str) -> dict[str,
 def _masters(staged: StagedOptimizer | None, targets: Targets) -> list[torch.Tensor] | None:
     """The master shards per bucket from the staged master weights, or None (rebuilt from the
     parameters) where none were read or the optimizer keeps none."""
-    zero1 = targets.zero1
-    if staged is None or staged.masters is None or not zero1.mixed_precision.use_master_weights:
+    held = targets.rank_state
+    if staged is None or staged.masters is None or not held.mixed_precision.use_master_weights:
         return None
-    layouts = zero1.bucket_layouts
+    layouts = held.bucket_layouts
     pieces = _pieces_by_bucket(targets, targets.names())
     return [_shard(staged, None, staged.masters, targets, b, torch.float32, layout.shard_numel, pieces[b])
             for b, layout in enumerate(layouts)]

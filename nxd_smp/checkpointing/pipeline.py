@@ -268,7 +268,7 @@ def read_rank_state(targets: Targets, state_dict: Any, request: Request) -> Stag
             size's), naming the fix.
     """
     source = "the state dict"
-    optimizer = targets.zero1
+    optimizer = targets.rank_state
     if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("state"), Mapping) \
             or not isinstance(state_dict.get("param_groups"), list):
         found = state_dict.get("format") if isinstance(state_dict, Mapping) else None
@@ -291,7 +291,7 @@ def read_rank_state(targets: Targets, state_dict: Any, request: Request) -> Stag
     record = state_dict.get(RECORD_KEY)
     placed_by_record = isinstance(record, Mapping) and record.get("format") == STATE_DICT_FORMAT
     if placed_by_record:
-        here = optimizer.topology.coordinate
+        here = optimizer.coordinate
         problems += [f"{key} {describe(record.get(key))} (this optimizer: {mine})"
                      for key, mine in (("world_size", optimizer.world_size), ("rank", optimizer.rank),
                                        ("model_parallel_rank", [here.tensor, here.pipeline]))

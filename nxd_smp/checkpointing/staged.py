@@ -21,7 +21,7 @@ pure element ranges, no tensors or files.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,7 @@ import torch.nn as nn
 from ..core.dtensors import local_shape, local_state_dict
 from ..core.errors import CheckpointError
 from ..core.layout import BucketLayout, Piece
-from ..zero1_optimizer import Zero1Optimizer
+from ..optim.rank_state import RankState
 
 
 # ---------------------------------------------------------------------------- pieces: arithmetic
@@ -280,7 +280,7 @@ def staging_slices(staging: dict[str | None, list[torch.Tensor]], key: str | Non
 
 
 # ---------------------------------------------------------------------------- what a load installs into
-def managed_param_names(model: nn.Module | None, optimizer: Zero1Optimizer) -> list[str]:
+def managed_param_names(model: nn.Module | None, optimizer: RankState) -> list[str]:
     """The model name of each parameter ``optimizer`` manages, in its layout order
     (``optimizer.managed_params``); without a model (a rank-local state dict), ``parameter <i>``.
 
@@ -314,7 +314,7 @@ def canonical_name(name: str) -> str:
     return ".".join(parts)
 
 
-def known_names(model: nn.Module | None, optimizer: Zero1Optimizer) -> list[list[str]] | None:
+def known_names(model: nn.Module | None, optimizer: RankState) -> list[list[str]] | None:
     """The names of each param group's managed parameters where they are known: from ``model``, or from
     the ``param_names`` the optimizer was built with (``model.named_parameters()``); None where neither
     names them, or where two of them would compare equal (``canonical_name``)."""
@@ -328,7 +328,7 @@ def known_names(model: nn.Module | None, optimizer: Zero1Optimizer) -> list[list
     return names if len(set(flat)) == len(flat) else None
 
 
-def param_group_names(model: nn.Module | None, optimizer: Zero1Optimizer) -> list[list[str]]:
+def param_group_names(model: nn.Module | None, optimizer: RankState) -> list[list[str]]:
     """The names of each param group's managed parameters, group by group, in the order the optimizer
     was given them (the order torch.optim state dicts number them in)."""
     names = dict(zip(map(id, optimizer.managed_params), managed_param_names(model, optimizer)))
@@ -341,8 +341,9 @@ class Targets:
 
     Attributes:
         model: the model, or a dict to fill (NxD Training), or None.
-        optimizer: the ``Zero1Optimizer`` (an object holding one resolved to it), a plain torch
-            optimizer (NxD's with ZeRO-1 off), a dict to fill, or None.
+        optimizer: the ``Zero1Optimizer`` (an object holding one resolved to it; a load reads and installs
+            through its ``rank_state``), a plain torch optimizer (NxD's with ZeRO-1 off), a dict to fill, or
+            None.
         objects: the scheduler (under ``"scheduler"``) and the caller's other stateful objects.
         strict: as ``nn.Module.load_state_dict``: model entries on one side only are refused.
         backend: where rank, world, coordination and the device's dtypes come from.
@@ -365,41 +366,44 @@ class Targets:
         """What names this rank's data-parallel group in the agreement's digest comparison: the optimizer's
         group (its global ranks), or the tensor- and pipeline-parallel coordinate every rank of one
         data-parallel group shares; None when neither is known (no comparison)."""
-        if self.zero1 is not None:
-            return ["ranks", *self.zero1.backend.global_ranks]
+        if self.rank_state is not None:
+            return ["ranks", *self.rank_state.backend.global_ranks]
         if self.coordinate is not None:
             return ["coordinate", self.coordinate[2], self.coordinate[3]]
         return None
 
     @property
-    def zero1(self) -> Zero1Optimizer | None:
-        return self.optimizer if isinstance(self.optimizer, Zero1Optimizer) else None
+    def rank_state(self) -> RankState | None:
+        """The optimizer's state on this rank (``optim.rank_state.RankState``: every part a load reads and
+        installs into) where the optimizer is a ``Zero1Optimizer``, else None."""
+        held = getattr(self.optimizer, "rank_state", None) if not isinstance(self.optimizer, Mapping) else None
+        return held if isinstance(held, RankState) else None
 
     def names(self) -> list[str]:
         """The managed parameters' names, in layout order."""
-        return managed_param_names(self.model, self.zero1)
+        return managed_param_names(self.model, self.rank_state)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """The managed parameters' shapes (their local parts for DTensors), by name."""
-        return {name: tuple(local_shape(p)) for name, p in zip(self.names(), self.zero1.managed_params)}
+        return {name: tuple(local_shape(p)) for name, p in zip(self.names(), self.rank_state.managed_params)}
 
     def request(self) -> Request:
         """What this rank asks a reader for."""
         model_keys = set(local_state_dict(self.model)) if isinstance(self.model, nn.Module) else None
         data, data_size, tensor, pipeline = self.coordinate or (self.backend.rank, self.backend.world_size, 0, 0)
         optimizer = None
-        zero1 = self.zero1
-        if zero1 is not None:
+        held = self.rank_state
+        if held is not None:
             names = self.names()
             slots: dict[str, list[Slot]] = {name: [] for name in names}
-            for b, name, piece in named_pieces(zero1.bucket_layouts, zero1.rank, names):
+            for b, name, piece in named_pieces(held.bucket_layouts, held.rank, names):
                 slots[name].append(Slot(piece.param_start, piece.param_end, b, piece.shard_start))
             optimizer = OptimizerRequest(
-                groups=param_group_names(self.model, zero1),
+                groups=param_group_names(self.model, held),
                 shapes=self.shapes(),
-                slots=slots, shard_numels=[layout.shard_numel for layout in zero1.bucket_layouts],
-                shard_dtypes=[self.backend.device_dtype(shard.dtype) for shard in zero1.inner_shards],
-                master_weights=zero1.mixed_precision.use_master_weights,
-                scaler_keys=tuple(zero1.loss_scaler.state_dict()) if zero1.loss_scaler is not None else ())
+                slots=slots, shard_numels=[layout.shard_numel for layout in held.bucket_layouts],
+                shard_dtypes=[self.backend.device_dtype(shard.dtype) for shard in held.inner_shards],
+                master_weights=held.mixed_precision.use_master_weights,
+                scaler_keys=tuple(held.loss_scaler.state_dict()) if held.loss_scaler is not None else ())
         return Request(model_keys=model_keys, optimizer=optimizer, objects=frozenset(self.objects), data=data,
                        data_size=data_size, tensor=tensor, pipeline=pipeline, device_dtype=self.backend.device_dtype)

@@ -124,15 +124,55 @@ class RankState:
         self._places: list[tuple[int, Piece | None]] | None = None
         self._masters_cache: tuple[int, list[torch.Tensor]] | None = None
 
+    # ------------------------------------------------------------------ its parts, as a load reads them
     @property
-    def inner(self) -> torch.optim.Optimizer:
+    def inner_optimizer(self) -> torch.optim.Optimizer:
         """The inner optimizer, over this rank's shards."""
         return self._inner_step.inner
 
     @property
-    def managed(self) -> list[torch.Tensor]:
+    def inner_shards(self) -> list[torch.Tensor]:
+        """The inner optimizer's parameters, one per bucket: the keys of its state."""
+        return list(self._inner_step.shards)
+
+    @property
+    def managed_params(self) -> list[torch.Tensor]:
         """The managed parameters, in layout order."""
         return self._managed
+
+    @property
+    def bucket_layouts(self) -> list[BucketLayout]:
+        return self._layouts
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's param groups (the list itself)."""
+        return self._param_groups
+
+    @property
+    def backend(self) -> Any:
+        return self._backend
+
+    @property
+    def rank(self) -> int:
+        return self._backend.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._backend.world_size
+
+    @property
+    def coordinate(self) -> Any:
+        """This rank's place in the topology (``optim.topology.Coordinate``)."""
+        return self._coordinate
+
+    @property
+    def mixed_precision(self) -> Any:
+        return self._mixed_precision
+
+    @property
+    def loss_scaler(self) -> Any:
+        return self._loss_scaler
 
     def current_masters(self) -> list[torch.Tensor]:
         """The master shards, rebuilt once per state generation where they are rebuilt on demand
@@ -176,7 +216,7 @@ class RankState:
         rank's range of the live shard (empty where it holds none), its counters, and with
         ``use_master_weights_in_ckpt`` its ``master`` weight from ``masters`` (the master shards)."""
         b, piece = self.places()[index]
-        live = dict(self.inner.state.get(self._inner_step.shards[b], {}))
+        live = dict(self.inner_optimizer.state.get(self._inner_step.shards[b], {}))
         live.update(self.param_counters(index) or {})
         if self.masters_in_state and masters is not None:
             live[MASTER_KEY] = masters[b]
@@ -191,7 +231,7 @@ class RankState:
         ``use_master_weights_in_ckpt``; ``param_groups`` with the hyperparameters (the first group holds
         the loss scaler's state as ``loss_scaler``); and ``nxd_smp``, what a ``torch.save`` of it needs to
         load again (format, DP size and rank, tensor- and pipeline-parallel ranks, layout, precision)."""
-        inner = self.inner
+        inner = self.inner_optimizer
         copies = [{key: value.detach().clone() for key, value in inner.state.get(shard, {}).items()
                    if isinstance(value, torch.Tensor)} for shard in self._inner_step.shards]
         if self.masters_in_state:
@@ -275,7 +315,7 @@ class RankState:
         kernel options stay the live ones), the loss scaler's state. Local to this rank; returns the
         undo (the old objects put back: torch's ``load_state_dict`` replaces ``state`` and
         ``param_groups`` with new ones)."""
-        inner, scaler = self.inner, self._loss_scaler
+        inner, scaler = self.inner_optimizer, self._loss_scaler
         before = (inner.state, inner.param_groups, [dict(g) for g in self._param_groups],
                   None if scaler is None else scaler.state_dict())
         counters_before = self._inner_step.counters.snapshot()
@@ -343,7 +383,7 @@ class ParamStates(Mapping):
 
     def __init__(self, held: RankState | None = None):
         self._held = held
-        self._index = {} if held is None else {id(p): (i, p) for i, p in enumerate(held.managed)}
+        self._index = {} if held is None else {id(p): (i, p) for i, p in enumerate(held.managed_params)}
 
     def _find(self, param: Any) -> tuple[RankState, int]:
         found = self._index.get(id(param))
@@ -356,10 +396,10 @@ class ParamStates(Mapping):
         return held.param_state(index, held.current_masters() if held.masters_in_state else None)
 
     def __iter__(self):
-        return iter([] if self._held is None else list(self._held.managed))
+        return iter([] if self._held is None else list(self._held.managed_params))
 
     def __len__(self) -> int:
-        return 0 if self._held is None else len(self._held.managed)
+        return 0 if self._held is None else len(self._held.managed_params)
 
     def __setitem__(self, param: Any, value: Any) -> None:
         """Accept what a framework writes back unchanged (Lightning moves every state tensor ``.to`` its

@@ -129,8 +129,7 @@ def here(targets: Targets) -> Coordinate:
     found = nxd_coordinate()
     if found is not None:
         return found
-    zero1 = targets.zero1 or (zero1_optimizer_of(targets.optimizer) if not isinstance(targets.optimizer, Mapping)
-                              else None)
+    zero1 = zero1_optimizer_of(targets.optimizer) if not isinstance(targets.optimizer, Mapping) else None
     if zero1 is not None:
         return zero1.topology.coordinate
     coordinator = targets.backend.coordinator
@@ -267,12 +266,12 @@ def read_tag(tag: Folder, targets: Targets, request: Request) -> Staged:
     model_file = rank_file("model", 0, coordinate.tensor, coordinate.pipeline)
     weights = read_file(tag, model_file, staged.replicated, once)
     stage_model(staged, weights, str(tag.where(model_file)))
-    if targets.zero1 is not None:
+    if targets.rank_state is not None:
         files = optimizer_files(tag, coordinate.tensor, coordinate.pipeline)
         if not files:
             raise CheckpointError(f"{tag.where()} holds no optimizer files for tp {coordinate.tensor} pp "
                                   f"{coordinate.pipeline}; load it with optimizer=None.")
-        groups = param_group_names(targets.model, targets.zero1)
+        groups = param_group_names(targets.model, targets.rank_state)
         source = str(tag.where(files[0])) + (f" (and {len(files) - 1} more)" if len(files) > 1 else "")
         state, hypers, masters = _full_state([read_file(tag, f, staged.replicated, once) for f in files], groups,
                                              [tag.where(f) for f in files])

@@ -303,7 +303,7 @@ def read_state_dicts(tag: Folder, targets: Targets, request: Request) -> Staged:
             check_distinct([(f"state/{i}/{key}", v) for i, entry in entries.items() if isinstance(entry, Mapping)
                             for key, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0],
                            str(tag.where(source)), "each moment and master is a tensor of its own")
-        if targets.zero1 is not None:
+        if targets.rank_state is not None:
             try:
                 staged.optimizer = read_rank_state(targets, dict(value), request).optimizer
             except CheckpointError as e:
