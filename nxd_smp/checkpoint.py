@@ -2,9 +2,9 @@
 caller's scheduler and other stateful objects; saved synchronously or in the background.
 The public entry points; the work is done in ``nxd_smp.checkpointing``:
 
-* every load, whatever its format, runs one pipeline (``pipeline``): read (a format's reader:
-  ``smp_format`` for nxd_smp's own, NxD's registered by ``nxd_smp.interop``) -> check (``check``)
-  -> agree (``nxd_smp.backend.agreement``) -> install (``install``);
+* every load, whatever its format, runs one pipeline (``nxd_smp.optim.loading``): read (a format's
+  reader, the formats registered in ``pipeline``: ``smp_format`` for nxd_smp's own, NxD's by
+  ``nxd_smp.interop``) -> check -> agree (``nxd_smp.backend.agreement``) -> install;
 * a save (``save``) writes nxd_smp's format into a version folder and swaps the checkpoint's link
   (``versions``), now or in the background (``writer``);
 * every file operation goes through one filesystem room (``files``: directory descriptors, no link
@@ -34,23 +34,22 @@ import torch.nn as nn
 
 from .backend import Backend, select_backend, this_replica
 from .backend.agreement import decide
-from .checkpointing.check import SCHEDULER
 from .checkpointing.files import Folder, entry_kind, local_path
 from .checkpointing.pipeline import (
     SmpFormat,
     format_named,
-    full_state,
     locate_checkpoint,
     registered_formats,
-    run,
     state_dict_format,
 )
 from .checkpointing.save import save
-from .checkpointing.staged import Staged, Targets
 from .checkpointing.tools import consolidate, inspect_checkpoint, read_checkpoint
 from .checkpointing.versions import version_prefix
 from .checkpointing.writer import finalize_checkpoint, finish_save_in_flight, save_in_flight
 from .core.errors import CheckpointError, ConfigError
+from .optim.loading.check import SCHEDULER
+from .optim.loading.run import full_state, run
+from .optim.loading.staged import Staged, Targets
 from .zero1_optimizer import Zero1Optimizer, zero1_optimizer_of
 
 __all__ = [

@@ -41,6 +41,7 @@ from .mixed_precision_config import MixedPrecisionConfig, Zero1Config
 from .optim.compiled_adamw import CompiledAdamW
 from .optim.frozen import FrozenParams
 from .optim.inner_step import InnerStep
+from .optim.loading.run import load_rank_state
 from .optim.loss_scaler import DynamicLossScaler
 from .optim.masters import MasterWeights
 from .optim.norm import NORM_ROLES, norm_role
@@ -53,7 +54,7 @@ from .optim.param_groups import (
     sequence_parallel_marked,
 )
 from .optim.precision import PrecisionPlan
-from .optim import full_state, rank_state
+from .optim import full_state
 from .optim.rank_state import STATE_LOADED, Generation, ParamStates, RankState
 from .optim.topology import Topology
 
@@ -346,8 +347,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     @property
     def rank_state(self) -> RankState:
-        """This rank's state (``optim.rank_state.RankState``): the part the checkpoint layer installs a
-        checked state through."""
+        """This rank's state (``optim.rank_state.RankState``): the part a load (``optim.loading``)
+        installs a checked state through."""
         self._require_initialized()
         return self._rank_state
 
@@ -466,12 +467,12 @@ class Zero1Optimizer(torch.optim.Optimizer):
             CheckpointError (a ``ValueError``): naming every way it does not fit, and the fix.
         """
         self._require_initialized()
-        rank_state.load(self, state_dict, install=False)
+        load_rank_state(self, state_dict, install=False)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what ``state_dict()`` returned on the same rank at the same DP size; every process of the
         job calls it (the ranks agree world-wide: the tensor- and pipeline-parallel peers too). It is
-        read, checked, agreed on and installed as every checkpoint is (the checkpoint layer's pipeline):
+        read, checked, agreed on and installed as every checkpoint is (the load pipeline, ``optim.loading``):
         if one rank's state dict does not fit, or the ranks of the data-parallel group would install
         different hyperparameters or step counts, every rank refuses and nothing changes. With master
         weights in it the parameters become ``master.to(param dtype)``; without, the masters are rebuilt
@@ -487,7 +488,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             state_dict = state_dict if result is None else result
         if state_dict is not STATE_LOADED:
-            rank_state.load(self, state_dict, install=True)
+            load_rank_state(self, state_dict, install=True)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

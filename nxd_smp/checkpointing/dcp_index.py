@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..core.errors import CheckpointError, UnsafeFileError
-from .check import is_shape
+from ..optim.loading.check import is_shape
 from .files import Folder
 from .reader import load_pickle
 from .storage import check_spans

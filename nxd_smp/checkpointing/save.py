@@ -33,9 +33,9 @@ from ..backend.agreement import decide, error_text
 from ..backend.coordination import Coordinator
 from ..core.dtensors import tensor_parallel_layout
 from ..core.errors import CheckpointError
+from ..core.progress import phases
 from ..zero1_optimizer import Zero1Optimizer
 from .files import Folder
-from .progress import phases
 from .smp_format import completion_bytes, entries_to_save, small_files
 from .storage import INDEX_FILE, IO_THREADS, write_index, write_tensors
 from .versions import (

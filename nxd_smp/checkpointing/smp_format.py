@@ -38,12 +38,8 @@ import torch.nn as nn
 from ..backend import Backend
 from ..core.dtensors import local_shape, local_state_dict
 from ..core.errors import CheckpointError
-from ..optim.param_groups import KERNEL_OPTIONS
-from ..optim.state_fit import describe
-from ..zero1_optimizer import Zero1Optimizer
-from .check import is_shape, is_size
-from .files import Folder
-from .staged import (
+from ..optim.loading.check import is_shape, is_size
+from ..optim.loading.staged import (
     Pieces,
     Request,
     Staged,
@@ -57,6 +53,10 @@ from .staged import (
     staging_slices,
     zero_unwritten,
 )
+from ..optim.param_groups import KERNEL_OPTIONS
+from ..optim.state_fit import describe
+from ..zero1_optimizer import Zero1Optimizer
+from .files import Folder
 from .storage import INDEX_FILE, IO_THREADS, JSON_LIMIT, StoredTensor, crc32_of, read_index, read_tensors
 from .typed_json import decode, dtype_named, dumps, encode, loads
 from .versions import COMPLETE_FILE

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from ..core.errors import CheckpointError, ChecksumError
+from ..optim.loading.check import check_cast, is_shape, is_size
 from .budget import Budget
-from .check import check_cast, is_shape, is_size
 from .files import Folder, check_name
 from .reader import first_overlap, load_bytes
 from .typed_json import dtype_named, loads

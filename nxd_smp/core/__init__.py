@@ -4,7 +4,8 @@
 * ``environment``: every environment variable nxd_smp reads or sets, and what the XLA runtime did;
 * ``layout``: buckets, padding and shard ranges as pure arithmetic;
 * ``memory``: where the CPU step's buffers start within a page, and plain aliases for compiled
-  kernels.
+  kernels;
+* ``progress``: progress shown on long work (checkpoint saves and loads).
 
 Nothing here holds state or imports from another part of nxd_smp.
 """

@@ -38,10 +38,10 @@ from typing import Any
 
 from pytorch_lightning import Callback
 
-from ..checkpointing.pipeline import load_together
 from ..core.errors import CheckpointError, ConfigError
 from ..optim import rank_state
 from ..optim.clip_watch import silence
+from ..optim.loading.run import load_together
 from ..zero1_optimizer import STATE_LOADED, Zero1Optimizer, zero1_optimizer_of
 from .ddp import skip_ddp_allreduce
 

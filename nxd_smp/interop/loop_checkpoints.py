@@ -31,10 +31,10 @@ from typing import Any
 import torch.nn as nn
 
 from ..checkpoint import load_checkpoint, save_checkpoint
-from ..checkpointing.check import is_size
 from ..checkpointing.files import Folder, local_path
 from ..checkpointing.reader import load_file
 from ..core.errors import CheckpointError
+from ..optim.loading.check import is_size
 from ..optim.rank_state import add_hint
 from ..optim.state_fit import describe
 from ..zero1_optimizer import STATE_LOADED, Zero1Optimizer, zero1_optimizer_of

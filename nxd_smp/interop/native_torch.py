@@ -42,16 +42,16 @@ import torch.nn as nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta, TensorStorageMetadata
 
 from ..checkpoint import check_args
-from ..checkpointing.check import group_hyperparameters, name_differences
 from ..checkpointing.dcp_index import METADATA_FILE, DcpEntry, read_dcp_index
 from ..checkpointing.files import Folder, check_output, local_path, write_output_directory, write_output_file
-from ..checkpointing.pipeline import full_state, run
 from ..core.errors import UnsafeFileError
-from ..checkpointing.staged import Request, Staged, Targets
 from ..checkpointing.storage import INDEX_FILE, read_record
 from ..checkpointing.tools import read_whole_checkpoint
 from ..core.dtensors import is_dtensor
 from ..core.errors import CheckpointError
+from ..optim.loading.check import group_hyperparameters, name_differences
+from ..optim.loading.run import full_state, run
+from ..optim.loading.staged import Request, Staged, Targets
 from ..zero1_optimizer import Zero1Optimizer
 
 __all__ = ["export_torch", "import_torch", "export_safetensors", "model_state_dict_of", "master_state_dict"]

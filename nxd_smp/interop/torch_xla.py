@@ -26,13 +26,13 @@ import torch
 import torch.nn as nn
 
 from ..checkpoint import check_args
-from ..checkpointing.check import is_shape
 from ..checkpointing.files import Folder, check_output, local_path, write_output_directory
-from ..checkpointing.pipeline import full_state, run
 from ..checkpointing.reader import check_distinct, load_file
-from ..checkpointing.staged import Request, Staged, Targets
 from ..checkpointing.tools import read_checkpoint
 from ..core.errors import CheckpointError, ConfigError
+from ..optim.loading.check import is_shape
+from ..optim.loading.run import full_state, run
+from ..optim.loading.staged import Request, Staged, Targets
 from ..optim.param_groups import index_groups
 from ..optim.state_fit import torch_group_problems
 from ..zero1_optimizer import Zero1Optimizer

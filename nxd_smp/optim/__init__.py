@@ -8,7 +8,8 @@
 * ``norm``: the global gradient norm and the clip coefficient; ``loss_scaler``: fp16's scaling;
 * ``param_groups``: the groups given, the inner optimizer's class and kernel options;
 * ``state_fit``: the one check that a saved state fits the optimizer; ``rank_state``: the
-  rank-local state dict and the one install of a state.
+  rank-local state dict and the one install of a state;
+* ``loading``: a load's one pipeline (read -> check -> agree -> install) over a neutral staged state.
 
 Nothing here imports checkpointing or interop.
 """

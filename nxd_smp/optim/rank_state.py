@@ -1,17 +1,17 @@
 """This rank's state of a ``Zero1Optimizer``, a part the optimizer holds (``RankState``): what
 ``state_dict()`` returns on one rank, the per-parameter view ``opt.state`` shows, and the two halves
-of installing a state the checkpoint layer checked.
+of installing a state the load checked (``optim.loading``).
 
 It holds this rank's inner optimizer state (over its flat shards), the param groups'
 hyperparameters, the layout it was written with, the DP size and rank, and, with
 ``use_master_weights_in_ckpt``, the master shards. It loads only on the same rank of the same
 layout at the same DP size; nxd_smp's checkpoints move across DP sizes.
 
-``load_state_dict`` runs the checkpoint layer's one pipeline (read, check, agree, install), which
-registers itself here (``register_loader``): a state dict is one more format it reads. What a refusal
-advises beyond that (how a training loop that keeps one rank's optimizer file loads every rank's
-state) is the loops' to say: the parts that write such files register a hint here (``add_hint``), so
-this layer names no training loop.
+``load_state_dict`` runs the one load pipeline (``optim.loading``: read, check, agree, install) with
+the rank-local reader: a state dict is one more format it reads. What a refusal advises beyond that
+(how a training loop that keeps one rank's optimizer file loads every rank's state) is the loops' to
+say: the parts that write such files register a hint here (``add_hint``), so this layer names no
+training loop.
 """
 
 from __future__ import annotations
@@ -309,7 +309,7 @@ class RankState:
     def install(self, state: Mapping[int, Mapping[str, Any]], hyperparameters: Sequence[Mapping[str, Any]],
                 scaler_state: Any = None, counters: Sequence[Mapping[str, Any] | None] | None = None
                 ) -> Callable[[], None]:
-        """The first half of an install, of a state the checkpoint layer's check passed: the inner
+        """The first half of an install, of a state the load's check passed: the inner
         optimizer's state by bucket (its tensors become the optimizer's own), each managed parameter's
         ``counters`` (None: its bucket's), each param group's ``hyperparameters`` (over the live group;
         kernel options stay the live ones), the loss scaler's state. Local to this rank; returns the
@@ -423,26 +423,6 @@ class _StateLoaded:
 #: A ``load_state_dict`` pre-hook returns this when it has installed the state itself (from a
 #: checkpoint the dict it was given refers to): nothing more is loaded.
 STATE_LOADED = _StateLoaded()
-
-
-#: How a rank-local state is read, checked, agreed on and installed: the checkpoint layer's one
-#: pipeline (``nxd_smp.checkpointing.pipeline``), which registers itself here when it is imported
-#: (a lower layer cannot import it; ``import nxd_smp`` imports it).
-_loader: Callable[..., None] | None = None
-
-
-def register_loader(loader: Callable[..., None]) -> None:
-    """Make ``Zero1Optimizer.load_state_dict`` and ``check_state_dict`` run ``loader(optimizer, state_dict,
-    install=...)``."""
-    global _loader
-    _loader = loader
-
-
-def load(optimizer: Any, state_dict: Any, install: bool) -> None:
-    """Read, check, agree on and (``install``) install ``state_dict`` into ``optimizer`` (the registered loader)."""
-    if _loader is None:
-        raise RuntimeError("nxd_smp's checkpoint layer is not imported: import nxd_smp before loading a state dict.")
-    _loader(optimizer, state_dict, install=install)
 
 
 def hint(situation: str) -> str:

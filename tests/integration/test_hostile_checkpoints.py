@@ -1511,6 +1511,6 @@ def test_schedulers_with_infinite_or_nested_state_resume(tmp_path):
     state = chain.state_dict()
     state["_schedulers"][0]["optimizer"] = "not the scheduler's"
     with pytest.raises(CheckpointError, match="optimizer"):
-        from nxd_smp.checkpointing.check import check_scheduler_state
+        from nxd_smp.optim.loading.check import check_scheduler_state
 
         check_scheduler_state(state, sequential(), "scheduler.pt")

@@ -11,8 +11,9 @@ from typing import Any
 
 from ...backend import Backend
 from ...checkpointing.files import Folder, user_path
-from ...checkpointing.pipeline import FolderFormat, Reader, register_format
-from ...checkpointing.staged import Request, Staged, Targets
+from ...checkpointing.pipeline import FolderFormat, register_format
+from ...optim.loading.run import Reader
+from ...optim.loading.staged import Request, Staged, Targets
 from .folders import STATE_DICTS_FILE, here, is_complete, is_nxd_checkpoint, nxd_tags, read_tag, remove_tag
 from .state_dicts import read_state_dicts, save_state_dicts
 

@@ -21,7 +21,7 @@ read by the strict reader; xser's reference class is admitted by its name and be
 nothing from the files runs. With tensor or pipeline parallelism each (TP, PP) coordinate reads its own
 files (its coordinate from NxD's parallel state, or else the optimizer's topology); resharding is over
 DP only, and expert-parallel files (``ep_rank``) are refused. The check, the agreement and the install
-are the pipeline's (``checkpointing.pipeline``).
+are the pipeline's (``optim.loading``).
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ from typing import Any
 
 import torch
 
-from ...checkpointing.check import SCHEDULER
 from ...checkpointing.files import Folder
-from ...checkpointing.pipeline import full_state
 from ...checkpointing.reader import check_distinct, load_file
-from ...checkpointing.staged import Request, Staged, Targets, param_group_names
 from ...checkpointing.unpickler import XserReference
 from ...checkpointing.versions import DONE_FILE, MARKER_FILE
 from ...core.errors import CheckpointError
+from ...optim.loading.check import SCHEDULER
+from ...optim.loading.run import full_state
+from ...optim.loading.staged import Request, Staged, Targets, param_group_names
 from ...optim.state_fit import torch_group_problems
 from ...optim.topology import Coordinate
 from ...zero1_optimizer import zero1_optimizer_of

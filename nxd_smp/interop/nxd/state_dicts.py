@@ -27,15 +27,15 @@ from ...backend import Backend
 from ...backend.agreement import decide
 from ...backend.coordination import Coordinator
 from ...checkpointing.files import Folder, after_publish, place_directory
-from ...checkpointing.pipeline import read_rank_state
 from ...checkpointing.reader import check_distinct, load_bytes
 from ...checkpointing.save import check_async_save, close_opened, open_made, write_and_publish
-from ...checkpointing.staged import Request, Staged, Targets
 from ...checkpointing.typed_json import loads
 from ...checkpointing.unpickler import MAX_DEPTH
 from ...checkpointing.versions import DONE_FILE, LEFT, MARKER_FILE
 from ...checkpointing.writer import start_save
 from ...core.errors import CheckpointError
+from ...optim.loading.run import read_rank_state
+from ...optim.loading.staged import Request, Staged, Targets
 from .folders import (
     SCHEDULER_FILE,
     STATE_DICTS_FILE,

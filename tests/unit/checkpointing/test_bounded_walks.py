@@ -18,8 +18,8 @@ import torch
 
 from nxd_smp import CheckpointError, finalize_checkpoint, load_checkpoint, save_checkpoint
 from nxd_smp.checkpoint import has_checkpoint, load_full_optimizer_state, remove_checkpoint
-from nxd_smp.checkpointing.check import check_scheduler_state, fingerprint
 from nxd_smp.checkpointing.files import MAX_TREE_DEPTH, Folder
+from nxd_smp.optim.loading.check import check_scheduler_state, fingerprint
 from tests.checkpoint_scenario import build, train
 from tests.crafted import reseal
 

@@ -199,7 +199,7 @@ def _failing_after_the_agreement(rank: int, world: int, root: str, where: str) -
     building of the master shards."""
     import faulthandler
 
-    from nxd_smp.checkpointing import install
+    from nxd_smp.optim.loading import install
 
     faulthandler.dump_traceback_later(120, exit=True)
     model, opt = build()

@@ -434,7 +434,7 @@ def test_inspect_counts_no_byte_behind_a_link(tmp_path):
 def test_the_staging_zeroes_exactly_what_no_saved_piece_fills():
     """``zero_unwritten``: the staging buffers are not initialised; what no view covers is zeroed, what
     a view covers is left for the read (overlapping, touching and empty views; a buffer no view covers)."""
-    from nxd_smp.checkpointing.staged import zero_unwritten
+    from nxd_smp.optim.loading.staged import zero_unwritten
 
     staging = {"exp_avg": [torch.full((10,), float("nan")), torch.full((4,), float("nan"))],
                None: [torch.full((6,), float("nan"))]}

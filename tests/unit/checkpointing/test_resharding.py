@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nxd_smp.core.layout import plan_buckets
-from nxd_smp.checkpointing.staged import named_pieces, overlaps, saved_pieces
+from nxd_smp.optim.loading.staged import named_pieces, overlaps, saved_pieces
 
 
 def test_a_piece_straddling_a_boundary_is_copied_one_inside_is_read_whole():

@@ -28,7 +28,7 @@ import nxd_smp
 from nxd_smp import CheckpointError, MixedPrecisionConfig, Zero1Optimizer, load_checkpoint, save_checkpoint
 from nxd_smp.backend.agreement import agree
 from nxd_smp.backend.coordination import Coordinator
-from nxd_smp.checkpointing.check import check_scheduler_state
+from nxd_smp.optim.loading.check import check_scheduler_state
 from nxd_smp.optim.loss_scaler import DynamicLossScaler, check_scaler_state
 from tests.distributed import run_ranks
 

@@ -231,9 +231,9 @@ def code_lines(pattern: str) -> dict[str, list[int]]:
     ("the ranks' write-and-publish", r"def write_and_publish\b", ["checkpointing/save.py"]),
     ("a DCP index unpickled", r"kind=\"dcp_metadata\"\)", ["checkpointing/dcp_index.py"]),
     ("a typed-JSON value decoded", r"\bdecode\(loads\(", ["checkpointing/smp_format.py"]),
-    ("a staged state checked", r"\bcheck\(staged, targets\)", ["checkpointing/pipeline.py"]),
-    ("a checked state installed into the optimizer", r"\.rank_state\.install\(", ["checkpointing/install.py"]),
-    ("a load's stages run (read, check, agree, install)", r"\bagree\(.*world_coordinator", ["checkpointing/pipeline.py"]),
+    ("a staged state checked", r"\bcheck\(staged, targets\)", ["optim/loading/run.py"]),
+    ("a checked state installed into the optimizer", r"\.rank_state\.install\(", ["optim/loading/install.py"]),
+    ("a load's stages run (read, check, agree, install)", r"\bagree\(.*world_coordinator", ["optim/loading/run.py"]),
     ("a state's keys probed from its optimizer class", r"def state_kinds\b", ["optim/state_fit.py"]),
     ("a gradient reduced at step time, outside the backend's collectives", r"\.reduce_scatter\(", ["grad_accum.py"]),
 ])

@@ -1,6 +1,6 @@
 """The neutral staged state every checkpoint reader produces, and what a rank asks readers for.
 
-A load runs four stages, whatever the format (``pipeline``): **read** (a format's reader turns its
+A load runs four stages, whatever the format (``run``): **read** (a format's reader turns its
 files into a ``Staged`` state, trusting nothing and installing nothing), **check** (``check``: the
 one check against the live objects), **agree** (``backend.agreement``), **install** (``install``).
 This module is what passes between them:
@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core.dtensors import local_shape, local_state_dict
-from ..core.errors import CheckpointError
-from ..core.layout import BucketLayout, Piece
-from ..optim.rank_state import RankState
+from ...core.dtensors import local_shape, local_state_dict
+from ...core.errors import CheckpointError
+from ...core.layout import BucketLayout, Piece
+from ..rank_state import RankState
 
 
 # ---------------------------------------------------------------------------- pieces: arithmetic

@@ -1,7 +1,7 @@
 """The install: one transaction over the model, the optimizer, the loss scaler, the scheduler and the
 caller's stateful objects, of a state the check passed (``check.Plan``).
 
-It runs in three parts around the ranks' agreements (``pipeline``):
+It runs in three parts around the ranks' agreements (``run``):
 
 * ``install`` (before ``agree``, on every rank): what can be put back cheaply: each stateful object's
   state (its ``state_dict()`` copied first; a refusal puts back every object loaded so far, the refusing
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core.dtensors import like_live
-from ..core.errors import CheckpointError
-from ..optim.state_fit import torch_state_dict
+from ...core.dtensors import like_live
+from ...core.errors import CheckpointError
+from ..state_fit import torch_state_dict
 from .check import Plan
 from .staged import Pieces, Staged, StagedOptimizer, Targets, Whole, named_pieces
 

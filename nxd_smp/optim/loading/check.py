@@ -37,11 +37,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core.dtensors import local_state_dict, tensor_parallel_layout
-from ..core.errors import CheckpointError
-from ..optim.loss_scaler import check_scaler_state
-from ..optim.param_groups import KERNEL_OPTIONS
-from ..optim.state_fit import StateFit, check_state_entry, describe, misfit, torch_group_problems
+from ...core.dtensors import local_state_dict, tensor_parallel_layout
+from ...core.errors import CheckpointError
+from ..loss_scaler import check_scaler_state
+from ..param_groups import KERNEL_OPTIONS
+from ..state_fit import StateFit, check_state_entry, describe, misfit, torch_group_problems
 from .staged import Pieces, Staged, StagedOptimizer, Targets, Whole, param_group_names
 
 SCHEDULER = "scheduler"  # the name the scheduler's state is saved under
