@@ -272,7 +272,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
         views of this rank's range of each moment, its own counters), read-only; never empty once
         built (the state is made at construction), so no framework steps the optimizer to create one
         (empty before ``init_zero`` under ``lazy_init``)."""
-        return self.__dict__.get("_param_states") or ParamStates()
+        held = self.__dict__.get("_param_states")
+        return held if held is not None else ParamStates()
 
     @state.setter
     def state(self, value: Any) -> None:
