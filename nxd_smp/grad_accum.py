@@ -86,9 +86,10 @@ class GradientSource(ABC):
 
     @abstractmethod
     def reduce(self) -> list[torch.Tensor]:
-        """Per bucket, this rank's shard of the gradient summed over the micro-batches since the
-        last step and over the data-parallel ranks (NxD's model-parallel sums done), in the master
-        dtype; the accumulation is consumed: the next backward starts a new one."""
+        """This rank's part of the step's gradient, summed over the micro-batches since the last step and
+        over the data-parallel ranks (NxD's model-parallel sums done): per bucket this rank's shard, in
+        the master dtype (the sharded sources), or per parameter with a ``.grad`` the whole of it
+        (``ReplicatedGrads``); the accumulation is consumed: the next backward starts a new one."""
 
     def start_new_accumulation(self) -> None:
         """Forget the accumulation in progress."""

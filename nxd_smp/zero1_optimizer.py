@@ -442,7 +442,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
         """This rank's state (``RankState.state_dict``): the inner optimizer's state over its shards, each
         parameter's counters, the hyperparameters, the layout it was written with, and the master shards
         with ``use_master_weights_in_ckpt``. It loads at the same DP size and rank; ``nxd_smp.checkpoint``
-        moves across DP sizes. Parameters written in place since the last step are taken up first, so the
+        moves across DP sizes. Called by torch's ``get_optimizer_state_dict`` with ``full_state_dict=True``,
+        it is the whole state instead (``RankState.full_state_dict``: each parameter's tensors gathered),
+        which loads at any DP size. Parameters written in place since the last step are taken up first, so the
         masters match the model. torch's state-dict hooks run around it: a pre-hook that returns a dict
         gives the state dict instead (then nothing is built: a training loop's reference to a
         checkpoint), and a post-hook may return another."""

@@ -15,12 +15,12 @@ checkpoints, its gradient clipping and DDP's all-reduce::
   from it on arrival.
 * **Model and optimizer installed together.** Lightning restores the model before the optimizer
   exists (under DDP it is built afterwards), so a resume that does not fit would leave the model loaded
-  and the optimizer not. The callback wraps the strategy's ``checkpoint_io`` in ``setup``: when Lightning
-  reads a checkpoint of this callback's, the model's entries are held back (Lightning restores the
-  module's own current values, which changes nothing), and when Lightning loads the optimizer's state the
-  model's entries and the optimizer's state go through nxd_smp's one load pipeline together (read,
-  check, every rank's agreement, install): a checkpoint that does not fit is refused before the model
-  changes, on every rank.
+  and the optimizer not. The callback wraps the strategy's ``load_model_state_dict`` in ``setup``: for a
+  checkpoint of this callback's, the model's entries (as the module's ``on_load_checkpoint`` left them)
+  are held back and nothing is loaded into the model then; when Lightning loads the optimizer's state,
+  the model's entries and the optimizer's state go through nxd_smp's one load pipeline together (read,
+  check, every rank's agreement, install; strict as the module's ``strict_loading``): a checkpoint that
+  does not fit is refused before the model changes, on every rank.
 * **Clipping.** Lightning clips ``.grad``, which fp32 accumulation leaves empty. With
   ``gradient_clip_val`` set the callback makes it the optimizer's clipping (``max_norm``, applied
   inside ``step()`` to the fp32 norm of the whole model); ``gradient_clip_algorithm="value"`` is
@@ -60,9 +60,10 @@ class _Pending:
     """What a resume holds back until the optimizer's state is loaded: the model's entries and, per
     optimizer, the whole state; Lightning is handed this in place of each state."""
 
-    def __init__(self, model: Mapping[str, Any], states: dict[int, Any]):
+    def __init__(self, model: Mapping[str, Any], states: dict[int, Any], strict: bool):
         self.model = model
         self.states = states
+        self.strict = strict
         self.model_installed = False
 
 
@@ -81,34 +82,31 @@ class Zero1LightningCallback(Callback):
     def __init__(self) -> None:
         self._pending: _Pending | None = None
         self._hooks: list[Any] = []
-        self._io: Any = None
+        self._strategy: Any = None
 
     # ---------------------------------------------------------------- set up
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        """The strategy's ``checkpoint_io`` reads as it does, and then holds a checkpoint's model entries back
-        (``_hold_back``). Its ``load_checkpoint`` is wrapped on the instance, since a strategy may take only
-        its own class of ``checkpoint_io`` (XLA's); ``teardown`` unwraps it. Only for ``fit``: ``validate``,
-        ``test`` and ``predict`` restore the model alone, as Lightning does."""
-        if stage != "fit":
+        """The strategy's ``load_model_state_dict`` (what Lightning's restore calls, after the module's own
+        ``on_load_checkpoint`` had its say) holds a checkpoint of this callback's back for the optimizer's
+        load (``_hold_back``), and loads any other as it does. Wrapped on the instance, for ``fit`` only
+        (``validate``, ``test`` and ``predict`` restore the model alone, as Lightning does); ``teardown``
+        unwraps it."""
+        strategy = trainer.strategy
+        if stage != "fit" or "load_model_state_dict" in vars(strategy):
             return
-        io = trainer.strategy.checkpoint_io
-        if "load_checkpoint" in vars(io):
-            return
-        trainer.strategy.checkpoint_io = io  # (XLA's strategies make a new one at each read until one is set)
-        read = io.load_checkpoint
+        load = strategy.load_model_state_dict
 
-        def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
-            checkpoint = read(*args, **kwargs)
-            self._hold_back(trainer, checkpoint)
-            return checkpoint
+        def load_model_state_dict(checkpoint: Any, strict: bool = True, **kwargs: Any) -> None:
+            if not self._hold_back(checkpoint, strict):
+                load(checkpoint, strict=strict, **kwargs)
 
-        io.load_checkpoint = load_checkpoint
-        self._io = io
+        strategy.load_model_state_dict = load_model_state_dict
+        self._strategy = strategy
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if self._io is not None:
-            vars(self._io).pop("load_checkpoint", None)
-            self._io = None
+        if self._strategy is not None:
+            vars(self._strategy).pop("load_model_state_dict", None)
+            self._strategy = None
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -156,12 +154,15 @@ class Zero1LightningCallback(Callback):
             states[i] = {"format": WHOLE_FORMAT, "state_dict": whole}
 
     # ---------------------------------------------------------------- resume
-    def _hold_back(self, trainer: Any, checkpoint: dict[str, Any]) -> None:
-        """Lightning read ``checkpoint``: hold its model entries and this callback's optimizer states back,
-        handing Lightning the module's own current tensors and the pending install in their place."""
+    def _hold_back(self, checkpoint: dict[str, Any], strict: bool) -> bool:
+        """Lightning restores the model from ``checkpoint``: where its optimizer states are this callback's,
+        hold the model's entries (as the module's ``on_load_checkpoint`` left them) and those states back
+        for the optimizer's load, handing Lightning the pending install in place of each state, and say so
+        (Lightning then loads nothing into the model)."""
         states = checkpoint.get("optimizer_states")
-        if not isinstance(states, list):
-            return
+        model = checkpoint.get("state_dict")
+        if not isinstance(states, list) or not isinstance(model, Mapping):
+            return False
         ours: dict[int, Any] = {}
         for i, state in enumerate(states):
             if isinstance(state, Mapping) and state.get("format") == WHOLE_FORMAT:
@@ -169,14 +170,12 @@ class Zero1LightningCallback(Callback):
                     raise CheckpointError(f"the checkpoint's optimizer_states[{i}] is damaged: its whole state is not "
                                           f"a state dict.")
                 ours[i] = state["state_dict"]
-        model = checkpoint.get("state_dict")
-        if not ours or not isinstance(model, Mapping):
-            return
-        self._pending = _Pending(model, ours)
-        # (the module's own tensors: Lightning copies each onto itself, no memory and no change)
-        checkpoint["state_dict"] = dict(trainer.lightning_module.state_dict())
+        if not ours:
+            return False
+        self._pending = _Pending(model, ours, strict)
         for i in ours:
             states[i] = self._pending
+        return True
 
     def _install(self, trainer: Any, optimizer: Zero1Optimizer, state: Any, i: int) -> Any:
         """The optimizer's ``load_state_dict`` pre-hook: a held-back state installed with the model's entries
@@ -186,6 +185,6 @@ class Zero1LightningCallback(Callback):
             return None
         model = trainer.lightning_module
         load_together(model, optimizer, pending.model if not pending.model_installed else None, pending.states[i],
-                      what=f"the Lightning checkpoint's optimizer_states[{i}]")
+                      strict=pending.strict, what=f"the Lightning checkpoint's optimizer_states[{i}]")
         pending.model_installed = True
         return STATE_LOADED

@@ -48,6 +48,7 @@ from ..core.errors import UnsafeFileError
 from ..checkpointing.storage import INDEX_FILE, read_record
 from ..checkpointing.tools import read_whole_checkpoint
 from ..core.dtensors import is_dtensor
+from ..optim.rounding import round_ties_away
 from ..core.errors import CheckpointError
 from ..optim.loading.check import group_hyperparameters, name_differences
 from ..optim.loading.run import full_state, run
@@ -186,6 +187,16 @@ def model_state_dict_of(model: nn.Module, values: Mapping[str, torch.Tensor]) ->
         return dict(model.state_dict())
 
 
+def _rounds_to(value: torch.Tensor, saved: torch.Tensor) -> bool:
+    """Whether ``value`` (a master, or a piece of one) is what ``saved`` was rounded from: to nearest even
+    (a parameter cast from its master), or with ties away from zero (split from its master under
+    ``use_param_remainders``)."""
+    if torch.equal(value.to(saved.dtype), saved):
+        return True
+    return saved.dtype == torch.bfloat16 and value.dtype == torch.float32 and torch.equal(
+        round_ties_away(value), saved)
+
+
 def _check_model_arg(model: Any) -> None:
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be an instance of the saved model (an nn.Module, on the meta device is fine), "
@@ -227,7 +238,7 @@ def masters_through_model(model: nn.Module, saved: Mapping[str, torch.Tensor], m
         problems += [f"{k}: made by the model from none of the saved tensors" for k, v in made.items()
                      if isinstance(v, torch.Tensor) and v.is_meta][:8]
     if not problems:
-        differ = [k for k, v in made.items() if v.shape != saved[k].shape or not torch.equal(v.to(saved[k].dtype), saved[k])]
+        differ = [k for k, v in made.items() if v.shape != saved[k].shape or not _rounds_to(v, saved[k])]
         problems += [f"{k}: what the model's state dict makes of the masters does not round to the saved value"
                      for k in differ[:8]]
     if problems:
@@ -545,6 +556,7 @@ def master_state_dict(model: nn.Module, optimizer: Zero1Optimizer) -> dict[str, 
     if not zero1.mixed_precision.use_master_weights:
         raise CheckpointError("this optimizer keeps no master weights (use_master_weights=False): the parameters are "
                               "the weights; use model.state_dict().")
+    zero1.adopt_param_changes()  # (weights written since the last step are the truth, as state_dict() takes them)
     name_of = {id(p): name for name, p in model.named_parameters()}
     missing = [i for i, p in enumerate(zero1.managed_params) if id(p) not in name_of]
     if missing:

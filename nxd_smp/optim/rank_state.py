@@ -270,8 +270,10 @@ class RankState:
         from every rank's range and joined over its tensor-parallel mesh (``optim.full_state``), its counters;
         ``param_groups`` as ``state_dict()`` holds them; no ``nxd_smp`` record (the state is every rank's).
         Every rank of the job calls it at once. One parameter's tensor is gathered at a time, and moved to
-        the host at once with ``cpu``; with ``keep=False`` (torch's ``cpu_offload`` on a rank other than 0)
-        this rank takes part in the gathers and keeps none of it: its ``state`` holds the counters only."""
+        the host at once with ``cpu`` (the counters and the scaler's state stay where they are, as torch's own
+        ``cpu_offload`` then moves them); with ``keep=False`` (torch's ``cpu_offload`` on a rank other than 0)
+        this rank takes part in the gathers (each brought to the host, so that on XLA it runs on every rank)
+        and keeps none of it: its ``state`` holds the counters only."""
         masters = self._masters.values() if self.masters_in_state else None
         numbers = self.numbers()
         where = placements(self._layouts, len(self._managed))
@@ -286,8 +288,10 @@ class RankState:
                     entry[key] = value.detach().clone()
                     continue
                 whole = gather(value, layout, position, self._backend, param)
+                if cpu or not keep:  # (on the host now; on XLA this runs the gather, on every rank alike)
+                    whole = whole.cpu()
                 if keep:
-                    entry[key] = whole.cpu() if cpu else whole
+                    entry[key] = whole
                 del whole  # (not kept past the next gather)
             if entry:
                 state[numbers[id(param)]] = entry

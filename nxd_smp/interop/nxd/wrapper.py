@@ -284,7 +284,7 @@ class ClippedOptimizer(NxDOptimizer):
         grad_norm_groups, pipeline_groups: the tensor- and pipeline-parallel groups of the norm.
         context_parallel_groups: average every gradient over these first.
         topology: those groups as one ``Topology`` instead.
-        grad_reduction: ``"mean"`` (the default, NxD's) or ``"sum"`` over the data-parallel (and
+        grad_reduction: ``"mean"`` (None, the default: NxD's) or ``"sum"`` over the data-parallel (and
             context-parallel) ranks.
         nxd_config: the config to take the clipping and ``sequence_parallel`` from instead of the
             keywords (``initialize_parallel_optimizer`` passes its own).
@@ -303,7 +303,7 @@ class ClippedOptimizer(NxDOptimizer):
         context_parallel_groups: NormGroupSpec = None,
         nxd_config: Mapping[str, Any] | None = None,
         topology: Topology | None = None,
-        grad_reduction: str = "mean",
+        grad_reduction: str | None = None,
     ):
         if nxd_config is None:
             if not isinstance(sequence_parallel, bool):
@@ -374,6 +374,6 @@ def initialize_parallel_optimizer(
         zero1 = Zero1Optimizer(groups, optimizer_class, mixed_precision=mp_cfg, grad_clipping=opt_cfg.grad_clipping,
                                max_norm=opt_cfg.max_grad_norm, topology=topology, **defaults)
         return NxDOptimizer(zero1, nxd_config)
-    grad_reduction = defaults.pop("grad_reduction", "mean")  # (the wrapper's, with ZeRO-1 off: not the class's)
+    grad_reduction = defaults.pop("grad_reduction", None)  # (the wrapper's, with ZeRO-1 off: not the class's)
     inner = optimizer_class(groups, **inner_hyperparameters(optimizer_class, defaults))
     return ClippedOptimizer(inner, nxd_config=nxd_config, topology=topology, grad_reduction=grad_reduction)

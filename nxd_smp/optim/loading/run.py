@@ -142,7 +142,8 @@ def read_rank_state(targets: Targets, state_dict: Any, request: Request) -> Stag
         problems += found
     if optimizer.loss_scaler is not None and groups and isinstance(groups[0], Mapping) and SCALER_KEY not in groups[0]:
         problems.append(f"no loss scaler state (the first param group's {SCALER_KEY!r}), which this optimizer's scaler "
-                        f"needs (torch's flatten_optimizer_state_dict drops it on the set side: use the nested layout)")
+                        f"needs: a state saved without a loss scaler, or one that went through torch's "
+                        f"flatten_optimizer_state_dict, which drops it on the set side (use the nested layout)")
     record = state_dict.get(RECORD_KEY)
     placed_by_record = isinstance(record, Mapping) and record.get("format") == STATE_DICT_FORMAT
     if placed_by_record:
@@ -305,17 +306,18 @@ def load_rank_state(optimizer: Any, state_dict: Any, *, install: bool) -> None:
 
 
 def load_together(model: nn.Module, optimizer: Any, model_state: Mapping[str, Any] | None, state_dict: Any,
-                  *, what: str) -> None:
+                  *, what: str, strict: bool = True) -> None:
     """A model's state dict and its optimizer's (``state_dict()``'s layout: this rank's ranges, or each
     parameter's whole tensors, sliced on arrival at any DP size) installed together: read, checked, agreed
     on by every rank and installed in one transaction, so a state that does not fit changes neither the
-    model nor the optimizer. ``model_state`` None: the optimizer's alone. Every rank calls it.
+    model nor the optimizer. ``model_state`` None: the optimizer's alone; ``strict`` as
+    ``nn.Module.load_state_dict``'s. Every rank calls it.
 
     Raises:
         CheckpointError: the state does not fit the model or the optimizer, on any rank; naming how.
     """
     targets = Targets(model=model if model_state is not None else None, optimizer=optimizer, objects={},
-                      backend=optimizer.backend)
+                      backend=optimizer.backend, strict=strict)
 
     def read(request: Request) -> Staged:
         staged = read_rank_state(targets, state_dict, request)

@@ -209,3 +209,19 @@ def test_the_live_optimizer_gives_its_masters_under_the_models_own_names(tmp_pat
         for name, value in expected.items():
             assert got[name].dtype == torch.float32 and torch.equal(got[name], value), (rank, name)
         assert not torch.equal(got["attention.wq.weight"].bfloat16().float(), got["attention.wq.weight"])
+
+
+def test_masters_rounded_ties_away_as_param_remainders_keep_them_are_the_saved_parameters():
+    """Under ``use_param_remainders`` a parameter is its master rounded with ties away from zero, not to
+    nearest even: a master whose lower half is exactly 0x8000 under an even upper half rounds to its saved
+    parameter only that way, and is still its master."""
+    from nxd_smp.interop.native_torch import masters_through_model
+    from nxd_smp.optim.rounding import round_ties_away
+
+    tie = torch.tensor([0x3F808000], dtype=torch.int32).view(torch.float32)  # 1.0 + half a bf16 ulp
+    master = torch.cat([tie, torch.randn(7)]).view(2, 4)
+    saved = {"weight": round_ties_away(master)}
+    assert not torch.equal(master.to(torch.bfloat16), saved["weight"])  # (nearest even rounds the tie down)
+    with torch.device("meta"):
+        model = nn.Linear(4, 2, bias=False).to(torch.bfloat16)
+    assert torch.equal(masters_through_model(model, saved, {"weight": master}, "ckpt")["weight"], master)
