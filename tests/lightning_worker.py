@@ -222,6 +222,28 @@ def run(mode: str) -> dict:
                   "strategy": type(half.strategy).__name__,
                   "params": [{n: p.detach().cpu() for n, p in m.net.named_parameters()} for m in (uninterrupted, resumed)],
                   "masters": [[t.detach().cpu() for t in o.master_shards] for o in opts]}
+    elif mode.startswith("renamed:"):  # IN into a module that keeps its net as `body`, renamed on load
+        src = mode.split(":", 1)[1]
+
+        class Renamed(Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.body = self.net
+                del self.net
+
+            def training_step(self, batch, _):
+                x, y = batch
+                return (self.body(x.bfloat16()).float() - y).pow(2).mean()
+
+            def on_train_batch_end(self, outputs, batch, batch_idx):
+                pass
+
+            def on_load_checkpoint(self, checkpoint):  # (the module's own migration of the saved keys)
+                checkpoint["state_dict"] = {k.replace("net.", "body.", 1): v for k, v in checkpoint["state_dict"].items()}
+
+        module = perturbed(Renamed())
+        trainer(2, True).fit(module, loader(CHAIN_BATCH), ckpt_path=src)
+        result["renamed"] = {n: p.detach().clone() for n, p in module.body.named_parameters()}
     elif mode.startswith("validate:"):  # validate(ckpt_path=IN) restores the model alone, as Lightning does
         src = mode.split(":", 1)[1]
 

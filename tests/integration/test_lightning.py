@@ -124,7 +124,7 @@ def chain(tmp_path_factory):
     folder = tmp_path_factory.mktemp("chain")
     env = {**os.environ, "USE_TORCH_XLA": "0", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     one, two = folder / "dp2.ckpt", folder / "dp1.ckpt"
-    steps = [(2, [f"chain_first:{one}"]), (1, [f"chain_next:{one}:{two}:2", f"refused:{two}", f"validate:{two}"]),
+    steps = [(2, [f"chain_first:{one}"]), (1, [f"chain_next:{one}:{two}:2", f"refused:{two}", f"validate:{two}", f"renamed:{one}"]),
              (3, [f"chain_next:{two}:{folder / 'dp3.ckpt'}:3"])]
     results = []
     for ranks, modes in steps:
@@ -183,4 +183,14 @@ def test_under_lightnings_xla_strategy_the_resume_equals_the_uninterrupted_run(t
 def test_validate_from_a_checkpoint_restores_the_model_as_lightning_does(chain):
     """Outside ``fit`` the callback holds nothing back: ``validate(ckpt_path=...)`` loads the saved weights."""
     assert next(v for k, v in chain[1].items() if k.startswith("validate:"))["model restored"]
+
+
+def test_the_modules_own_on_load_checkpoint_migrates_the_saved_keys_before_the_install(chain):
+    """The model's entries are held back after the module's ``on_load_checkpoint``: a module that keeps its
+    network under another name and renames the saved keys there resumes the DDP 2 checkpoint at DP 1 to
+    the same weights as the module that saved it (the chain's second segment)."""
+    renamed = next(v for k, v in chain[1].items() if k.startswith("renamed:"))["renamed"]
+    resumed = next(v for k, v in chain[1].items() if k.startswith("chain_next:"))["resumed"]["params"]
+    assert renamed.keys() == resumed.keys()
+    assert all(torch.equal(renamed[n], resumed[n]) for n in resumed)
 
