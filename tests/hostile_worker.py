@@ -27,7 +27,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -287,21 +287,28 @@ def main(spec_file: str, results_file: str) -> None:
 
 
 # ---------------------------------------------------------------- DP 2 on gloo
-def timed_load(loader: str, path: str, model: Any, opt: Any, scheduler: Any, before: Any) -> dict[str, Any]:
-    """One load of ``path`` into the live objects: what it raised (its type, whether a CheckpointError, its
-    message), how long it took, and what it changed since ``before`` (``snapshot``)."""
+def timed_call(call: Callable[[], Any]) -> dict[str, Any]:
+    """``call()`` on this rank: how long it took and what it raised (its type, None for nothing; whether a
+    CheckpointError; its message), for a test to read on every rank."""
     start = time.monotonic()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            load(loader, path, model, opt, scheduler)
+        call()
         error = None
     except Exception as e:  # noqa: BLE001 - reported to the test
         error = e
-    return {"loader": loader, "seconds": time.monotonic() - start,
-            "type": None if error is None else type(error).__name__,
-            "checkpoint_error": isinstance(error, CheckpointError), "message": "" if error is None else str(error),
-            "changes": changes(before, model, opt, scheduler)}
+    return {"seconds": time.monotonic() - start, "type": None if error is None else type(error).__name__,
+            "checkpoint_error": isinstance(error, CheckpointError), "message": "" if error is None else str(error)}
+
+
+def timed_load(loader: str, path: str, model: Any, opt: Any, scheduler: Any, before: Any) -> dict[str, Any]:
+    """One load of ``path`` into the live objects: what it raised (its type, whether a CheckpointError, its
+    message), how long it took, and what it changed since ``before`` (``snapshot``)."""
+    def quiet_load() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load(loader, path, model, opt, scheduler)
+
+    return {"loader": loader, **timed_call(quiet_load), "changes": changes(before, model, opt, scheduler)}
 
 
 def one_rank_fails_unexpectedly(rank: int, world: int, folders: list[tuple[str, str]]) -> list[dict[str, Any]]:

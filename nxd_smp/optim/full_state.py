@@ -21,7 +21,6 @@ torch's ``cpu_offload``: rank 0 alone holds the result).
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -104,15 +103,6 @@ def gather(value: torch.Tensor, layout: BucketLayout, position: int, backend: An
         whole = DTensor.from_local(whole, param.device_mesh, param.placements, run_check=False,
                                    shape=param.shape, stride=param.stride()).full_tensor()
     return whole
-
-
-def placements(layouts: Sequence[BucketLayout], count: int) -> list[tuple[BucketLayout, int]]:
-    """Per managed parameter (``count`` of them, layout order): its bucket's layout and its position there."""
-    out: list[tuple[BucketLayout, int] | None] = [None] * count
-    for layout in layouts:
-        for position, index in enumerate(layout.param_indices):
-            out[index] = (layout, position)
-    return out  # type: ignore[return-value]
 
 
 def asked_by_torch(has_loss_scaler: bool) -> dict[str, bool] | None:

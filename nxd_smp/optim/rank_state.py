@@ -25,7 +25,7 @@ import torch
 from ..core.dtensors import global_offset, local_shape
 from ..core.flat_shard import FlatShard
 from ..core.layout import BucketLayout, Piece
-from .full_state import gather, placements
+from .full_state import gather
 from .param_groups import index_groups
 from .state_fit import torch_state_dict
 
@@ -122,6 +122,8 @@ class RankState:
         self._gradients = gradients
         self.generation = generation
         self._places: list[tuple[int, Piece | None]] | None = None
+        self._positions = {index: (layout, position) for layout in self._layouts
+                           for position, index in enumerate(layout.param_indices)}
         self._masters_cache: tuple[int, list[torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------ its parts, as a load reads them
@@ -276,10 +278,8 @@ class RankState:
         and keeps none of it: its ``state`` holds the counters only."""
         masters = self._masters.values() if self.masters_in_state else None
         numbers = self.numbers()
-        where = placements(self._layouts, len(self._managed))
         state: dict[int, dict[str, Any]] = {}
         for i, param in enumerate(self._managed):
-            layout, position = where[i]
             entry: dict[str, Any] = {}
             for key, value in sorted(self.param_state(i, masters).items()):
                 if not isinstance(value, torch.Tensor):
@@ -287,7 +287,7 @@ class RankState:
                 if value.dim() == 0:
                     entry[key] = value.detach().clone()
                     continue
-                whole = gather(value, layout, position, self._backend, param)
+                whole = self._whole(i, value)
                 if cpu or not keep:  # (on the host now; on XLA this runs the gather, on every rank alike)
                     whole = whole.cpu()
                 if keep:
@@ -302,12 +302,13 @@ class RankState:
         like the parameter's local part (its tensor-parallel part for a DTensor): one parameter gathered at
         a time (``optim.full_state.gather``). Every rank of the data-parallel group calls it at once."""
         masters = self._masters.values()
-        where = placements(self._layouts, len(self._managed))
-        out = []
-        for i, (param, (b, piece)) in enumerate(zip(self._managed, self.places())):
-            layout, position = where[i]
-            out.append(gather(_in_shard(masters[b], piece), layout, position, self._backend, param, join=False))
-        return out
+        return [self._whole(i, _in_shard(masters[b], piece), join=False) for i, (b, piece) in enumerate(self.places())]
+
+    def _whole(self, index: int, value: torch.Tensor, *, join: bool = True) -> torch.Tensor:
+        """The ``index``-th managed parameter's tensor whole, from ``value``, this rank's range of it
+        (``optim.full_state.gather``; ``join=False``: its tensor-parallel part)."""
+        layout, position = self._positions[index]
+        return gather(value, layout, position, self._backend, self._managed[index], join=join)
 
     # ------------------------------------------------------------------ an install, in two halves
     def install(self, state: Mapping[int, Mapping[str, Any]], hyperparameters: Sequence[Mapping[str, Any]],

@@ -16,7 +16,6 @@ waiting in the masters' collective.
 from __future__ import annotations
 
 import io
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ from nxd_smp import CheckpointError, load_checkpoint, save_checkpoint
 from nxd_smp.checkpoint import load_full_optimizer_state, read_checkpoint
 from tests.checkpoint_scenario import build, train
 from tests.distributed import run_ranks
+from tests.hostile_worker import timed_call
 
 #: What "promptly" means at DP 2: far below the process group's timeout (300 s in these tests).
 PROMPT_S = 20
@@ -174,14 +174,7 @@ def _crafted_on_rank_one(rank: int, world: int) -> dict[str, Any]:
     if rank == 1:
         edit_state_dict(sd, "master", meta)
     before = snapshot(model, opt)
-    start = time.monotonic()
-    try:
-        opt.load_state_dict(sd)
-        error = None
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        error = e
-    return {"seconds": time.monotonic() - start, "type": type(error).__name__ if error else None,
-            "message": str(error or ""), "changes": changes(before, model, opt)}
+    return {**timed_call(lambda: opt.load_state_dict(sd)), "changes": changes(before, model, opt)}
 
 
 def test_a_crafted_state_on_one_rank_is_refused_by_every_rank_at_once():
@@ -217,15 +210,9 @@ def _failing_after_the_agreement(rank: int, world: int, root: str, where: str) -
             install._masters = refuse
     groups_before = [dict((k, v) for k, v in g.items() if k != "params") for g in fresh_opt.param_groups]
     inner_before = snapshot(fresh, fresh_opt)["inner"]
-    start = time.monotonic()
-    try:
-        load_checkpoint(root, model=fresh, optimizer=fresh_opt)
-        error = None
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        error = e
+    loaded = timed_call(lambda: load_checkpoint(root, model=fresh, optimizer=fresh_opt))
     after = snapshot(fresh, fresh_opt)
-    return {"seconds": time.monotonic() - start, "type": type(error).__name__ if error else None,
-            "message": str(error or ""),
+    return {**loaded,
             "optimizer put back": after["groups"] == groups_before and all(
                 all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
                 for a, b in zip(after["inner"], inner_before))}

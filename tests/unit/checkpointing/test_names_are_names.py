@@ -17,7 +17,6 @@ the wrong one passes every shape check: the oracle is the saved optimizer's stat
 from __future__ import annotations
 
 import copy
-import time
 from typing import Any
 
 import pytest
@@ -27,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from nxd_smp import CheckpointError, Zero1Optimizer
 from tests.distributed import run_ranks
+from tests.hostile_worker import timed_call
 
 
 class Twins(nn.Module):
@@ -133,14 +133,7 @@ def _misnamed_on_rank_one(rank: int, world: int) -> dict[str, Any]:
         saved["state"]["third.weight"] = saved["state"].pop("second.weight")
     fresh, fresh_opt = trained(seed=1, steps=1)
     before = by_name(fresh, fresh_opt)
-    start = time.monotonic()
-    try:
-        fresh_opt.load_state_dict(saved)
-        error = None
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        error = e
-    return {"seconds": time.monotonic() - start, "type": type(error).__name__ if error else None,
-            "message": str(error or ""), "unchanged": same(by_name(fresh, fresh_opt), before)}
+    return {**timed_call(lambda: fresh_opt.load_state_dict(saved)), "unchanged": same(by_name(fresh, fresh_opt), before)}
 
 
 def test_a_misnamed_state_on_one_rank_is_refused_by_every_rank_at_once():
