@@ -38,6 +38,7 @@ import torch.nn as nn
 from ..backend import Backend
 from ..core.dtensors import local_shape, local_state_dict
 from ..core.errors import CheckpointError
+from ..core.layout import saved_pieces
 from ..optim.loading.check import is_shape, is_size
 from ..optim.loading.staged import (
     Pieces,
@@ -47,14 +48,12 @@ from ..optim.loading.staged import (
     Whole,
     buffers_for,
     managed_param_names,
-    named_pieces,
     overlaps,
-    saved_pieces,
     staging_slices,
     zero_unwritten,
 )
 from ..optim.param_groups import KERNEL_OPTIONS
-from ..optim.state_fit import describe
+from ..optim.state_fit import describe, is_moment
 from ..zero1_optimizer import Zero1Optimizer
 from .files import Folder
 from .storage import INDEX_FILE, IO_THREADS, JSON_LIMIT, StoredTensor, crc32_of, read_index, read_tensors
@@ -522,55 +521,46 @@ def entries_to_save(model: nn.Module, optimizer: Zero1Optimizer | None, with_mas
 
     optimizer.adopt_param_changes()  # weights changed in place since the last step are the truth
     names = managed_param_names(model, optimizer)
-    inner = optimizer.inner_optimizer
-    layouts, shards = optimizer.bucket_layouts, optimizer.inner_shards
+    held = optimizer.rank_state
+    inner = held.inner_optimizer
+    layouts, shards = held.bucket_layouts, held.inner_shards
     tensor_keys: set[str] = set()
     scalar_keys: set[str] = set()
     for layout, shard in zip(layouts, shards):
         for key, value in inner.state.get(shard, {}).items():
             if not isinstance(value, torch.Tensor):
                 raise CheckpointError(f"inner optimizer state '{key}' is not a tensor; it cannot be sharded.")
-            if value.dim() == 0:
+            if not is_moment(key, value):
                 scalar_keys.add(key)
             elif tuple(value.shape) == (layout.shard_numel,):
                 tensor_keys.add(key)
             else:
                 raise CheckpointError(f"inner optimizer state '{key}' has shape {tuple(value.shape)}, neither a scalar "
                                       f"nor the shard's ({layout.shard_numel},); it cannot be resharded.")
-    # Whole shards to the host at once (one transfer each on XLA), cut into pieces there.
+    # Whole shards to the host at once (one transfer each on XLA), cut into each parameter's state there.
     live = [(b, key, value) for b, shard in enumerate(shards) for key, value in inner.state.get(shard, {}).items()]
     live += [(b, None, master) for b, master in enumerate(optimizer.master_shards)] if with_masters else []
     # each parameter's own counters, where they are not its bucket's (``optim.step_counters``)
-    held = optimizer.rank_state
     own = [(i, key, value) for i in range(len(names)) for key, value in (held.param_counters(i) or {}).items()
            if isinstance(value, torch.Tensor)]
     host, copied_shards = backend.to_host([value for _, _, value in live] + [value for _, _, value in own])
-    shard_state: list[dict[Any, torch.Tensor]] = [{} for _ in shards]
+    buckets: list[dict[str, torch.Tensor]] = [{} for _ in shards]
+    masters: list[torch.Tensor] = []
     for (b, key, _), value in zip(live, host):
-        shard_state[b][key] = value
-    counters: dict[int, dict[str, torch.Tensor]] = {}
+        (masters.append(value) if key is None else buckets[b].__setitem__(key, value))
+    counters: list[dict[str, torch.Tensor] | None] = [None] * len(names)
     for (i, key, _), value in zip(own, host[len(live):]):
-        counters.setdefault(i, {})[key] = value
-
-    def counter(i: int, b: int, key: str) -> torch.Tensor:
-        return counters.get(i, {}).get(key, shard_state[b][key])
-
-    index_of = {name: i for i, name in enumerate(names)}
-    for b, name, piece in named_pieces(layouts, optimizer.rank, names):
-        span = slice(piece.shard_start, piece.shard_start + piece.numel)
-        for key, value in shard_state[b].items():
-            if key is None:
-                state[master_key(name, piece.param_start)] = value[span]
-            elif value.dim() == 0:
-                state[state_key(name, key)] = counter(index_of[name], b, key)
-            else:
-                state[state_key(name, key, piece.param_start)] = value[span]
-    if optimizer.rank == 0:  # a parameter of no elements is no rank's piece: its 0-dim state from rank 0
-        for b, layout in enumerate(layouts):
-            for i, numel in zip(layout.param_indices, layout.numels):
-                if numel == 0:
-                    state.update({state_key(names[i], key): counter(i, b, key) for key, value in shard_state[b].items()
-                                  if key is not None and value.dim() == 0})
+        counters[i] = {**(counters[i] or {}), key: value}
+    states = held.param_states(buckets, masters if with_masters else None, counters)
+    for name, p, param in zip(names, held.managed_params, states):
+        if param.piece is not None:
+            start = param.piece.param_start
+            state.update({state_key(name, key, start): value for key, value in param.moments.items()})
+            if param.master is not None:
+                state[master_key(name, start)] = param.master
+        elif p.numel() or optimizer.rank != 0:
+            continue  # (a parameter of no elements is no rank's piece: its counters from rank 0)
+        state.update({state_key(name, key): value for key, value in param.counters.items()})
     bucket_keys = {names[i]: sorted(key for key in inner.state.get(shard, {}))
                    for layout, shard in zip(layouts, shards) for i in layout.param_indices}
     scaler = optimizer.loss_scaler

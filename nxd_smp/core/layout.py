@@ -118,6 +118,32 @@ class Piece:
         return self.param_end - self.param_start
 
 
+def param_pieces(layouts: Sequence[BucketLayout], rank: int) -> list[tuple[int, Piece | None]]:
+    """The one walk over where each parameter lies: per parameter of the layouts (their
+    ``param_indices`` number them, from 0), its bucket and the ``Piece`` of it that ``rank``'s shard
+    holds, None where it holds none. A parameter lies in one bucket and a shard is contiguous: at most
+    one piece each."""
+    places: list[tuple[int, Piece | None]] = [(-1, None)] * sum(len(layout.param_indices) for layout in layouts)
+    for b, layout in enumerate(layouts):
+        for i in layout.param_indices:
+            places[i] = (b, None)
+        for piece in layout.pieces(rank):
+            places[layout.param_indices[piece.index]] = (b, piece)
+    return places
+
+
+def saved_pieces(layouts: Sequence[BucketLayout], world_size: int, names: Sequence[str]
+                 ) -> dict[str, list[tuple[int, int]]]:
+    """Per parameter name (``names``: in layout order), the ``[start, end)`` ranges all ``world_size``
+    ranks hold, sorted: what a checkpoint records of how its pieces cut each parameter."""
+    pieces: dict[str, list[tuple[int, int]]] = {name: [] for name in names}
+    for rank in range(world_size):
+        for name, (_, piece) in zip(names, param_pieces(layouts, rank)):
+            if piece is not None:
+                pieces[name].append((piece.param_start, piece.param_end))
+    return {name: sorted(ranges) for name, ranges in pieces.items()}
+
+
 def plan_buckets(
     numels: Sequence[int],
     keys: Sequence[Hashable],

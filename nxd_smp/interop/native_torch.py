@@ -50,7 +50,7 @@ from ..checkpointing.tools import read_whole_checkpoint
 from ..core.dtensors import is_dtensor
 from ..optim.rounding import round_ties_away
 from ..core.errors import CheckpointError
-from ..optim.loading.check import group_hyperparameters, name_differences
+from ..optim.loading.check import group_hyperparameters
 from ..optim.loading.run import full_state, run
 from ..optim.loading.staged import Request, Staged, Targets
 from ..zero1_optimizer import Zero1Optimizer
@@ -476,7 +476,6 @@ def _read(directory: Path, model: nn.Module, optimizer: Zero1Optimizer, request:
             raise CheckpointError(f"{directory} holds top-level entries {tops}; import_torch needs 'model' and 'optim' "
                                   f"as get_state_dict(model, optimizer) returns them (load the weights alone with "
                                   f"dcp.load and model.load_state_dict).")
-        problems: list[str] = []
         groups: dict[int, dict[str, Any]] = {}
         for (number, key), (flat, entry) in group_entries.items():
             if isinstance(entry.meta, TensorStorageMetadata) and math.prod(entry.meta.size) > 64:
@@ -492,31 +491,14 @@ def _read(directory: Path, model: nn.Module, optimizer: Zero1Optimizer, request:
                                   f"parameters' FQNs under 'params').")
         names = request.optimizer.names
         native_group = {fqn: number for number, g in groups.items() for fqn in g["params"]}
-        problems += name_differences(names, native_group, "parameters the native optimizer lacks",
-                                     "native optimizer parameters the optimizer does not manage")
-        hypers = []
+        hypers = []  # (each live group's from the native group holding its parameters; their fit is the check's)
         for mine, group in zip(request.optimizer.groups, optimizer.param_groups):
             found = sorted({native_group[n] for n in mine if n in native_group})
             if len(found) > 1:
-                problems.append(f"the optimizer's group of {mine[:4]} spans the native groups {found}")
-            if not found:  # no parameters (or all missing, named above)
-                hypers.append(group_hyperparameters(group))
-                continue
-            native = {k: v for k, v in groups[found[0]].items() if k != "params"}
-            lacking = sorted(set(group_hyperparameters(group)) - set(native))
-            if lacking:
-                problems.append(f"hyperparameters native group {found[0]} lacks (another optimizer class?): {lacking}")
-            hypers.append(native)
-        managed = set(names)
-        state_names = {fqn for fqn, _ in state_entries}
-        surplus = sorted(state_names - managed)
-        if surplus:
-            problems.append(f"state for parameters the optimizer does not manage: {surplus[:8]}")
-        if state_names & managed and managed - state_names:  # all or none: a step updates every parameter's state
-            problems.append(f"parameters without native optimizer state: {sorted(managed - state_names)[:8]}")
-        if problems:
-            raise CheckpointError(f"the checkpoint at {directory} does not fit the optimizer: " + "; ".join(problems)
-                                  + ".")
+                raise CheckpointError(f"the checkpoint at {directory} does not fit the optimizer: its group of "
+                                      f"{mine[:4]} spans the native groups {found}.")
+            hypers.append({k: v for k, v in groups[found[0]].items() if k != "params"} if found
+                          else group_hyperparameters(group))
         wanted = request.model_keys or set()
         staged = Staged(source=str(directory), source_of={"model": str(folder.where(METADATA_FILE))})
         staged.model_shapes = {key: (tuple(entry.meta.size), entry.meta.properties.dtype)
@@ -524,10 +506,14 @@ def _read(directory: Path, model: nn.Module, optimizer: Zero1Optimizer, request:
                                if isinstance(entry.meta, TensorStorageMetadata)}
         staged.model = {key: _read_entry(folder, flat, entry) for key, (flat, entry) in model_entries.items()
                         if key in wanted and key in staged.model_shapes}
-        state: dict[str, dict[str, Any]] = {name: {} for name in names}
+        # every parameter the file holds state for (one the optimizer does not manage, or a managed one without
+        # state where others have it, is the check's to name); none at all: a state not made yet
+        state: dict[str, dict[str, Any]] = {} if state_entries else {name: {} for name in names}
+        managed = set(names)
         for (fqn, key), (flat, entry) in state_entries.items():
-            if fqn in managed:
-                state[fqn][key] = _read_entry(folder, flat, entry)
+            values = state.setdefault(fqn, {})
+            if fqn in managed:  # (another's is named by the check, not read)
+                values[key] = _read_entry(folder, flat, entry)
         masters = ({name: staged.model[name] for name in names if name in staged.model}
                    if optimizer.mixed_precision.use_master_weights else None)
         staged.optimizer = full_state(state, hypers, masters, source=str(folder.where(METADATA_FILE)))

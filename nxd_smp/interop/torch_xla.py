@@ -34,7 +34,7 @@ from ..optim.loading.check import is_shape
 from ..optim.loading.run import full_state, run
 from ..optim.loading.staged import Request, Staged, Targets
 from ..optim.param_groups import index_groups
-from ..optim.state_fit import torch_group_problems
+from ..optim.state_fit import is_moment, numbered_names, torch_group_problems
 from ..zero1_optimizer import Zero1Optimizer
 
 __all__ = ["export_xla", "import_xla"]
@@ -98,7 +98,7 @@ def export_xla(path: str | os.PathLike, out_dir: str | os.PathLike, dp_size: int
                 state = opt["state"][name]
                 if state:
                     base_state[index] = {
-                        key: value.clone() if value.dim() == 0 else _xla_chunk(value, dp_size, rank)
+                        key: _xla_chunk(value, dp_size, rank) if is_moment(key, value) else value.clone()
                         for key, value in state.items()
                     }
                 if opt["master_weights"] is not None:
@@ -143,9 +143,7 @@ def import_xla(files: Sequence[str | os.PathLike], *, model: nn.Module, optimize
         if not isinstance(groups, list) or not all(isinstance(g, Mapping) and isinstance(g.get("params"), list)
                                                    for g in groups):
             raise CheckpointError(f"{paths[0]} is not a torch_xla optimizer state dict (no param_groups of parameters).")
-        if [len(g["params"]) for g in groups] != [len(g) for g in request.optimizer.groups]:
-            raise CheckpointError(f"{paths[0]}: the torch_xla optimizer files' param groups differ from the "
-                                  f"optimizer's.")
+        numbered_names(groups, request.optimizer.groups, str(paths[0]))
         source = _files_text(paths)
         state, hypers, masters = full_state_of(records, request.optimizer.names, paths)
         return Staged(source=source, optimizer=full_state(state, hypers, masters, source=source),
@@ -214,7 +212,7 @@ def full_state_of(
             raise CheckpointError(f"{f} does not number its parameters as torch.optim does (0..n-1 in group order, "
                                   f"each once): {'; '.join(numbering[:4])}.")
         check_distinct([(f"base_state/{i}/{key}", v) for i, entry in r["base_state"].items() for key, v in entry.items()
-                        if v.dim() > 0] + [(f"sharded_master_weights/{i}", v) for i, v in masters_of.items()], str(f),
+                        if is_moment(key, v)] + [(f"sharded_master_weights/{i}", v) for i, v in masters_of.items()], str(f),
                        "each moment and master is a tensor of its own")
     # torch_xla pads dim 0 to a multiple of the DP size and keeps chunk ``rank``: every chunk of
     # parameter i has the shape (ceil(rows / n), *shape[1:]); checked before any is joined, so
@@ -224,7 +222,7 @@ def full_state_of(
         for i, shape in shapes.items():
             chunk = (-(-shape[0] // n), *shape[1:])
             chunks = [("sharded_master_weights", r["sharded_master_weights"].get(i))] if "sharded_master_weights" in r else []
-            chunks += [(key, v) for key, v in r["base_state"].get(i, {}).items() if v.dim() > 0]
+            chunks += [(key, v) for key, v in r["base_state"].get(i, {}).items() if is_moment(key, v)]
             for key, v in chunks:
                 if v is None or tuple(v.shape) != chunk:
                     raise CheckpointError(
@@ -241,10 +239,10 @@ def full_state_of(
     for i, name in enumerate(order):
         saved = first["base_state"].get(i, {})
         for key, value in saved.items():
-            if value.dim() == 0 and any(not torch.equal(r["base_state"][i][key], value) for r in records):
+            if not is_moment(key, value) and any(not torch.equal(r["base_state"][i][key], value) for r in records):
                 raise CheckpointError(f"the ranks' files {files[0]} ... hold different {key!r} for parameter {i}: files "
                                       f"of one save hold the same.")
-        state[name] = {key: value if value.dim() == 0 else whole([r["base_state"][i][key] for r in records], i)
+        state[name] = {key: whole([r["base_state"][i][key] for r in records], i) if is_moment(key, value) else value
                        for key, value in saved.items()}
         if masters is not None:
             masters[name] = whole([r["sharded_master_weights"][i] for r in records], i)

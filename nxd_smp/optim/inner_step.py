@@ -44,8 +44,8 @@ from .compiled_adamw import CompiledAdamW
 from .frozen import FrozenElements
 from .masters import MasterWeights
 from .rounding import stochastic_round
-from .state_fit import zero_state
-from .step_counters import StepCounters, is_moment
+from .state_fit import is_moment, zero_state
+from .step_counters import StepCounters
 
 
 def copy_group_settings(sources: Sequence[dict[str, Any]], targets: Sequence[dict[str, Any]]) -> None:
@@ -258,7 +258,7 @@ class InnerStep:
         for b, shard in enumerate(self.shards):
             state = self.inner.state.get(shard, {})
             for key, value in list(state.items()):
-                if isinstance(value, torch.Tensor) and not is_moment(value):
+                if isinstance(value, torch.Tensor) and not is_moment(key, value):
                     per_element = self.counters.element_counter(b, key, shard.device)
                     if per_element is not None:
                         swapped.append((state, key, value))
@@ -281,7 +281,7 @@ class InnerStep:
                 views = []
                 for shard in group["params"]:
                     b = position[id(shard)]
-                    moments = {k: v for k, v in inner.state.get(shard, {}).items() if is_moment(v)}
+                    moments = {k: v for k, v in inner.state.get(shard, {}).items() if is_moment(k, v)}
                     for run in counters.runs(b):
                         if not counters.steps_now(run.history):
                             continue
@@ -314,15 +314,15 @@ class InnerStep:
         bucket = self.inner.state[shard]
         numel = shard.numel()
         for key, value in state.items():
-            if not is_moment(value):
+            if not is_moment(key, value):
                 continue
             flat = bucket.get(key)
-            if not is_moment(flat):
+            if not is_moment(key, flat):
                 flat = bucket[key] = torch.zeros(numel, dtype=value.dtype, device=value.device)
             part = flat[run.start:run.end]
             if part.data_ptr() != value.data_ptr():
                 part.copy_(value)
-        counters = {k: v for k, v in state.items() if not is_moment(v)}
+        counters = {k: v for k, v in state.items() if not is_moment(k, v)}
         self.counters.record(run.history, counters)
         for key, value in counters.items():  # (the bucket's keys are the state's keys: a first step made them)
             bucket.setdefault(key, value.detach().clone() if isinstance(value, torch.Tensor) else value)

@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..core.dtensors import global_offset, local_shape
 from ..core.flat_shard import FlatShard
-from ..core.layout import BucketLayout, Piece
+from ..core.layout import BucketLayout, Piece, param_pieces
 from .full_state import gather
 from .param_groups import index_groups
-from .state_fit import torch_state_dict
+from .state_fit import is_moment, torch_state_dict
 
 #: The ``format`` of a rank-local state dict (in its ``nxd_smp`` record).
 STATE_DICT_FORMAT = "nxd_smp.zero1.rank_local/2"
@@ -72,6 +73,34 @@ def _in_shard(value: torch.Tensor, piece: Piece | None) -> torch.Tensor:
     """The view of shard-shaped ``value`` where ``piece`` lies (empty for None)."""
     return value[:0] if piece is None else value[piece.shard_start:piece.shard_start + piece.param_end
                                                  - piece.param_start]
+
+
+@dataclass
+class ParamState:
+    """One managed parameter's optimizer state as this rank holds it: the one model of it that every door
+    converts to and from (``state_dict()`` and ``opt.state``, torch's full-state options, nxd_smp's
+    checkpoints, the exports; a load's staged state is installed into the buckets by the same walk).
+
+    Attributes:
+        bucket: the bucket it lies in.
+        piece: where this rank's shard holds it (its flat range, and where that sits in the shard), None
+            where the shard holds none of it.
+        moments: per key, this rank's range of the moment, 1-D (empty where ``piece`` is None); which keys
+            are moments and which counters is ``state_fit.is_moment``'s to say.
+        counters: per key, its counters (Adam's ``step``): its own where it keeps them
+            (``optim.step_counters``), else its bucket's.
+        master: this rank's range of its fp32 master weight, where the state holds it.
+    """
+
+    bucket: int
+    piece: Piece | None
+    moments: dict[str, torch.Tensor]
+    counters: dict[str, Any]
+    master: torch.Tensor | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """As torch.optim shows a parameter's state: counters and moments by key, ``master`` beside them."""
+        return {**self.counters, **self.moments, **({MASTER_KEY: self.master} if self.master is not None else {})}
 
 
 class Generation:
@@ -194,13 +223,7 @@ class RankState:
         holds (its flat range, where it sits in the shard), None where it holds none. A parameter lies in
         one bucket and a shard is contiguous: at most one piece each."""
         if self._places is None:
-            places: list[tuple[int, Piece | None]] = [(-1, None)] * len(self._managed)
-            for b, layout in enumerate(self._layouts):
-                for i in layout.param_indices:
-                    places[i] = (b, None)
-                for piece in layout.pieces(self._backend.rank):
-                    places[layout.param_indices[piece.index]] = (b, piece)
-            self._places = places
+            self._places = param_pieces(self._layouts, self._backend.rank)
         return self._places
 
     def numbers(self) -> dict[int, int]:
@@ -213,17 +236,26 @@ class RankState:
         XLA): ``optim.step_counters``."""
         return self._inner_step.counters.param_counters(index)
 
-    def param_state(self, index: int, masters: Sequence[torch.Tensor] | None = None) -> dict[str, Any]:
-        """The ``index``-th managed parameter's state as this rank holds it: each moment a 1-D view of this
-        rank's range of the live shard (empty where it holds none), its counters, and with
-        ``use_master_weights_in_ckpt`` its ``master`` weight from ``masters`` (the master shards)."""
+    def param_state(self, index: int, buckets: Sequence[Mapping[str, Any]] | None = None,
+                    masters: Sequence[torch.Tensor] | None = None,
+                    own: Sequence[Mapping[str, Any] | None] | None = None) -> ParamState:
+        """The ``index``-th managed parameter's ``ParamState``, cut from each bucket's state: ``buckets``
+        (per bucket, the inner optimizer's state of its shard or a copy of it; None: the live state),
+        ``masters`` (per bucket, the master shard or a copy; None: no master in the state) and ``own``
+        (per parameter, its own counters or None for its bucket's; None: the live ones). Views of them."""
         b, piece = self.places()[index]
-        live = dict(self.inner_optimizer.state.get(self._inner_step.shards[b], {}))
-        live.update(self.param_counters(index) or {})
-        if self.masters_in_state and masters is not None:
-            live[MASTER_KEY] = masters[b]
-        return {key: _in_shard(value, piece) if isinstance(value, torch.Tensor) and value.dim() > 0 else value
-                for key, value in live.items()}
+        state = self.inner_optimizer.state.get(self._inner_step.shards[b], {}) if buckets is None else buckets[b]
+        counters = {key: value for key, value in state.items() if not is_moment(key, value)}
+        counters.update((self.param_counters(index) if own is None else own[index]) or {})
+        return ParamState(b, piece, {key: _in_shard(value, piece) for key, value in state.items()
+                                     if is_moment(key, value)},
+                          counters, None if masters is None else _in_shard(masters[b], piece))
+
+    def param_states(self, buckets: Sequence[Mapping[str, Any]] | None = None,
+                     masters: Sequence[torch.Tensor] | None = None,
+                     own: Sequence[Mapping[str, Any] | None] | None = None) -> list[ParamState]:
+        """Every managed parameter's ``ParamState`` (layout order; ``param_state``)."""
+        return [self.param_state(i, buckets, masters, own) for i in range(len(self._managed))]
 
     # ------------------------------------------------------------------ the state dict
     def state_dict(self) -> dict[str, Any]:
@@ -236,18 +268,14 @@ class RankState:
         inner = self.inner_optimizer
         copies = [{key: value.detach().clone() for key, value in inner.state.get(shard, {}).items()
                    if isinstance(value, torch.Tensor)} for shard in self._inner_step.shards]
-        if self.masters_in_state:
-            for copy, master in zip(copies, self._masters.values()):
-                copy[MASTER_KEY] = master.detach().clone()
+        masters = [master.detach().clone() for master in self._masters.values()] if self.masters_in_state else None
         numbers = self.numbers()
         state: dict[int, dict[str, Any]] = {}
-        for i, (param, (b, piece)) in enumerate(zip(self._managed, self.places())):
+        for param, held in zip(self._managed, self.param_states(copies, masters)):
+            start = 0 if held.piece is None else held.piece.param_start
             whole = (tuple(local_shape(param)), tuple(param.shape), global_offset(param))
-            entry = {key: value.clone() if value.dim() == 0 else
-                     FlatShard(_in_shard(value, piece), 0 if piece is None else piece.param_start, *whole)
-                     for key, value in copies[b].items()}
-            entry.update({key: value.detach().clone() for key, value in (self.param_counters(i) or {}).items()
-                          if isinstance(value, torch.Tensor)})  # (its own step, where it is not its bucket's)
+            entry = {key: value.detach().clone() if key in held.counters else FlatShard(value, start, *whole)
+                     for key, value in held.as_dict().items() if isinstance(value, torch.Tensor)}
             if entry:
                 state[numbers[id(param)]] = entry
         return {"state": state, "param_groups": self._groups(numbers),
@@ -279,12 +307,12 @@ class RankState:
         masters = self._masters.values() if self.masters_in_state else None
         numbers = self.numbers()
         state: dict[int, dict[str, Any]] = {}
-        for i, param in enumerate(self._managed):
+        for i, (param, held) in enumerate(zip(self._managed, self.param_states(masters=masters))):
             entry: dict[str, Any] = {}
-            for key, value in sorted(self.param_state(i, masters).items()):
+            for key, value in sorted(held.as_dict().items()):
                 if not isinstance(value, torch.Tensor):
                     continue
-                if value.dim() == 0:
+                if key in held.counters:
                     entry[key] = value.detach().clone()
                     continue
                 whole = self._whole(i, value)
@@ -302,7 +330,7 @@ class RankState:
         like the parameter's local part (its tensor-parallel part for a DTensor): one parameter gathered at
         a time (``optim.full_state.gather``). Every rank of the data-parallel group calls it at once."""
         masters = self._masters.values()
-        return [self._whole(i, _in_shard(masters[b], piece), join=False) for i, (b, piece) in enumerate(self.places())]
+        return [self._whole(i, held.master, join=False) for i, held in enumerate(self.param_states(masters=masters))]
 
     def _whole(self, index: int, value: torch.Tensor, *, join: bool = True) -> torch.Tensor:
         """The ``index``-th managed parameter's tensor whole, from ``value``, this rank's range of it
@@ -398,7 +426,7 @@ class ParamStates(Mapping):
 
     def __getitem__(self, param: Any) -> dict[str, Any]:
         held, index = self._find(param)
-        return held.param_state(index, held.current_masters() if held.masters_in_state else None)
+        return held.param_state(index, masters=held.current_masters() if held.masters_in_state else None).as_dict()
 
     def __iter__(self):
         return iter([] if self._held is None else list(self._held.managed_params))

@@ -16,7 +16,9 @@ does that), and its momentum buffers are what the installed group keeps.
 * the state: per parameter (or per flat shard) the keys the optimizer class keeps under the
   installed hyperparameters, tensors shaped like their parameter or 0-dim as the class keeps them
   (``state_kinds`` asks a throwaway instance of the class), ``step`` a finite, non-negative
-  whole number (``check_step``).
+  whole number (``check_step``); which key is a moment and which a counter, by one rule
+  (``is_moment``);
+* the loss scaler's state: its three fields, in the box its ``update`` keeps to (``check_scaler_state``).
 
 Every loader asks this module: ``Zero1Optimizer.load_state_dict`` (``rank_state``), nxd_smp's
 checkpoints, NxD's folders and state dicts, torch_xla's per-rank dicts and torch's native
@@ -48,6 +50,17 @@ PLAIN = (type(None), bool, int, float, str)
 #: The inner optimizer's view of one parameter's state: per key, True for a tensor shaped like the
 #: parameter (a moment), False for a 0-dim tensor (``step``), None for a Python number.
 Kinds = dict[str, "bool | None"]
+
+
+def is_moment(key: Any, value: Any, kinds: Kinds | None = None) -> bool:
+    """The one rule for what a key of a parameter's optimizer state is: a moment (a tensor shaped like
+    the parameter, kept flat per bucket and cut into ranks' ranges) or a counter (Adam's ``step``: a 0-dim
+    tensor or a number, whole on every rank). As the optimizer's class keeps ``key`` where ``kinds`` says
+    (``state_kinds``: asked of the class, with the hyperparameters being installed), else as ``value`` is:
+    a tensor with dimensions is a moment (the live optimizer's own state, which its class made)."""
+    if kinds is not None and key in kinds:
+        return kinds[key] is True
+    return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
 def describe(value: Any) -> str:
@@ -166,6 +179,23 @@ def torch_group_problems(saved_groups: Any, live_groups: Sequence[Mapping[str, A
             problems.append(f"{where}[{i}]['params'] = {describe(params) if not isinstance(params, list) else params[:8]}"
                             f", the optimizer numbers that group's {len(expected)} parameters {expected[:8]}")
     return problems
+
+
+def numbered_names(saved_groups: Any, live_names: Sequence[Sequence[str]], where: str) -> dict[int, str]:
+    """The live parameter each of torch.optim's parameter numbers names, for a state that numbers them
+    (``saved_groups``: its ``param_groups``; ``live_names``: the live parameters' names, group by group):
+    the one check of a numbered state's groups against the live optimizer (``torch_group_problems``),
+    which NxD's folders, torch_xla's files and a numbered state dict are read through.
+
+    Raises:
+        CheckpointError: naming ``where``, each group that does not fit and how to build the groups.
+    """
+    problems = torch_group_problems(saved_groups, [{"params": names} for names in live_names], "param_groups")
+    if problems:
+        raise CheckpointError(f"{where} does not fit the optimizer's param groups (torch.optim numbers the parameters "
+                              f"0..n-1 in group order, and its groups hold {[len(n) for n in live_names]}): "
+                              + "; ".join(problems[:4]) + ". Build the param groups as the run that saved it did.")
+    return {number: name for group, names in zip(saved_groups, live_names) for number, name in zip(group["params"], names)}
 
 
 def _kind(value: Any) -> bool | None:
@@ -317,7 +347,7 @@ def check_state_entry(entry: Any, kinds: Kinds | None, shape: tuple[int, ...], w
     """The problems of one parameter's saved optimizer state ``entry`` (``{key: tensor}``)
     against ``kinds`` (``state_kinds``): the same keys (or none: a parameter without state
     yet), tensors of real dtype, shaped like the parameter (``shape``) or 0-dim where the class
-    keeps them so; with ``kinds`` None only ``step`` may be 0-dim."""
+    keeps them so (``is_moment``: with ``kinds`` None, as each value is)."""
     if not isinstance(entry, Mapping):
         return [f"{where}: the state is a {type(entry).__name__}, not a dict"]
     if not entry:
@@ -341,7 +371,7 @@ def check_state_entry(entry: Any, kinds: Kinds | None, shape: tuple[int, ...], w
         if value.dtype.is_complex or value.dtype == torch.bool:
             problems.append(f"{where}/{key} is {value.dtype}, not a real number")
             continue
-        moment = kinds.get(key, True) if kinds is not None else key != "step"
+        moment = is_moment(key, value, kinds)
         if moment and (tuple(value.shape) != tuple(shape) or not value.dtype.is_floating_point):
             problems.append(f"{where}/{key}: {value.dtype} of shape {tuple(value.shape)}, the optimizer keeps a "
                             f"floating tensor shaped like the parameter {tuple(shape)}")
@@ -358,13 +388,16 @@ class StateFit:
 
     ``problems`` says everything that does not fit: the group count, each group's hyperparameters
     (their kinds, and their values as the class's constructor accepts them), and each state entry
-    handed to it.
+    handed to it. ``live_state``: one parameter's state as the live optimizer keeps it, where it has
+    one: its kinds stand in for a class that cannot be probed (``kinds``).
     """
 
-    def __init__(self, optimizer_class: type, live_groups: Sequence[Mapping[str, Any]], saved_groups: Sequence[Any]):
+    def __init__(self, optimizer_class: type, live_groups: Sequence[Mapping[str, Any]], saved_groups: Sequence[Any],
+                 live_state: Mapping[str, Any] | None = None):
         self.optimizer_class = optimizer_class
         self.live_groups = list(live_groups)
         self.saved_groups = list(saved_groups)
+        self.live_kinds: Kinds | None = {k: _kind(v) for k, v in live_state.items()} if live_state else None
 
     def group_problems(self) -> list[str]:
         """The group count and each group's hyperparameters: of the kinds the live group holds,
@@ -384,10 +417,12 @@ class StateFit:
         return problems
 
     def kinds(self, group: int) -> Kinds | None:
-        """The state kinds of param group ``group`` once its saved hyperparameters are installed
-        (call after ``group_problems`` found none)."""
-        return state_kinds(self.optimizer_class, installed_hyperparameters(self.live_groups[group],
-                                                                          self.saved_groups[group]))
+        """The state kinds of param group ``group`` once its saved hyperparameters are installed (call after
+        ``group_problems`` found none); where the class cannot be probed, the live optimizer's own state's,
+        else None."""
+        probed = state_kinds(self.optimizer_class, installed_hyperparameters(self.live_groups[group],
+                                                                            self.saved_groups[group]))
+        return self.live_kinds if probed is None else probed
 
     def problems(self, entries: Iterable[tuple[int, str, Any, tuple[int, ...]]] = ()) -> list[str]:
         """Everything that does not fit: ``group_problems``, then each entry ``(group, where,
@@ -398,3 +433,113 @@ class StateFit:
         for group, where, entry, shape in entries:
             problems += check_state_entry(entry, self.kinds(group), shape, where)
         return problems
+
+
+# ---------------------------------------------------------------------------- the loss scaler
+#: The keys of a ``DynamicLossScaler`` state.
+SCALER_KEYS = ("scale", "growth_tracker", "hysteresis_tracker")
+INT32 = (-(2**31), 2**31 - 1)
+
+
+def _number(value: Any) -> float | None:
+    """A 0-dim real tensor's or a Python number's value (never a bool), else None."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype.is_complex or value.dtype == torch.bool:
+            return None
+        return float(value.detach().to("cpu", torch.float64))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def as_fp32(value: float) -> float:
+    """``value`` rounded to float32 (what the scale tensor holds, and what ``clamp`` compares with)."""
+    return float(torch.tensor(value, dtype=torch.float64).to(torch.float32))
+
+
+def _scale_problem(value: float, scaler: Any) -> str | None:
+    rounded = as_fp32(value)
+    if not (math.isfinite(rounded) and rounded > 0):
+        return (f"['scale'] = {value!r}, not a positive number finite in float32: a NaN, inf or zero scale "
+                f"makes every step overflow, so every later step is skipped")
+    if scaler is None:
+        return None
+    low, high = as_fp32(scaler.min_scale), as_fp32(scaler.max_scale)
+    if low <= rounded <= high:
+        return None
+    if rounded > high:
+        why = ("update() only backs it off on an overflow, by backoff_factor each time, so every step until it "
+               "is back in range is likely skipped (near the float32 maximum every step overflows)")
+    else:
+        why = ("update() grows it only by growth_factor each growth_interval clean steps, while small gradients "
+               "underflow to zero in fp16, and the next back-off would jump it up to min_scale")
+    return (f"['scale'] = {value!r}, not in this scaler's [min_scale, max_scale] = [{low!r}, {high!r}], the "
+            f"range update() keeps it in: {why}; build the DynamicLossScaler with bounds that hold it")
+
+
+def _tracker_problem(key: str, value: float, scaler: Any) -> str | None:
+    if not math.isfinite(value) or value != math.floor(value):
+        return f"[{key!r}] = {value!r}, not a whole number: the tracker is an int32 count"
+    if scaler is None:
+        if 0 <= value <= INT32[1]:
+            return None
+        return (f"[{key!r}] = {value!r}, not in [0, {INT32[1]}]: the tracker is an int32 count that update() "
+                f"never takes below 0")
+    if key == "growth_tracker":
+        high = scaler.growth_interval - 1
+        if 0 <= value <= high:
+            return None
+        return (f"['growth_tracker'] = {value!r}, not in [0, growth_interval - 1] = [0, {high}]: update() resets "
+                f"it to 0 on an overflow and on reaching growth_interval, so it never saves one at or above it; it "
+                f"would grow the scale on the next clean step, sooner than the saving run would have (and one "
+                f"near the int32 maximum wrapped the pre-clamp count negative, so the scale never grew again); "
+                f"build the DynamicLossScaler with a growth_interval above it")
+    high = scaler.hysteresis
+    if value > high:
+        return (f"['hysteresis_tracker'] = {value!r}, not in [0, hysteresis] = [0, {high}]: update() resets it to "
+                f"hysteresis on each growth and counts it down on each overflow; with more, the scaler skips that "
+                f"many overflowing steps before it backs off (near the int32 maximum, practically never); build "
+                f"the DynamicLossScaler with a hysteresis of at least {value:.0f}")
+    if value < 0:
+        return (f"['hysteresis_tracker'] = {value!r}, not in [0, hysteresis] = [0, {high}]: update() stops "
+                f"counting it down at 0, where every overflow backs off (only the pre-release update went below "
+                f"0, and from the int32 minimum its next overflow wrapped the count to the maximum, after which "
+                f"the scaler never backed off and skipped every step); set it to 0, which behaves the same")
+    return None
+
+
+def check_scaler_state(saved: Any, scaler: Any = None) -> list[str]:
+    """The problems of ``saved`` as a ``DynamicLossScaler`` state, each starting with the field
+    (``['scale'] = nan, ...``) and saying the value, the range and what ``update`` would do with it;
+    empty if ``load_state_dict`` takes it. Changes nothing.
+
+    ``saved`` must hold exactly ``SCALER_KEYS``, each a 0-dim real tensor or a Python number (not a
+    bool), with ``scale`` positive and finite once rounded to float32 and both trackers whole numbers.
+    With ``scaler`` (the live one) the values must also lie in the box its ``update`` keeps to and can
+    count from without its int32 counters wrapping:
+
+    * ``scale`` (rounded to float32) in ``[min_scale, max_scale]`` (each rounded to float32);
+    * ``growth_tracker`` in ``[0, growth_interval - 1]``;
+    * ``hysteresis_tracker`` in ``[0, hysteresis]``. Negative values, which the update before the
+      clamp at 0 saved after overflows in a row, are refused, not read as 0: nxd_smp has had no
+      release that saved them, and the message says to set them to 0 (the same behaviour).
+
+    Without ``scaler``: the kinds above, and both trackers in ``[0, 2**31 - 1]`` (int32, and no
+    scaler counts below 0).
+    """
+    if not isinstance(saved, Mapping):
+        return [f" is a {type(saved).__name__}, not a dict of {list(SCALER_KEYS)}"]
+    if set(saved) != set(SCALER_KEYS):
+        return [f" has the keys {sorted(map(str, saved))}, a loss scaler's are {sorted(SCALER_KEYS)}"]
+    problems = []
+    for key in SCALER_KEYS:
+        value = _number(saved[key])
+        if value is None:
+            problem = f"[{key!r}] is a {type(saved[key]).__name__}, not a 0-dim real number"
+        elif key == "scale":
+            problem = _scale_problem(value, scaler)
+        else:
+            problem = _tracker_problem(key, value, scaler)
+        if problem:
+            problems.append(problem)
+    return problems

@@ -49,6 +49,7 @@ import warnings
 import torch
 
 from ..core.layout import BucketLayout
+from .state_fit import is_moment
 
 
 @dataclass(frozen=True)
@@ -60,15 +61,10 @@ class Run:
     history: int
 
 
-def is_moment(value: Any) -> bool:
-    """Whether an inner-state value is shard-shaped (a moment) rather than a counter."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0
-
-
 def counters_of(state: Mapping[str, Any]) -> dict[str, Any]:
     """The counters of an inner-state entry (every value but the moments): copies of its tensors."""
     return {key: value.detach().clone() if isinstance(value, torch.Tensor) else value
-            for key, value in state.items() if not is_moment(value)}
+            for key, value in state.items() if not is_moment(key, value)}
 
 
 class StepCounters:

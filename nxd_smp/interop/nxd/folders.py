@@ -42,8 +42,8 @@ from ...checkpointing.versions import DONE_FILE, MARKER_FILE
 from ...core.errors import CheckpointError
 from ...optim.loading.check import SCHEDULER
 from ...optim.loading.run import full_state
-from ...optim.loading.staged import Request, Staged, Targets, param_group_names
-from ...optim.state_fit import torch_group_problems
+from ...optim.loading.staged import Request, Staged, Targets
+from ...optim.state_fit import numbered_names
 from ...optim.topology import Coordinate
 from ...zero1_optimizer import zero1_optimizer_of
 from ..torch_xla import full_state_of
@@ -271,7 +271,7 @@ def read_tag(tag: Folder, targets: Targets, request: Request) -> Staged:
         if not files:
             raise CheckpointError(f"{tag.where()} holds no optimizer files for tp {coordinate.tensor} pp "
                                   f"{coordinate.pipeline}; load it with optimizer=None.")
-        groups = param_group_names(targets.model, targets.rank_state)
+        groups = targets.groups
         source = str(tag.where(files[0])) + (f" (and {len(files) - 1} more)" if len(files) > 1 else "")
         state, hypers, masters = _full_state([read_file(tag, f, staged.replicated, once) for f in files], groups,
                                              [tag.where(f) for f in files])
@@ -290,18 +290,10 @@ def _full_state(records: list[Any], groups: list[list[str]], files: list[Path]):
     if not isinstance(first, Mapping) or not isinstance(first.get("param_groups"), list) or not all(
             isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in first["param_groups"]):
         raise CheckpointError(f"{files[0]} is not an optimizer state dict (no param_groups of parameters).")
-    sizes = [len(g["params"]) for g in first["param_groups"]]
-    if sizes != [len(g) for g in groups]:
-        raise CheckpointError(f"{files[0]} holds param groups of {sizes} parameters, the optimizer's groups have "
-                              f"{[len(g) for g in groups]}: build the param groups as the run that saved it did.")
+    by_id = numbered_names(first["param_groups"], groups, str(files[0]))
     order = [name for names in groups for name in names]
     if "base_state" in first:
         return full_state_of(records, order, files)
-    numbering = torch_group_problems(first["param_groups"], [{"params": g} for g in groups], "param_groups")
-    if numbering:
-        raise CheckpointError(f"{files[0]} does not number its parameters as torch.optim does (0..n-1 in group order, "
-                              f"each once): {'; '.join(numbering[:4])}.")
-    by_id = dict(zip((i for g in first["param_groups"] for i in g["params"]), order))
     state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in order}
     if not isinstance(first.get("state", {}), Mapping):
         raise CheckpointError(f"{files[0]}: its state is not {{parameter id: state}}.")

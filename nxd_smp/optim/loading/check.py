@@ -37,12 +37,19 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ...core.dtensors import local_state_dict, tensor_parallel_layout
+from ...core.dtensors import tensor_parallel_layout
 from ...core.errors import CheckpointError
-from ..loss_scaler import check_scaler_state
 from ..param_groups import KERNEL_OPTIONS
-from ..state_fit import StateFit, check_state_entry, describe, misfit, torch_group_problems
-from .staged import Pieces, Staged, StagedOptimizer, Targets, Whole, param_group_names
+from ..state_fit import (
+    StateFit,
+    check_scaler_state,
+    check_state_entry,
+    describe,
+    is_moment,
+    misfit,
+    torch_group_problems,
+)
+from .staged import Pieces, Staged, StagedOptimizer, Targets, Whole
 
 SCHEDULER = "scheduler"  # the name the scheduler's state is saved under
 
@@ -230,7 +237,7 @@ def check(staged: Staged, targets: Targets) -> Plan:
 # ---------------------------------------------------------------------------- the model
 def _check_model(staged: Staged, targets: Targets) -> dict[str, torch.Tensor]:
     model, device_dtype = targets.model, targets.backend.device_dtype
-    live = local_state_dict(model)
+    live = targets.live_model
     saved = staged.model_shapes or {}
     where = staged.where("model")
     problems = name_differences(live, saved, "missing from the checkpoint",
@@ -284,9 +291,9 @@ def _as_checked(value: Any) -> Any:
 
 def _check_optimizer(staged: StagedOptimizer, targets: Targets, plan: Plan) -> None:
     held = targets.rank_state
-    groups = param_group_names(targets.model, held)
+    groups = targets.groups
     names = [name for group in groups for name in group]
-    shapes = targets.shapes()
+    shapes = targets.request().optimizer.shapes
     inner_class = type(held.inner_optimizer)
     if staged.arrangement is not None and staged.arrangement != groups:
         saved_names = {name for group in staged.arrangement for name in group}
@@ -298,7 +305,8 @@ def _check_optimizer(staged: StagedOptimizer, targets: Targets, plan: Plan) -> N
                                  f"{[len(g) for g in groups]} live)") + ".")
     problems = name_differences(names, staged.state, "parameters missing from it",
                                 "parameters it holds that the optimizer does not manage")
-    fit = StateFit(inner_class, held.param_groups, staged.groups)
+    fit = StateFit(inner_class, held.param_groups, staged.groups,
+                   next((entry for entry in held.inner_optimizer.state.values() if entry), None))
     group_problems = fit.group_problems()
     problems += group_problems
     if not problems:
@@ -313,9 +321,8 @@ def _check_optimizer(staged: StagedOptimizer, targets: Targets, plan: Plan) -> N
             kinds_known = kinds_known and kinds is not None
             problems += check_state_entry(entry, kinds, shape, name)
             if entry and not problems:
-                moment = (lambda k: kinds.get(k) is True) if kinds is not None else (lambda k: k != "step")
-                plan.moments[name] = sorted(k for k in entry if moment(k))
-                plan.counters[name] = sorted(k for k in entry if not moment(k))
+                plan.moments[name] = sorted(k for k, v in entry.items() if is_moment(k, v, kinds))
+                plan.counters[name] = sorted(k for k, v in entry.items() if not is_moment(k, v, kinds))
         if not kinds_known:  # (a class that cannot be probed: every parameter with state keeps the same keys)
             keys = {frozenset(entry) for _, _, entry, _ in entries if entry}
             if len(keys) > 1:

@@ -30,7 +30,7 @@ from ...core.dtensors import like_live
 from ...core.errors import CheckpointError
 from ..state_fit import torch_state_dict
 from .check import Plan
-from .staged import Pieces, Staged, StagedOptimizer, Targets, Whole, named_pieces
+from .staged import Pieces, Staged, StagedOptimizer, Targets, Whole
 
 
 def install(staged: Staged, plan: Plan, targets: Targets) -> Callable[[], None]:
@@ -137,12 +137,13 @@ def _shard(staged: StagedOptimizer, key: str | None, values: Mapping[str, Any], 
     return buffer
 
 
-def _pieces_by_bucket(targets: Targets, names: list[str]) -> list[list[tuple[str, Any]]]:
-    """Per bucket, this rank's pieces of it as (parameter name, piece)."""
+def _pieces_by_bucket(targets: Targets) -> list[list[tuple[str, Any]]]:
+    """Per bucket, this rank's pieces of it as (parameter name, piece) (``RankState.places``)."""
     held = targets.rank_state
     pieces: list[list[tuple[str, Any]]] = [[] for _ in held.bucket_layouts]
-    for b, name, piece in named_pieces(held.bucket_layouts, held.rank, names):
-        pieces[b].append((name, piece))
+    for name, (b, piece) in zip(targets.names, held.places()):
+        if piece is not None:
+            pieces[b].append((name, piece))
     return pieces
 
 
@@ -153,9 +154,9 @@ def _bucket_state(staged: StagedOptimizer, plan: Plan, targets: Targets) -> dict
     which got no gradient in the saved run, starts from zero moments with its bucket's count; a
     bucket none of whose parameters has state takes its group's, or any parameter's, count)."""
     held = targets.rank_state
-    names = targets.names()
+    names = targets.names
     layouts = held.bucket_layouts
-    pieces = _pieces_by_bucket(targets, names)
+    pieces = _pieces_by_bucket(targets)
     group_of_param = {id(p): g for g, group in enumerate(held.param_groups) for p in group["params"]}
     group_of = {name: group_of_param[id(p)] for name, p in zip(names, held.managed_params)}
     with_state = [name for name in names if staged.state.get(name)]
@@ -180,7 +181,7 @@ def _param_counters(staged: StagedOptimizer, plan: Plan, targets: Targets) -> li
     """Each managed parameter's counters (Adam's ``step``) as saved, None for a parameter without
     state (its bucket's where every other count is equal, else a fresh state at its next step, as
     torch.optim's): every parameter keeps its own count, as torch.optim's do."""
-    return [_saved_counters(staged, plan, name) if staged.state.get(name) else None for name in targets.names()]
+    return [_saved_counters(staged, plan, name) if staged.state.get(name) else None for name in targets.names]
 
 
 def _saved_counters(staged: StagedOptimizer, plan: Plan, name: str) -> dict[str, Any]:
@@ -200,7 +201,7 @@ def _masters(staged: StagedOptimizer | None, targets: Targets) -> list[torch.Ten
     if staged is None or staged.masters is None or not held.mixed_precision.use_master_weights:
         return None
     layouts = held.bucket_layouts
-    pieces = _pieces_by_bucket(targets, targets.names())
+    pieces = _pieces_by_bucket(targets)
     return [_shard(staged, None, staged.masters, targets, b, torch.float32, layout.shard_numel, pieces[b])
             for b, layout in enumerate(layouts)]
 

@@ -30,7 +30,7 @@ from ...core.flat_shard import FlatShard
 from ...core.progress import phases
 from .. import rank_state
 from ..rank_state import MASTER_KEY, RECORD_KEY, SCALER_KEY, STATE_DICT_FORMAT, layout_signature
-from ..state_fit import describe, torch_group_problems
+from ..state_fit import describe, is_moment, torch_group_problems
 from .check import check, digest
 from .install import commit, install, publish
 from .staged import Pieces, Request, Staged, StagedOptimizer, Targets, Whole, canonical_name, known_names
@@ -163,7 +163,7 @@ def read_rank_state(targets: Targets, state_dict: Any, request: Request) -> Stag
             "torch.distributed.checkpoint (dcp.save/dcp.load) or nxd_smp.checkpoint move across DP sizes."
             + (rank_state.hint("another rank") if placed_by_record and record.get("rank") != optimizer.rank else ""))
     names = request.optimizer.names  # (param-group order: the order of the groups' ``params``)
-    param_of = dict(zip(targets.names(), optimizer.managed_params))
+    param_of = dict(zip(targets.names, optimizer.managed_params))
     state: dict[str, dict[str, Any]] = {name: {} for name in names}
     masters: dict[str, Pieces | Whole] = {}
     bad = []
@@ -177,8 +177,8 @@ def read_rank_state(targets: Targets, state_dict: Any, request: Request) -> Stag
             if not isinstance(field, str) or not isinstance(value, torch.Tensor):
                 bad.append(f"{name}/{describe(field)} is a {type(value).__name__}, not a tensor")
                 continue
-            found = (Whole(value) if value.dim() == 0 and not isinstance(value, FlatShard)  # (a counter, or a
-                     else _range_of(value, request.optimizer, name, param_of[name], placed_by_record))  # 0-dim whole)
+            found = (Whole(value) if not is_moment(field, value) and not isinstance(value, FlatShard)  # (a counter,
+                     else _range_of(value, request.optimizer, name, param_of[name], placed_by_record))  # or 0-dim whole)
             if isinstance(found, str):
                 bad.append(f"{name}/{field}: {found}")
             elif field == MASTER_KEY:

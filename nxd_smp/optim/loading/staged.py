@@ -21,8 +21,9 @@ pure element ranges, no tensors or files.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -30,31 +31,11 @@ import torch.nn as nn
 
 from ...core.dtensors import local_shape, local_state_dict
 from ...core.errors import CheckpointError
-from ...core.layout import BucketLayout, Piece
+from ...backend.base import Backend
 from ..rank_state import RankState
 
 
 # ---------------------------------------------------------------------------- pieces: arithmetic
-def named_pieces(layouts: Sequence[BucketLayout], rank: int, names: Sequence[str]
-                 ) -> Iterator[tuple[int, str, Piece]]:
-    """``(bucket, parameter name, piece)`` for every piece of ``rank``'s shard of every bucket, in
-    order (``names``: the parameters' names in layout order)."""
-    for b, layout in enumerate(layouts):
-        for piece in layout.pieces(rank):
-            yield b, names[layout.param_indices[piece.index]], piece
-
-
-def saved_pieces(layouts: Sequence[BucketLayout], world_size: int, names: Sequence[str]
-                 ) -> dict[str, list[tuple[int, int]]]:
-    """Per parameter name, the ``[start, end)`` ranges all ``world_size`` ranks hold, sorted: what a
-    checkpoint records of how its pieces cut each parameter."""
-    pieces: dict[str, list[tuple[int, int]]] = {name: [] for name in names}
-    for rank in range(world_size):
-        for _, name, piece in named_pieces(layouts, rank, names):
-            pieces[name].append((piece.param_start, piece.param_end))
-    return {name: sorted(ranges) for name, ranges in pieces.items()}
-
-
 @dataclass(frozen=True)
 class Overlap:
     """Elements ``[saved_start + src, saved_start + src + numel)`` of the saved piece ``[saved_start,
@@ -337,7 +318,9 @@ def param_group_names(model: nn.Module | None, optimizer: RankState) -> list[lis
 
 @dataclass
 class Targets:
-    """What one load installs into, on this rank.
+    """What one load installs into, on this rank: the targets as given, and what a load reads of them,
+    resolved once, at the first ``request()`` (inside the pipeline's read, so that a refusal there is
+    every rank's to learn): the managed parameters' names, groups and shapes, the model's local entries.
 
     Attributes:
         model: the model, or a dict to fill (NxD Training), or None.
@@ -345,22 +328,23 @@ class Targets:
             through its ``rank_state``), a plain torch optimizer (NxD's with ZeRO-1 off), a dict to fill, or
             None.
         objects: the scheduler (under ``"scheduler"``) and the caller's other stateful objects.
-        strict: as ``nn.Module.load_state_dict``: model entries on one side only are refused.
         backend: where rank, world, coordination and the device's dtypes come from.
+        strict: as ``nn.Module.load_state_dict``: model entries on one side only are refused.
         coordinate: this rank's (data, data size, tensor, pipeline) place, for per-rank files.
         rebuild_masters: without saved master weights, rebuild them from the loaded parameters now
             (a checkpoint's load), or at the next step from those loaded by then (``load_state_dict``).
         discard_gradients: drop the gradients accumulated since the last step (a checkpoint's load).
     """
 
-    model: Any
+    model: nn.Module | MutableMapping | None
     optimizer: Any
     objects: dict[str, Any]
-    backend: Any
+    backend: Backend
     strict: bool = True
     coordinate: tuple[int, int, int, int] | None = None
     rebuild_masters: bool = True
     discard_gradients: bool = True
+    _request: Request | None = field(default=None, init=False, repr=False)
 
     def group(self) -> list | None:
         """What names this rank's data-parallel group in the agreement's digest comparison: the optimizer's
@@ -372,38 +356,50 @@ class Targets:
             return ["coordinate", self.coordinate[2], self.coordinate[3]]
         return None
 
-    @property
+    @cached_property
     def rank_state(self) -> RankState | None:
         """The optimizer's state on this rank (``optim.rank_state.RankState``: every part a load reads and
         installs into) where the optimizer is a ``Zero1Optimizer``, else None."""
         held = getattr(self.optimizer, "rank_state", None) if not isinstance(self.optimizer, Mapping) else None
         return held if isinstance(held, RankState) else None
 
+    @cached_property
+    def groups(self) -> list[list[str]]:
+        """The managed parameters' names, param group by param group (``param_group_names``)."""
+        return param_group_names(self.model, self.rank_state)
+
+    @cached_property
     def names(self) -> list[str]:
         """The managed parameters' names, in layout order."""
         return managed_param_names(self.model, self.rank_state)
 
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """The managed parameters' shapes (their local parts for DTensors), by name."""
-        return {name: tuple(local_shape(p)) for name, p in zip(self.names(), self.rank_state.managed_params)}
+    @cached_property
+    def live_model(self) -> dict[str, torch.Tensor] | None:
+        """The model's local entries (``core.dtensors.local_state_dict``), None where the model is no module."""
+        return local_state_dict(self.model) if isinstance(self.model, nn.Module) else None
 
     def request(self) -> Request:
-        """What this rank asks a reader for."""
-        model_keys = set(local_state_dict(self.model)) if isinstance(self.model, nn.Module) else None
+        """What this rank asks a reader for (made once)."""
+        if self._request is None:
+            self._request = self._make_request()
+        return self._request
+
+    def _make_request(self) -> Request:
         data, data_size, tensor, pipeline = self.coordinate or (self.backend.rank, self.backend.world_size, 0, 0)
         optimizer = None
         held = self.rank_state
         if held is not None:
-            names = self.names()
-            slots: dict[str, list[Slot]] = {name: [] for name in names}
-            for b, name, piece in named_pieces(held.bucket_layouts, held.rank, names):
-                slots[name].append(Slot(piece.param_start, piece.param_end, b, piece.shard_start))
+            slots: dict[str, list[Slot]] = {name: [] for name in self.names}
+            for name, (b, piece) in zip(self.names, held.places()):
+                if piece is not None:
+                    slots[name].append(Slot(piece.param_start, piece.param_end, b, piece.shard_start))
             optimizer = OptimizerRequest(
-                groups=param_group_names(self.model, held),
-                shapes=self.shapes(),
+                groups=self.groups,
+                shapes={name: tuple(local_shape(p)) for name, p in zip(self.names, held.managed_params)},
                 slots=slots, shard_numels=[layout.shard_numel for layout in held.bucket_layouts],
                 shard_dtypes=[self.backend.device_dtype(shard.dtype) for shard in held.inner_shards],
                 master_weights=held.mixed_precision.use_master_weights,
                 scaler_keys=tuple(held.loss_scaler.state_dict()) if held.loss_scaler is not None else ())
-        return Request(model_keys=model_keys, optimizer=optimizer, objects=frozenset(self.objects), data=data,
-                       data_size=data_size, tensor=tensor, pipeline=pipeline, device_dtype=self.backend.device_dtype)
+        return Request(model_keys=None if self.live_model is None else set(self.live_model), optimizer=optimizer,
+                       objects=frozenset(self.objects), data=data, data_size=data_size, tensor=tensor,
+                       pipeline=pipeline, device_dtype=self.backend.device_dtype)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nxd_smp.core.layout import plan_buckets
-from nxd_smp.optim.loading.staged import named_pieces, overlaps, saved_pieces
+from nxd_smp.core.layout import param_pieces, plan_buckets, saved_pieces
+from nxd_smp.optim.loading.staged import overlaps
 
 
 def test_a_piece_straddling_a_boundary_is_copied_one_inside_is_read_whole():
@@ -60,7 +60,9 @@ def test_every_element_comes_from_where_it_was_saved(numels, groups, old_world, 
         assert covered == list(range(numels[names.index(name)]))
     filled = {}
     for rank in range(new_world):
-        for b, name, piece in named_pieces(new, rank, names):
+        for name, (b, piece) in zip(names, param_pieces(new, rank)):
+            if piece is None:
+                continue
             for part in overlaps(saved[name], piece.param_start, piece.param_end):
                 assert part.whole == (part.src == 0 and part.numel == part.saved_end - part.saved_start
                                       and piece.param_start <= part.saved_start and part.saved_end <= piece.param_end)
@@ -75,8 +77,8 @@ def test_every_element_comes_from_where_it_was_saved(numels, groups, old_world, 
 def _owner(ranges, element, layouts, world, names, name):
     """The old rank whose saved piece holds ``element`` (the piece's position in rank order)."""
     for rank in range(world):
-        for _, n, piece in named_pieces(layouts, rank, names):
-            if n == name and piece.param_start <= element < piece.param_end:
+        for n, (_, piece) in zip(names, param_pieces(layouts, rank)):
+            if n == name and piece is not None and piece.param_start <= element < piece.param_end:
                 assert (piece.param_start, piece.param_end) in ranges
                 return rank
     raise AssertionError(f"{name}[{element}] is in no saved piece")

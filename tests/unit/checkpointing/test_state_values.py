@@ -29,7 +29,8 @@ from nxd_smp import CheckpointError, MixedPrecisionConfig, Zero1Optimizer, load_
 from nxd_smp.backend.agreement import agree
 from nxd_smp.backend.coordination import Coordinator
 from nxd_smp.optim.loading.check import check_scheduler_state
-from nxd_smp.optim.loss_scaler import DynamicLossScaler, check_scaler_state
+from nxd_smp.optim.loss_scaler import DynamicLossScaler
+from nxd_smp.optim.state_fit import check_scaler_state
 from tests.distributed import run_ranks
 
 KEEP = MixedPrecisionConfig(use_master_weights_in_ckpt=True)

@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from nxd_smp import (CheckpointError, ConfigError, MixedPrecisionConfig, Zero1Optimizer, load_checkpoint,
                      save_checkpoint)
-from nxd_smp.optim.loss_scaler import SCALER_KEYS, DynamicLossScaler, check_scaler_state
+from nxd_smp.optim.loss_scaler import DynamicLossScaler
+from nxd_smp.optim.state_fit import SCALER_KEYS, check_scaler_state
 from tests.distributed import run_ranks
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
