@@ -44,6 +44,8 @@ from ..optim.loading.staged import (
     Pieces,
     Request,
     Staged,
+    StagedModel,
+    StagedObjects,
     StagedOptimizer,
     Whole,
     buffers_for,
@@ -395,15 +397,14 @@ def read(opened: Opened, request: Request, *, verify: bool = True) -> Staged:
         CheckpointError: a tensor missing, damaged or refused, naming it.
     """
     meta, index, version = opened.meta, opened.index, opened.version
-    staged = Staged(source=str(version.where()), model_shapes=dict(meta.model), objects=dict(opened.objects),
-                    extra=opened.extra, tensor_parallel=meta.tensor_parallel, exact_dtypes=True,
-                    source_of={"model": str(version.where(META_FILE)), "objects": str(version.where(EXTRA_FILE))})
+    model = StagedModel(dict(meta.model), {}, str(version.where(META_FILE)), meta.tensor_parallel, exact_dtypes=True)
+    staged = Staged(source=str(version.where()), model=model,
+                    objects=StagedObjects(dict(opened.objects), str(version.where(EXTRA_FILE))), extra=opened.extra)
     targets: dict[str, torch.Tensor] = {}
     wanted = request.model_keys if request.model_keys is not None else set()
-    staged.model = {}
     for key in sorted(set(meta.model) & wanted):
         shape, dtype = meta.model[key]
-        staged.model[key] = targets[model_key(key)] = torch.empty(shape, dtype=dtype)
+        model.entries[key] = targets[model_key(key)] = torch.empty(shape, dtype=dtype)
         staged.replicated[model_key(key)] = index[model_key(key)].crc32
     copies: list[tuple[torch.Tensor, str, int, int]] = []
     if request.optimizer is not None and meta.optimizer is not None:

@@ -52,7 +52,7 @@ from ..optim.rounding import round_ties_away
 from ..core.errors import CheckpointError
 from ..optim.loading.check import group_hyperparameters
 from ..optim.loading.run import full_state, run
-from ..optim.loading.staged import Request, Staged, Targets
+from ..optim.loading.staged import Request, Staged, StagedModel, Targets
 from ..zero1_optimizer import Zero1Optimizer
 
 __all__ = ["export_torch", "import_torch", "export_safetensors", "model_state_dict_of", "master_state_dict"]
@@ -500,12 +500,11 @@ def _read(directory: Path, model: nn.Module, optimizer: Zero1Optimizer, request:
             hypers.append({k: v for k, v in groups[found[0]].items() if k != "params"} if found
                           else group_hyperparameters(group))
         wanted = request.model_keys or set()
-        staged = Staged(source=str(directory), source_of={"model": str(folder.where(METADATA_FILE))})
-        staged.model_shapes = {key: (tuple(entry.meta.size), entry.meta.properties.dtype)
-                               for key, (_, entry) in model_entries.items()
-                               if isinstance(entry.meta, TensorStorageMetadata)}
-        staged.model = {key: _read_entry(folder, flat, entry) for key, (flat, entry) in model_entries.items()
-                        if key in wanted and key in staged.model_shapes}
+        shapes = {key: (tuple(entry.meta.size), entry.meta.properties.dtype)
+                  for key, (_, entry) in model_entries.items() if isinstance(entry.meta, TensorStorageMetadata)}
+        staged = Staged(source=str(directory), model=StagedModel(
+            shapes, {key: _read_entry(folder, flat, entry) for key, (flat, entry) in model_entries.items()
+                     if key in wanted and key in shapes}, str(folder.where(METADATA_FILE))))
         # every parameter the file holds state for (one the optimizer does not manage, or a managed one without
         # state where others have it, is the check's to name); none at all: a state not made yet
         state: dict[str, dict[str, Any]] = {} if state_entries else {name: {} for name in names}
@@ -514,7 +513,7 @@ def _read(directory: Path, model: nn.Module, optimizer: Zero1Optimizer, request:
             values = state.setdefault(fqn, {})
             if fqn in managed:  # (another's is named by the check, not read)
                 values[key] = _read_entry(folder, flat, entry)
-        masters = ({name: staged.model[name] for name in names if name in staged.model}
+        masters = ({name: staged.model.entries[name] for name in names if name in staged.model.entries}
                    if optimizer.mixed_precision.use_master_weights else None)
         staged.optimizer = full_state(state, hypers, masters, source=str(folder.where(METADATA_FILE)))
     return staged

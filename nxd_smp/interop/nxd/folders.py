@@ -42,7 +42,7 @@ from ...checkpointing.versions import DONE_FILE, MARKER_FILE
 from ...core.errors import CheckpointError
 from ...optim.loading.check import SCHEDULER
 from ...optim.loading.run import full_state
-from ...optim.loading.staged import Request, Staged, Targets
+from ...optim.loading.staged import Request, Staged, StagedModel, Targets
 from ...optim.state_fit import numbered_names
 from ...optim.topology import Coordinate
 from ...zero1_optimizer import zero1_optimizer_of
@@ -234,17 +234,16 @@ def stage_model(staged: Staged, weights: Any, source: str) -> None:
     odd = [key for key, value in weights.items() if not isinstance(key, str) or not isinstance(value, torch.Tensor)]
     if odd:
         raise CheckpointError(f"{source} holds entries that are not tensors: {odd[:8]}.")
-    staged.model = dict(weights)
-    staged.model_shapes = {key: (tuple(value.shape), value.dtype) for key, value in weights.items()}
-    staged.source_of["model"] = source
+    staged.model = StagedModel({key: (tuple(value.shape), value.dtype) for key, value in weights.items()},
+                               dict(weights), source)
 
 
 def stage_objects(staged: Staged, tag: Folder, request: Request, once: dict[tuple[int, int], str] | None = None
                   ) -> None:
     """The scheduler's state (when asked for) and the user content of ``tag`` into ``staged``."""
     if SCHEDULER in request.objects:
-        staged.objects[SCHEDULER] = read_file(tag, SCHEDULER_FILE, staged.replicated, once)
-        staged.source_of["objects"] = str(tag.where(SCHEDULER_FILE))
+        staged.objects.states[SCHEDULER] = read_file(tag, SCHEDULER_FILE, staged.replicated, once)
+        staged.objects.source = str(tag.where(SCHEDULER_FILE))
     if tag.exists(USER_CONTENT_FILE):
         staged.extra = read_file(tag, USER_CONTENT_FILE, staged.replicated, once)
 

@@ -35,7 +35,7 @@ from ...checkpointing.versions import DONE_FILE, LEFT, MARKER_FILE
 from ...checkpointing.writer import start_save
 from ...core.errors import CheckpointError
 from ...optim.loading.run import read_rank_state
-from ...optim.loading.staged import Request, Staged, Targets
+from ...optim.loading.staged import Request, Staged, StagedTorchOptimizer, Targets
 from .folders import (
     SCHEDULER_FILE,
     STATE_DICTS_FILE,
@@ -297,7 +297,6 @@ def read_state_dicts(tag: Folder, targets: Targets, request: Request) -> Staged:
         value = read_file(tag, source, once=once)
         if not isinstance(value, Mapping):
             raise CheckpointError(f"{tag.where(source)} is not an optimizer state dict.")
-        staged.source_of["optimizer"] = str(tag.where(source))
         if not isinstance(optimizer, MutableMapping):  # (installed: each moment and master its own record)
             entries = value.get("state") if isinstance(value.get("state"), Mapping) else {}
             check_distinct([(f"state/{i}/{key}", v) for i, entry in entries.items() if isinstance(entry, Mapping)
@@ -310,7 +309,7 @@ def read_state_dicts(tag: Folder, targets: Targets, request: Request) -> Staged:
                 raise CheckpointError(f"{tag.where(source)}: {e}") from None
             staged.optimizer.source = str(tag.where(source))
         elif isinstance(optimizer, torch.optim.Optimizer):
-            staged.torch_optimizer = dict(value)
+            staged.torch_optimizer = StagedTorchOptimizer(dict(value), str(tag.where(source)))
         elif isinstance(optimizer, MutableMapping):
             staged.fill["optimizer"] = value
     stage_objects(staged, tag, request, once)

@@ -49,7 +49,7 @@ from ..state_fit import (
     misfit,
     torch_group_problems,
 )
-from .staged import Pieces, Staged, StagedOptimizer, Targets, Whole
+from .staged import Pieces, Staged, StagedModel, StagedOptimizer, Targets, Whole
 
 SCHEDULER = "scheduler"  # the name the scheduler's state is saved under
 
@@ -136,15 +136,14 @@ def _check_tensors(staged: Staged, targets: Targets) -> None:
         CheckpointError: naming the part, the file and the place of each.
     """
     devices = tuple(dict.fromkeys(("cpu", torch.device(targets.backend.device).type)))
-    opt = staged.optimizer
-    parts = [("model", staged.where("model"), staged.model),
-             ("optimizer state", staged.where("optimizer"), None if opt is None else opt.state),
-             ("master weights", staged.where("optimizer"), None if opt is None else opt.masters),
-             ("param groups", staged.where("optimizer"), None if opt is None else opt.groups),
-             ("loss scaler", staged.where("optimizer"), None if opt is None else opt.scaler),
-             ("optimizer state", staged.where("optimizer"), staged.torch_optimizer),
-             ("objects", staged.where("objects"), staged.objects),
-             ("state dicts", staged.source, staged.fill)]
+    opt, model, torch_opt = staged.optimizer, staged.model, staged.torch_optimizer
+    parts = [("model", staged.source, None) if model is None else ("model", model.source, model.entries)]
+    if opt is not None:
+        parts += [("optimizer state", opt.source, opt.state), ("master weights", opt.source, opt.masters),
+                  ("param groups", opt.source, opt.groups), ("loss scaler", opt.source, opt.scaler)]
+    if torch_opt is not None:
+        parts.append(("optimizer state", torch_opt.source, torch_opt.state_dict))
+    parts += [("objects", staged.objects_source, staged.objects.states), ("state dicts", staged.source, staged.fill)]
     problems = []
     for part, where, value in parts:
         for at, tensor in _tensors_in(value):
@@ -218,8 +217,8 @@ def check(staged: Staged, targets: Targets) -> Plan:
     """
     plan = Plan()
     _check_tensors(staged, targets)
-    if isinstance(targets.model, nn.Module) and staged.model_shapes is not None:
-        plan.model_state = _check_model(staged, targets)
+    if isinstance(targets.model, nn.Module) and staged.model is not None:
+        plan.model_state = _check_model(staged.model, targets)
     elif isinstance(targets.model, MutableMapping) and staged.fill is None:
         raise CheckpointError(f"{staged.source} loads into the model and optimizer themselves, not into state dicts: "
                               f"pass model=<module> and optimizer=<optimizer>.")
@@ -235,17 +234,17 @@ def check(staged: Staged, targets: Targets) -> Plan:
 
 
 # ---------------------------------------------------------------------------- the model
-def _check_model(staged: Staged, targets: Targets) -> dict[str, torch.Tensor]:
+def _check_model(staged: StagedModel, targets: Targets) -> dict[str, torch.Tensor]:
     model, device_dtype = targets.model, targets.backend.device_dtype
     live = targets.live_model
-    saved = staged.model_shapes or {}
-    where = staged.where("model")
+    saved = staged.shapes
+    where = staged.source
     problems = name_differences(live, saved, "missing from the checkpoint",
                                 "in the checkpoint but not in the model") if targets.strict else []
     state = {}
     for key in sorted(set(live) & set(saved)):
         shape, dtype = saved[key]
-        value = (staged.model or {}).get(key)
+        value = staged.entries.get(key)
         if tuple(shape) != tuple(live[key].shape):
             problems.append(f"{key}: shape {tuple(shape)} in the checkpoint, {tuple(live[key].shape)} in the model")
         elif dtype != device_dtype(live[key].dtype) and staged.exact_dtypes:
@@ -390,7 +389,7 @@ def _check_torch_optimizer(staged: Staged, optimizer: torch.optim.Optimizer) -> 
     """``staged.torch_optimizer`` is a ``state_dict()`` of ``optimizer`` (a plain torch optimizer: NxD's
     with ZeRO-1 off): its groups as torch's ``load_state_dict`` checks them, numbering the parameters
     as the optimizer does, and the one state-fit check per parameter id."""
-    saved, source = staged.torch_optimizer, staged.where("optimizer")
+    saved, source = staged.torch_optimizer.state_dict, staged.torch_optimizer.source
     groups, state = (saved.get("param_groups"), saved.get("state")) if isinstance(saved, Mapping) else (None, None)
     if not isinstance(groups, list) or not isinstance(state, Mapping) or not all(
             isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups):
@@ -412,14 +411,14 @@ def _check_torch_optimizer(staged: Staged, optimizer: torch.optim.Optimizer) -> 
 # ---------------------------------------------------------------------------- objects
 def _check_objects(staged: Staged, objects: Mapping[str, Any]) -> None:
     """The staged states hold one for every object asked for; the scheduler's passes its dry run."""
-    where = staged.where("objects")
-    missing = sorted(set(objects) - set(staged.objects))
+    where, states = staged.objects_source, staged.objects.states
+    missing = sorted(set(objects) - set(states))
     if missing:
-        raise CheckpointError(f"{where} holds no state for {missing}; it has {sorted(staged.objects) or 'none'}. Load "
+        raise CheckpointError(f"{where} holds no state for {missing}; it has {sorted(states) or 'none'}. Load "
                               f"without them, or from a checkpoint saved with them.")
     for name, obj in objects.items():
         if name == SCHEDULER or is_scheduler(obj):
-            check_scheduler_state(staged.objects[name], obj, f"{where} ({name})")
+            check_scheduler_state(states[name], obj, f"{where} ({name})")
 
 
 def is_scheduler(obj: Any) -> bool:
@@ -605,15 +604,15 @@ def digest(staged: Staged, plan: Plan) -> dict[str, str]:
         parts["master weights"] = opt.masters is not None  # (their publication is a collective)
         if opt.scaler is not None:
             parts["loss scale"] = opt.scaler
-    for name, saved in (("a torch optimizer's state", staged.torch_optimizer),
+    for name, saved in (("a torch optimizer's state", staged.torch_optimizer and staged.torch_optimizer.state_dict),
                         ("the optimizer's state dict", (staged.fill or {}).get("optimizer"))):
         if isinstance(saved, Mapping):
             groups = saved.get("param_groups")
             parts["hyperparameters"] = ([group_hyperparameters(g) if isinstance(g, Mapping) else g for g in groups]
                                         if isinstance(groups, list) else groups)
             parts["step counters"] = _steps({k: v for k, v in saved.items() if k != "param_groups"})
-    if SCHEDULER in staged.objects:
-        parts["scheduler"] = staged.objects[SCHEDULER]
+    if SCHEDULER in staged.objects.states:
+        parts["scheduler"] = staged.objects.states[SCHEDULER]
     if staged.replicated:
         parts["replicated tensors"] = staged.replicated
     return {part: fingerprint(value) for part, value in parts.items()}

@@ -46,14 +46,14 @@ def install(staged: Staged, plan: Plan, targets: Targets) -> Callable[[], None]:
             step()
 
     try:
-        undos.append(load_objects(targets.objects, staged.objects, staged.where("objects")))
+        undos.append(load_objects(targets.objects, staged))
         if targets.rank_state is not None:
             undos.append(targets.rank_state.install(
                 _bucket_state(staged.optimizer, plan, targets), [g for g in staged.optimizer.groups],
                 staged.optimizer.scaler if targets.rank_state.loss_scaler is not None else None,
                 _param_counters(staged.optimizer, plan, targets)))
         elif isinstance(targets.optimizer, torch.optim.Optimizer) and staged.torch_optimizer is not None:
-            undos.append(_install_torch_optimizer(targets.optimizer, staged.torch_optimizer))
+            undos.append(_install_torch_optimizer(targets.optimizer, staged.torch_optimizer.state_dict))
     except BaseException:
         undo()
         raise
@@ -86,10 +86,11 @@ def publish(masters: list[torch.Tensor] | None, targets: Targets) -> None:
 
 
 # ---------------------------------------------------------------------------- stateful objects
-def load_objects(objects: Mapping[str, Any], states: Mapping[str, Any], source: str) -> Callable[[], None]:
-    """Load ``states[name]`` into each of ``objects`` (a scheduler, a sampler, ...), each one's state
-    copied before; if one refuses, every object loaded so far and the refusing one are put back, and a
-    ``CheckpointError`` names it. Returns the undo (put every object back)."""
+def load_objects(objects: Mapping[str, Any], staged: Staged) -> Callable[[], None]:
+    """Load each of ``objects`` (a scheduler, a sampler, ...) with its state in ``staged.objects``, each one's
+    state copied before; if one refuses, every object loaded so far and the refusing one are put back, and a
+    ``CheckpointError`` names it and the file. Returns the undo (put every object back)."""
+    states, source = staged.objects.states, staged.objects_source
     done: list[tuple[str, Any, Any]] = []
 
     def undo() -> None:

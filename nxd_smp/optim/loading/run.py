@@ -33,7 +33,7 @@ from ..rank_state import MASTER_KEY, RECORD_KEY, SCALER_KEY, STATE_DICT_FORMAT, 
 from ..state_fit import describe, is_moment, torch_group_problems
 from .check import check, digest
 from .install import commit, install, publish
-from .staged import Pieces, Request, Staged, StagedOptimizer, Targets, Whole, canonical_name, known_names
+from .staged import Pieces, Request, Staged, StagedModel, StagedOptimizer, Targets, Whole, canonical_name, known_names
 
 log = logging.getLogger("nxd_smp.checkpoint")
 
@@ -323,9 +323,9 @@ def load_together(model: nn.Module, optimizer: Any, model_state: Mapping[str, An
         staged = read_rank_state(targets, state_dict, request)
         if model_state is not None:
             tensors = {key: value for key, value in model_state.items() if isinstance(value, torch.Tensor)}
-            staged.model_shapes = {key: (tuple(value.shape), value.dtype) for key, value in tensors.items()}
-            staged.model = {key: value for key, value in tensors.items() if key in (request.model_keys or ())}
-            staged.source_of["model"] = what
+            staged.model = StagedModel({key: (tuple(value.shape), value.dtype) for key, value in tensors.items()},
+                                       {key: value for key, value in tensors.items()
+                                        if key in (request.model_keys or ())}, what)
         return staged
 
     run(read, targets, what=what)

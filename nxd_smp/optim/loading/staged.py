@@ -182,42 +182,71 @@ class StagedOptimizer:
 
 
 @dataclass
+class StagedModel:
+    """A model's entries as read, for a live ``nn.Module``.
+
+    Attributes:
+        shapes: every entry the checkpoint holds, with its shape and dtype (for missing and extra names).
+        entries: the live model's keys that the checkpoint holds, each as saved (cast by the install).
+        source: the file errors name.
+        tensor_parallel: the DTensor layout the checkpoint was saved with (nxd_smp's format).
+        exact_dtypes: the entries were saved in the device's dtypes and must match them (nxd_smp's
+            format; other tools' tensors need only convert exactly).
+    """
+
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    entries: dict[str, torch.Tensor]
+    source: str
+    tensor_parallel: Any = None
+    exact_dtypes: bool = False
+
+
+@dataclass
+class StagedTorchOptimizer:
+    """A plain torch optimizer's ``state_dict()`` as read (NxD with ZeRO-1 off), and the file errors name."""
+
+    state_dict: dict[str, Any]
+    source: str
+
+
+@dataclass
+class StagedObjects:
+    """The saved objects' states by name (the scheduler's under ``"scheduler"``), and the file errors name
+    (None: the checkpoint's)."""
+
+    states: dict[str, Any] = field(default_factory=dict)
+    source: str | None = None
+
+
+@dataclass
 class Staged:
-    """Everything one reader read for one rank, trusted nothing yet.
+    """Everything one reader read for one rank, trusted nothing yet: one part per kind of target, each
+    with the file its errors name.
 
     Attributes:
         source: the checkpoint (folder or files) errors name.
-        model: the model's entries read (the live model's keys that the checkpoint holds, each as
-            saved: cast by the install); ``model_shapes``: every entry the checkpoint holds, with its
-            shape and dtype (for missing and extra names).
+        model: the model's entries, for a live ``nn.Module``.
         optimizer: the optimizer's, for a live ``Zero1Optimizer``; ``torch_optimizer``: a plain torch
-            optimizer's ``state_dict()`` (NxD with ZeRO-1 off), as read.
+            optimizer's (NxD with ZeRO-1 off).
         objects: the saved objects' states by name (the scheduler's under ``"scheduler"``).
         extra: the caller's content (``extra``, NxD's ``user_content``), None without.
         fill: the dicts NxD Training passes to fill (``{"model": ..., "optimizer": ...}``), as read.
         replicated: what every rank of a data-parallel group reads alike, by name, as checksums (a
             file's or an entry's CRC-32): the agreement compares them.
-        tensor_parallel: the DTensor layout the checkpoint was saved with (nxd_smp's format).
-        exact_dtypes: the model's entries were saved in the device's dtypes and must match them
-            (nxd_smp's format; other tools' tensors need only convert exactly).
-        source_of: per part (``"model"``, ``"objects"``, ...), the file errors name.
     """
 
     source: str
-    model: dict[str, torch.Tensor] | None = None
-    model_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+    model: StagedModel | None = None
     optimizer: StagedOptimizer | None = None
-    torch_optimizer: dict[str, Any] | None = None
-    objects: dict[str, Any] = field(default_factory=dict)
+    torch_optimizer: StagedTorchOptimizer | None = None
+    objects: StagedObjects = field(default_factory=StagedObjects)
     extra: Any = None
     fill: dict[str, Any] | None = None
     replicated: dict[str, int] = field(default_factory=dict)
-    tensor_parallel: Any = None
-    exact_dtypes: bool = False
-    source_of: dict[str, str] = field(default_factory=dict)
 
-    def where(self, part: str) -> str:
-        return self.source_of.get(part, self.source)
+    @property
+    def objects_source(self) -> str:
+        return self.objects.source or self.source
 
 
 def buffers_for(staging: dict[str | None, list[torch.Tensor]], key: str | None, request: OptimizerRequest

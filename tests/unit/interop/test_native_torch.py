@@ -421,6 +421,38 @@ def test_import_refuses_what_does_not_fit(native, tmp_path):
 
 
 # ---------------------------------------------------------------------------- DP 2
+def test_import_state_that_does_not_fit_is_refused_by_the_one_check(native, tmp_path):
+    """The reader stages what the file holds and the one check (the same as every format's) refuses what does
+    not fit, the model and the optimizer unchanged: a managed parameter without state where the others have
+    it, state for a parameter the optimizer does not manage, and another optimizer class's state (SGD's
+    ``momentum_buffer``, whose groups lack Adam's hyperparameters)."""
+    _, msd, osd = native
+
+    def saved(name, state, groups=None):
+        directory = tmp_path / name
+        quiet_dcp(dcp.save, {"model": msd, "optim": {"state": state, "param_groups": groups or osd["param_groups"]}},
+                  checkpoint_id=directory, no_dist=True)
+        return directory
+
+    def refused(directory, match):
+        target = fresh()
+        before = [p.detach().clone() for p in target["model"].parameters()] + [
+            m.clone() for m in target["optimizer"].master_shards]
+        with pytest.raises(CheckpointError, match=match):
+            import_torch(directory, **target)
+        after = [p.detach() for p in target["model"].parameters()] + list(target["optimizer"].master_shards)
+        assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+    without = {k: v for k, v in osd["state"].items() if k != "2.bias"}
+    refused(saved("without", without), r"parameters missing from it: \['2\.bias'\]")
+    surplus = {**osd["state"], "3.weight": osd["state"]["2.weight"]}
+    refused(saved("surplus", surplus), r"parameters it holds that the optimizer does not manage: \['3\.weight'\]")
+    sgd = {k: {"momentum_buffer": v["exp_avg"].clone()} for k, v in osd["state"].items()}
+    sgd_groups = [{"lr": g["lr"], "momentum": 0.9, "dampening": 0.0, "weight_decay": g["weight_decay"],
+                   "nesterov": False, "maximize": False, "params": g["params"]} for g in osd["param_groups"]]
+    refused(saved("sgd", sgd, sgd_groups), r"state keys \['momentum_buffer'\], the optimizer's are")
+
+
 def test_ddp_and_fsdp2_continue_the_export_like_nxd_smp_at_dp2(trained, dp2):
     assert read_metadata(trained / "export_in_group").planner_data == read_metadata(trained / "export").planner_data
     masters = read_checkpoint(trained / "nxd_dp2")["optimizer"]["master_weights"]
