@@ -548,10 +548,14 @@ def entries_to_save(model: nn.Module, optimizer: Zero1Optimizer | None, with_mas
     buckets: list[dict[str, torch.Tensor]] = [{} for _ in shards]
     masters: list[torch.Tensor] = []
     for (b, key, _), value in zip(live, host):
-        (masters.append(value) if key is None else buckets[b].__setitem__(key, value))
+        if key is None:
+            masters.append(value)
+        else:
+            buckets[b][key] = value
     counters: list[dict[str, torch.Tensor] | None] = [None] * len(names)
     for (i, key, _), value in zip(own, host[len(live):]):
-        counters[i] = {**(counters[i] or {}), key: value}
+        counters[i] = counters[i] or {}
+        counters[i][key] = value
     states = held.param_states(buckets, masters if with_masters else None, counters)
     for name, p, param in zip(names, held.managed_params, states):
         if param.piece is not None:
