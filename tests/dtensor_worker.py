@@ -394,6 +394,41 @@ def fsdp_after_forward_rank(rank: int, world_size: int) -> str:
     return "built"
 
 
+def empty_part_rank(rank: int, world_size: int, root: str) -> dict:
+    """TP 2 x DP 1 with parameters split unevenly, so that tensor-parallel rank 1's parts of them hold no
+    elements (``up`` of one output row, column-parallel; ``down``'s weight of one input column, row-parallel):
+    two steps, each coordinate saves its checkpoint and loads it into a fresh model and optimizer. Returns
+    what the saving run held and what the load installed (this rank's masters and optimizer state)."""
+    from nxd_smp import load_checkpoint, save_checkpoint
+
+    def build(seed: int) -> tuple[nn.Module, Zero1Optimizer]:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(IN, 1), nn.Linear(1, OUT)).to(torch.bfloat16)
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+        model = parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        return model, _smp_optimizer(model, device_mesh=mesh)
+
+    def held(opt: Zero1Optimizer) -> dict:
+        state = opt.state_dict()
+        return {"masters": [m.clone() for m in opt.master_shards],
+                "state": {i: {k: v.local.clone() if hasattr(v, "local") else v.clone() for k, v in entry.items()}
+                          for i, entry in state["state"].items()}}
+
+    model, opt = build(0)
+    tp = dist.get_rank()
+    for step in range(2):  # (gradients given: DTensor's from_local takes parts as even, so no uneven forward)
+        g = torch.Generator().manual_seed(step)
+        for p in model.parameters():
+            full = (torch.randn(p.shape, generator=g) * 0.3).bfloat16()
+            p.grad = distribute_tensor(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full
+        opt.step()
+    save_checkpoint(f"{root}/tp{tp}", model=model, optimizer=opt)
+    fresh_model, fresh = build(1)
+    load_checkpoint(f"{root}/tp{tp}", model=fresh_model, optimizer=fresh)
+    return {"local_numels": [_local(p).numel() for p in model.parameters()], "saved": held(opt),
+            "loaded": held(fresh)}
+
+
 def four_ranks(rank: int, world_size: int, root: str) -> dict:
     """Every TP 2 x DP 2 run of the tests on one set of 4 ranks (each set costs seconds to start): the fixed-
     gradient oracle runs with the mesh given both ways, NxD's path beside DTensor's, and the checkpoint save."""

@@ -25,6 +25,7 @@ this rank installs (``staged``).
 
 from __future__ import annotations
 
+import math
 import stat
 import time
 import zlib
@@ -563,8 +564,8 @@ def entries_to_save(model: nn.Module, optimizer: Zero1Optimizer | None, with_mas
             state.update({state_key(name, key, start): value for key, value in param.moments.items()})
             if param.master is not None:
                 state[master_key(name, start)] = param.master
-        elif p.numel() or optimizer.rank != 0:
-            continue  # (a parameter of no elements is no rank's piece: its counters from rank 0)
+        elif math.prod(local_shape(p)) or optimizer.rank != 0:
+            continue  # (a parameter, or DTensor part, of no elements is no rank's piece: its counters from rank 0)
         state.update({state_key(name, key): value for key, value in param.counters.items()})
     bucket_keys = {names[i]: sorted(key for key in inner.state.get(shard, {}))
                    for layout, shard in zip(layouts, shards) for i in layout.param_indices}

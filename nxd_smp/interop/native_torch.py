@@ -506,8 +506,9 @@ def _read(directory: Path, model: nn.Module, optimizer: Zero1Optimizer, request:
             shapes, {key: _read_entry(folder, flat, entry) for key, (flat, entry) in model_entries.items()
                      if key in wanted and key in shapes}, str(folder.where(METADATA_FILE))))
         # every parameter the file holds state for (one the optimizer does not manage, or a managed one without
-        # state where others have it, is the check's to name); none at all: a state not made yet
-        state: dict[str, dict[str, Any]] = {} if state_entries else {name: {} for name in names}
+        # state where others have it, is the check's to name); none at all (a state not made yet): the
+        # parameters its groups list, each without state, so that the check compares them with the live ones
+        state: dict[str, dict[str, Any]] = {} if state_entries else {fqn: {} for fqn in native_group}
         managed = set(names)
         for (fqn, key), (flat, entry) in state_entries.items():
             values = state.setdefault(fqn, {})

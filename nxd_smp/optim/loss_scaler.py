@@ -29,6 +29,7 @@ import torch
 from ..core.errors import CheckpointError, ConfigError
 from .state_fit import INT32, as_fp32, check_scaler_state
 
+
 class DynamicLossScaler:
     """Loss scale state and its update rule.
 

@@ -52,14 +52,20 @@ PLAIN = (type(None), bool, int, float, str)
 Kinds = dict[str, "bool | None"]
 
 
-def is_moment(key: Any, value: Any, kinds: Kinds | None = None) -> bool:
+def is_moment(key: Any, value: Any, kinds: Kinds | None = None, *, saved: bool = False) -> bool:
     """The one rule for what a key of a parameter's optimizer state is: a moment (a tensor shaped like
     the parameter, kept flat per bucket and cut into ranks' ranges) or a counter (Adam's ``step``: a 0-dim
-    tensor or a number, whole on every rank). As the optimizer's class keeps ``key`` where ``kinds`` says
-    (``state_kinds``: asked of the class, with the hyperparameters being installed), else as ``value`` is:
-    a tensor with dimensions is a moment (the live optimizer's own state, which its class made)."""
+    tensor or a number, whole on every rank).
+
+    As the optimizer's class keeps ``key`` where ``kinds`` says (``state_kinds``: asked of the class, with
+    the hyperparameters being installed). Else, for a ``saved`` value (read from a file, to be checked):
+    every key but ``step``, torch.optim's one counter, so that a file's 0-dim tensor never passes for a
+    counter of a class nothing could be asked of; and for a live value, as it is: a tensor with dimensions
+    is a moment (the live optimizer's flat state, which its class made)."""
     if kinds is not None and key in kinds:
         return kinds[key] is True
+    if saved:
+        return key != "step"
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
@@ -229,8 +235,9 @@ def state_kinds(optimizer_class: type, hyperparameters: Mapping[str, Any]) -> Ki
     """The state ``optimizer_class`` keeps for a parameter of a group holding ``hyperparameters``:
     from a throwaway instance built with them (``_throwaway``) and stepped once on its two-element
     CPU parameter, which an element-wise optimizer's ``step`` does not reach beyond. None when the
-    class cannot be built or stepped so (then only ``step`` may be 0-dim, and the keys are not
-    checked). Remembered per class and hyperparameters."""
+    class cannot be built or stepped so (then ``StateFit`` takes the live optimizer's own state's, where
+    it has one; else only ``step`` may be 0-dim, and the keys are not checked). Remembered per class and
+    hyperparameters."""
     key = _key(optimizer_class, hyperparameters)
     if key not in _probed:
         try:
@@ -347,7 +354,7 @@ def check_state_entry(entry: Any, kinds: Kinds | None, shape: tuple[int, ...], w
     """The problems of one parameter's saved optimizer state ``entry`` (``{key: tensor}``)
     against ``kinds`` (``state_kinds``): the same keys (or none: a parameter without state
     yet), tensors of real dtype, shaped like the parameter (``shape``) or 0-dim where the class
-    keeps them so (``is_moment``: with ``kinds`` None, as each value is)."""
+    keeps them so (``is_moment``: with ``kinds`` None, only ``step`` may be 0-dim)."""
     if not isinstance(entry, Mapping):
         return [f"{where}: the state is a {type(entry).__name__}, not a dict"]
     if not entry:
@@ -371,7 +378,7 @@ def check_state_entry(entry: Any, kinds: Kinds | None, shape: tuple[int, ...], w
         if value.dtype.is_complex or value.dtype == torch.bool:
             problems.append(f"{where}/{key} is {value.dtype}, not a real number")
             continue
-        moment = is_moment(key, value, kinds)
+        moment = is_moment(key, value, kinds, saved=True)
         if moment and (tuple(value.shape) != tuple(shape) or not value.dtype.is_floating_point):
             problems.append(f"{where}/{key}: {value.dtype} of shape {tuple(value.shape)}, the optimizer keeps a "
                             f"floating tensor shaped like the parameter {tuple(shape)}")
@@ -388,16 +395,18 @@ class StateFit:
 
     ``problems`` says everything that does not fit: the group count, each group's hyperparameters
     (their kinds, and their values as the class's constructor accepts them), and each state entry
-    handed to it. ``live_state``: one parameter's state as the live optimizer keeps it, where it has
-    one: its kinds stand in for a class that cannot be probed (``kinds``).
+    handed to it. ``live_states``: per param group, one parameter's (or shard's) state as the live
+    optimizer keeps it, None where it has none yet: its kinds stand in for a class that cannot be
+    probed (``kinds``).
     """
 
     def __init__(self, optimizer_class: type, live_groups: Sequence[Mapping[str, Any]], saved_groups: Sequence[Any],
-                 live_state: Mapping[str, Any] | None = None):
+                 live_states: Sequence[Mapping[str, Any] | None] = ()):
         self.optimizer_class = optimizer_class
         self.live_groups = list(live_groups)
         self.saved_groups = list(saved_groups)
-        self.live_kinds: Kinds | None = {k: _kind(v) for k, v in live_state.items()} if live_state else None
+        self.live_kinds: list[Kinds | None] = [{k: _kind(v) for k, v in state.items()} if state else None
+                                               for state in live_states]
 
     def group_problems(self) -> list[str]:
         """The group count and each group's hyperparameters: of the kinds the live group holds,
@@ -422,7 +431,9 @@ class StateFit:
         else None."""
         probed = state_kinds(self.optimizer_class, installed_hyperparameters(self.live_groups[group],
                                                                             self.saved_groups[group]))
-        return self.live_kinds if probed is None else probed
+        if probed is None and group < len(self.live_kinds):
+            return self.live_kinds[group]
+        return probed
 
     def problems(self, entries: Iterable[tuple[int, str, Any, tuple[int, ...]]] = ()) -> list[str]:
         """Everything that does not fit: ``group_problems``, then each entry ``(group, where,

@@ -138,3 +138,18 @@ def test_fsdp2_is_refused_after_a_forward_at_any_world_size(two, world_size):
     messages = [got["fsdp"] for got in two] if world_size == 2 else run_ranks(1, w.fsdp_after_forward_rank)
     for message in messages:
         assert message.startswith("the parameters belong to a model sharded by FSDP2 (fully_shard)"), message
+
+
+def test_a_tensor_parallel_part_of_no_elements_saves_and_loads(tmp_path):
+    """Tensor-parallel rank 1 holds no element of ``up``'s weight and bias or of ``down``'s weight: its
+    checkpoint still holds their step counters (each such part is no rank's piece, so data-parallel rank 0
+    saves them) and loads back into a fresh optimizer exactly."""
+    ranks = run_ranks(2, w.empty_part_rank, str(tmp_path))
+    assert ranks[1]["local_numels"][:3] == [0, 0, 0] and all(n > 0 for n in ranks[0]["local_numels"])
+    for got in ranks:
+        saved, loaded = got["saved"], got["loaded"]
+        assert all(torch.equal(a, b) for a, b in zip(saved["masters"], loaded["masters"]))
+        assert saved["state"].keys() == loaded["state"].keys() and saved["state"]
+        for i, entry in saved["state"].items():
+            assert entry.keys() == loaded["state"][i].keys(), i
+            assert all(torch.equal(v, loaded["state"][i][k]) for k, v in entry.items()), i

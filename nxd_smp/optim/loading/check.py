@@ -304,8 +304,10 @@ def _check_optimizer(staged: StagedOptimizer, targets: Targets, plan: Plan) -> N
                                  f"{[len(g) for g in groups]} live)") + ".")
     problems = name_differences(names, staged.state, "parameters missing from it",
                                 "parameters it holds that the optimizer does not manage")
+    inner = held.inner_optimizer
     fit = StateFit(inner_class, held.param_groups, staged.groups,
-                   next((entry for entry in held.inner_optimizer.state.values() if entry), None))
+                   [next((inner.state[shard] for shard in group["params"] if inner.state.get(shard)), None)
+                    for group in inner.param_groups])
     group_problems = fit.group_problems()
     problems += group_problems
     if not problems:
@@ -320,8 +322,8 @@ def _check_optimizer(staged: StagedOptimizer, targets: Targets, plan: Plan) -> N
             kinds_known = kinds_known and kinds is not None
             problems += check_state_entry(entry, kinds, shape, name)
             if entry and not problems:
-                plan.moments[name] = sorted(k for k, v in entry.items() if is_moment(k, v, kinds))
-                plan.counters[name] = sorted(k for k, v in entry.items() if not is_moment(k, v, kinds))
+                plan.moments[name] = sorted(k for k, v in entry.items() if is_moment(k, v, kinds, saved=True))
+                plan.counters[name] = sorted(k for k, v in entry.items() if not is_moment(k, v, kinds, saved=True))
         if not kinds_known:  # (a class that cannot be probed: every parameter with state keeps the same keys)
             keys = {frozenset(entry) for _, _, entry, _ in entries if entry}
             if len(keys) > 1:

@@ -348,8 +348,9 @@ def param_group_names(model: nn.Module | None, optimizer: RankState) -> list[lis
 @dataclass
 class Targets:
     """What one load installs into, on this rank: the targets as given, and what a load reads of them,
-    resolved once, at the first ``request()`` (inside the pipeline's read, so that a refusal there is
-    every rank's to learn): the managed parameters' names, groups and shapes, the model's local entries.
+    each resolved once, at first use: the optimizer's ``rank_state``; the managed parameters' names,
+    groups and shapes and the model's local entries at the first ``request()``, inside the pipeline's
+    read, so that a refusal there is every rank's to learn. One load's: a new load builds new targets.
 
     Attributes:
         model: the model, or a dict to fill (NxD Training), or None.

@@ -424,8 +424,9 @@ def test_import_refuses_what_does_not_fit(native, tmp_path):
 def test_import_state_that_does_not_fit_is_refused_by_the_one_check(native, tmp_path):
     """The reader stages what the file holds and the one check (the same as every format's) refuses what does
     not fit, the model and the optimizer unchanged: a managed parameter without state where the others have
-    it, state for a parameter the optimizer does not manage, and another optimizer class's state (SGD's
-    ``momentum_buffer``, whose groups lack Adam's hyperparameters)."""
+    it, state for a parameter the optimizer does not manage, another optimizer class's state (SGD's
+    ``momentum_buffer``, whose groups lack Adam's hyperparameters), and groups of other parameters with no
+    state yet."""
     _, msd, osd = native
 
     def saved(name, state, groups=None):
@@ -451,6 +452,8 @@ def test_import_state_that_does_not_fit_is_refused_by_the_one_check(native, tmp_
     sgd_groups = [{"lr": g["lr"], "momentum": 0.9, "dampening": 0.0, "weight_decay": g["weight_decay"],
                    "nesterov": False, "maximize": False, "params": g["params"]} for g in osd["param_groups"]]
     refused(saved("sgd", sgd, sgd_groups), r"state keys \['momentum_buffer'\], the optimizer's are")
+    renamed = [{**g, "params": [f"other.{n}" for n in g["params"]]} for g in osd["param_groups"]]
+    refused(saved("renamed_without_state", {}, renamed), r"parameters missing from it: \['0\.bias', '0\.weight'")
 
 
 def test_ddp_and_fsdp2_continue_the_export_like_nxd_smp_at_dp2(trained, dp2):

@@ -131,3 +131,18 @@ def test_state_that_the_installed_hyperparameters_would_not_make_is_still_refuse
     fresh = zero1(One(), lr=LR_BUILT, momentum=MOMENTUM)  # (its own group would make the buffer)
     with pytest.raises(ValueError, match="momentum_buffer"):
         fresh.load_state_dict(state)
+
+
+def test_a_saved_value_is_judged_by_its_key_where_nothing_can_be_asked_of_the_class():
+    """Where the class cannot be probed and the live optimizer holds no state yet (``kinds`` None), a saved
+    value is a moment unless its key is ``step``: a file's 0-dim ``exp_avg`` for a shaped parameter is refused
+    (it passed for a counter by its shape alone), and a 0-dim parameter's 0-dim moments are its moments."""
+    from nxd_smp.optim.state_fit import check_state_entry, is_moment
+
+    step = torch.tensor(3.0)
+    problems = check_state_entry({"step": step, "exp_avg": torch.tensor(0.5)}, None, (3,), "w")
+    assert len(problems) == 1 and problems[0].startswith("w/exp_avg: torch.float32 of shape ()"), problems
+    assert check_state_entry({"step": step, "exp_avg": torch.zeros(3)}, None, (3,), "w") == []
+    assert check_state_entry({"step": step, "exp_avg": torch.tensor(0.5)}, None, (), "s") == []
+    assert is_moment("exp_avg", torch.tensor(0.5), saved=True) and not is_moment("exp_avg", torch.tensor(0.5))
+    assert not is_moment("exp_avg", torch.zeros(3), {"exp_avg": False}, saved=True)  # (the class's word first)
