@@ -211,9 +211,10 @@ def full_state_of(
         if numbering:
             raise CheckpointError(f"{f} does not number its parameters as torch.optim does (0..n-1 in group order, "
                                   f"each once): {'; '.join(numbering[:4])}.")
-        check_distinct([(f"base_state/{i}/{key}", v) for i, entry in r["base_state"].items() for key, v in entry.items()
-                        if is_moment(key, v)] + [(f"sharded_master_weights/{i}", v) for i, v in masters_of.items()], str(f),
-                       "each moment and master is a tensor of its own")
+        moment_records = [(f"base_state/{i}/{key}", v) for i, entry in r["base_state"].items()
+                          for key, v in entry.items() if is_moment(key, v)]
+        master_records = [(f"sharded_master_weights/{i}", v) for i, v in masters_of.items()]
+        check_distinct(moment_records + master_records, str(f), "each moment and master is a tensor of its own")
     # torch_xla pads dim 0 to a multiple of the DP size and keeps chunk ``rank``: every chunk of
     # parameter i has the shape (ceil(rows / n), *shape[1:]); checked before any is joined, so
     # the joined tensors are no larger than the parameters

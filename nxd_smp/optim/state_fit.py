@@ -201,7 +201,8 @@ def numbered_names(saved_groups: Any, live_names: Sequence[Sequence[str]], where
         raise CheckpointError(f"{where} does not fit the optimizer's param groups (torch.optim numbers the parameters "
                               f"0..n-1 in group order, and its groups hold {[len(n) for n in live_names]}): "
                               + "; ".join(problems[:4]) + ". Build the param groups as the run that saved it did.")
-    return {number: name for group, names in zip(saved_groups, live_names) for number, name in zip(group["params"], names)}
+    return {number: name for group, names in zip(saved_groups, live_names)
+            for number, name in zip(group["params"], names)}
 
 
 def _kind(value: Any) -> bool | None:

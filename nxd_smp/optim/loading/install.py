@@ -30,7 +30,7 @@ from ...core.dtensors import like_live
 from ...core.errors import CheckpointError
 from ..state_fit import torch_state_dict
 from .check import Plan
-from .staged import Pieces, Staged, StagedOptimizer, Targets, Whole
+from .staged import Pieces, Slot, Staged, StagedOptimizer, Targets, Whole
 
 
 def install(staged: Staged, plan: Plan, targets: Targets) -> Callable[[], None]:
@@ -117,35 +117,25 @@ def load_objects(objects: Mapping[str, Any], staged: Staged) -> Callable[[], Non
 
 # ---------------------------------------------------------------------------- the optimizer
 @torch.no_grad()
-def _shard(staged: StagedOptimizer, key: str | None, values: Mapping[str, Any], targets: Targets, b: int,
-           dtype: torch.dtype, numel: int, pieces: list) -> torch.Tensor:
+def _shard(staged: StagedOptimizer, key: str | None, values: Mapping[str, Any], b: int, numel: int,
+           dtype: torch.dtype, slots: list[tuple[str, Slot]]) -> torch.Tensor:
     """Bucket ``b``'s shard of ``key`` (None: the master weights) on this rank: the staging buffer the
-    reader filled where there is one, else a new one with each parameter's pieces copied in (zeros
-    for padding and for parameters without state; no autograd history, whatever a caller's tensor
-    carries)."""
+    reader filled where there is one, else a new one of ``numel`` elements with each parameter's slots of
+    it (``OptimizerRequest.bucket_slots``) copied in (zeros for padding and for parameters without state;
+    no autograd history, whatever a caller's tensor carries)."""
     if key in staged.staging:
         return staged.staging[key][b]
     buffer = torch.zeros(numel, dtype=dtype)
-    for name, piece in pieces:
+    for name, slot in slots:
         value = values.get(name)
         if isinstance(value, Pieces):
-            source = value.parts[piece.param_start]
+            source = value.parts[slot.start]
         elif isinstance(value, Whole):
-            source = value.tensor.reshape(-1)[piece.param_start:piece.param_end]
+            source = value.tensor.reshape(-1)[slot.start:slot.end]
         else:
             continue
-        buffer[piece.shard_start:piece.shard_start + piece.numel].copy_(source)
+        buffer[slot.shard_start:slot.shard_start + slot.end - slot.start].copy_(source)
     return buffer
-
-
-def _pieces_by_bucket(targets: Targets) -> list[list[tuple[str, Any]]]:
-    """Per bucket, this rank's pieces of it as (parameter name, piece) (``RankState.places``)."""
-    held = targets.rank_state
-    pieces: list[list[tuple[str, Any]]] = [[] for _ in held.bucket_layouts]
-    for name, (b, piece) in zip(targets.names, held.places()):
-        if piece is not None:
-            pieces[b].append((name, piece))
-    return pieces
 
 
 def _bucket_state(staged: StagedOptimizer, plan: Plan, targets: Targets) -> dict[int, dict[str, Any]]:
@@ -154,16 +144,13 @@ def _bucket_state(staged: StagedOptimizer, plan: Plan, targets: Targets) -> dict
     are installed beside it: ``_param_counters``; a parameter without state,
     which got no gradient in the saved run, starts from zero moments with its bucket's count; a
     bucket none of whose parameters has state takes its group's, or any parameter's, count)."""
-    held = targets.rank_state
-    names = targets.names
-    layouts = held.bucket_layouts
-    pieces = _pieces_by_bucket(targets)
+    held, request = targets.rank_state, targets.request().optimizer
+    names, slots = targets.names, request.bucket_slots()
     group_of_param = {id(p): g for g, group in enumerate(held.param_groups) for p in group["params"]}
     group_of = {name: group_of_param[id(p)] for name, p in zip(names, held.managed_params)}
     with_state = [name for name in names if staged.state.get(name)]
-    shard_dtypes = [targets.backend.device_dtype(shard.dtype) for shard in held.inner_shards]
     state: dict[int, dict[str, Any]] = {}
-    for b, layout in enumerate(layouts):
+    for b, layout in enumerate(held.bucket_layouts):
         mine = [names[i] for i in layout.param_indices]
         source = next((n for n in mine if staged.state.get(n)), None) \
             or next((n for n in with_state if group_of[n] == group_of[mine[0]]), None) \
@@ -172,8 +159,8 @@ def _bucket_state(staged: StagedOptimizer, plan: Plan, targets: Targets) -> dict
             continue
         entry = _saved_counters(staged, plan, source)
         for key in plan.moments.get(source, []):
-            values = {name: staged.state[name].get(key) for name, _ in pieces[b] if staged.state.get(name)}
-            entry[key] = _shard(staged, key, values, targets, b, shard_dtypes[b], layout.shard_numel, pieces[b])
+            values = {name: staged.state[name].get(key) for name, _ in slots[b] if staged.state.get(name)}
+            entry[key] = _shard(staged, key, values, b, request.shard_numels[b], request.shard_dtypes[b], slots[b])
         state[b] = entry
     return state
 
@@ -201,10 +188,9 @@ def _masters(staged: StagedOptimizer | None, targets: Targets) -> list[torch.Ten
     held = targets.rank_state
     if staged is None or staged.masters is None or not held.mixed_precision.use_master_weights:
         return None
-    layouts = held.bucket_layouts
-    pieces = _pieces_by_bucket(targets)
-    return [_shard(staged, None, staged.masters, targets, b, torch.float32, layout.shard_numel, pieces[b])
-            for b, layout in enumerate(layouts)]
+    request = targets.request().optimizer
+    return [_shard(staged, None, staged.masters, b, numel, torch.float32, slots)
+            for b, (numel, slots) in enumerate(zip(request.shard_numels, request.bucket_slots()))]
 
 
 def _install_torch_optimizer(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> Callable[[], None]:

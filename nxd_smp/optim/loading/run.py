@@ -177,8 +177,10 @@ def read_rank_state(targets: Targets, state_dict: Any, request: Request) -> Stag
             if not isinstance(field, str) or not isinstance(value, torch.Tensor):
                 bad.append(f"{name}/{describe(field)} is a {type(value).__name__}, not a tensor")
                 continue
-            found = (Whole(value) if not is_moment(field, value) and not isinstance(value, FlatShard)  # (a counter,
-                     else _range_of(value, request.optimizer, name, param_of[name], placed_by_record))  # or 0-dim whole)
+            if not is_moment(field, value) and not isinstance(value, FlatShard):
+                found: Whole | Pieces | str = Whole(value)  # (a counter, or a 0-dim parameter's whole moment)
+            else:
+                found = _range_of(value, request.optimizer, name, param_of[name], placed_by_record)
             if isinstance(found, str):
                 bad.append(f"{name}/{field}: {found}")
             elif field == MASTER_KEY:

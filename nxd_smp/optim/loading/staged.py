@@ -100,6 +100,14 @@ class OptimizerRequest:
     def names(self) -> list[str]:
         return [name for group in self.groups for name in group]
 
+    def bucket_slots(self) -> list[list[tuple[str, Slot]]]:
+        """Per bucket, the slots of it this rank holds, as (parameter name, slot)."""
+        by_bucket: list[list[tuple[str, Slot]]] = [[] for _ in self.shard_numels]
+        for name, slots in self.slots.items():
+            for slot in slots:
+                by_bucket[slot.bucket].append((name, slot))
+        return by_bucket
+
 
 @dataclass
 class Request:
