@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "nxd_smp pins torch 2.9 + torch-xla 2.9 for Python 3.11; found " + sys.version.split()[0])'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade --quiet pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[xla,test,scripts,lightning]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[xla,test,scripts,lightning,s3]'
 	touch $(STAMP)
 
 # A plain install (torch's own dependencies resolved, torch kept at constraints-native.txt's
@@ -34,7 +34,7 @@ $(STAMP_NATIVE): pyproject.toml constraints-native.txt
 	@$$(test -x $(PY_NATIVE) && echo $(PY_NATIVE) || echo $(PYTHON_NATIVE)) -c 'import sys; sys.exit(0 if (3, 11) <= sys.version_info[:2] <= (3, 13) else "make test-native takes Python 3.11 to 3.13 (torch 2.13; TorchNeuron is 3.12+); found " + sys.version.split()[0] + " at " + sys.executable + ": set PYTHON_NATIVE (and make clean-venv)")'
 	test -x $(PY_NATIVE) || $(PYTHON_NATIVE) -m venv $(VENV_NATIVE)
 	$(PY_NATIVE) -m pip install --upgrade --quiet pip
-	$(PY_NATIVE) -m pip install --quiet -c constraints-native.txt -e '.[test,frameworks]'
+	$(PY_NATIVE) -m pip install --quiet -c constraints-native.txt -e '.[test,frameworks,s3]'
 	$(PY_NATIVE) -m pip check
 	touch $(STAMP_NATIVE)
 

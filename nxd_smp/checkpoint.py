@@ -34,7 +34,9 @@ import torch.nn as nn
 
 from .backend import Backend, select_backend, this_replica
 from .backend.agreement import decide
-from .checkpointing.files import Folder, entry_kind, local_path
+from .checkpointing.files import Folder, entry_kind
+from .checkpointing.locations import location_of, open_store
+from .checkpointing.object_store import S3Path
 from .checkpointing.pipeline import (
     SmpFormat,
     format_named,
@@ -156,16 +158,16 @@ def _state_dicts_backend(*values: Any) -> Backend:
     return _device_backend(torch.device("cpu"))
 
 
-def _tagged(path: str | os.PathLike, tag: Any, what: str = "path") -> Path:
+def _tagged(path: str | os.PathLike, tag: Any, what: str = "path") -> Path | S3Path:
     """``path / tag`` (NxD's call shape: a folder per tag under ``path``), or ``path``: the door every
-    entry point here takes its path through, before anything is read or made.
+    entry point here takes its path through, before anything is read or made (``locations.location_of``:
+    a local path, or ``s3://bucket/prefix``).
 
     Raises:
         TypeError: ``path`` is not a path, or ``tag`` not a str or int.
-        ConfigError: ``path`` is a URL (``files.local_path``: object storage is not supported yet), or
-            ``tag`` is not a plain folder name.
+        ConfigError: ``path`` is a URL of another scheme than ``s3``, or ``tag`` is not a plain folder name.
     """
-    path = local_path(path, what)
+    path = location_of(path, what)
     if tag is None:
         return path
     if isinstance(tag, bool) or not isinstance(tag, (str, int)):
@@ -219,7 +221,10 @@ def save_checkpoint(
         path: the checkpoint's name: a symbolic link that is swapped atomically to the
             new version once it is complete. Missing parent directories are created; an
             existing empty directory at ``path`` is replaced, anything else is refused.
-            With ``tag``: the directory that holds one checkpoint per tag.
+            With ``tag``: the directory that holds one checkpoint per tag. Or
+            ``s3://bucket/prefix`` (the ``s3`` extra; boto3's credentials and endpoint): the
+            version is uploaded under the prefix and committed by a conditional write of its
+            manifest (``checkpointing.object_store``).
         tag: NxD's tag (``"step_100"``, or an int): the checkpoint is ``path/tag``.
         model: the model; its ``state_dict()`` is written once (it is replicated). Or its state
             dict (NxD Training's call shape).
@@ -258,8 +263,8 @@ def save_checkpoint(
         the one it will be once the background part is done).
 
     Raises:
-        ConfigError: ``path`` (``checkpoint_dir_str``) is a URL (``s3://...``): object storage is not
-            supported yet; nothing is written.
+        ConfigError: ``path`` (``checkpoint_dir_str``) is a URL of another scheme than ``s3://``; or an
+            ``s3://`` path without boto3 installed (``pip install 'nxd_smp[s3]'``); nothing is written.
         CheckpointError: bad arguments, or the error of a previous asynchronous save that
             nothing raised yet (that save is then over, and this one is not started).
         TypeError: ``extra``/``user_content`` or a stateful object's state holds a value that is
@@ -292,6 +297,10 @@ def save_checkpoint(
         raise ConfigError(f"num_kept_ckpts must be a positive int, -1 or None, got {num_kept_ckpts!r}.")
     if tag is not None:
         _tag_directories[this_replica()] = path.parent
+    if state_dicts and isinstance(path, S3Path):
+        raise ConfigError(f"{path} is an 's3' URL: NxD Training's call shape (state dicts) writes NxD's own folder "
+                          f"layout, which nxd_smp writes to local paths only; on S3 pass the model and the optimizer "
+                          f"themselves.")
     if state_dicts:
         return _save_state_dicts(path, model, optimizer, scheduler, extra, stateful=stateful,
                                  save_master_weights=save_master_weights, async_save=async_save,
@@ -372,7 +381,8 @@ def load_checkpoint(
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
-        ConfigError: ``path`` is a URL (``s3://...``): object storage is not supported yet.
+        ConfigError: ``path`` is a URL of another scheme than ``s3://``, or an ``s3://`` path without
+            boto3 installed (``pip install 'nxd_smp[s3]'``).
         CheckpointError: incomplete, truncated, corrupted or unsafe files, or names, shapes,
             dtypes or saved objects that do not fit, each named.
     """
@@ -385,6 +395,10 @@ def load_checkpoint(
         optimizer = check_args(model, optimizer)
     elif stateful:
         raise TypeError("with state dicts to fill, stateful= does not apply.")
+    if state_dicts and isinstance(path, S3Path):
+        raise ConfigError(f"{path} is an 's3' URL: NxD Training's call shape (dicts to fill) reads NxD's own folder "
+                          f"layout, which nxd_smp reads from local paths only; on S3 pass the model and the optimizer "
+                          f"themselves.")
     objects = stateful_objects(scheduler, stateful)
     _check_nxd_only_args(num_workers, strict=strict, use_zero1_dcp=use_zero1_dcp)
     finish_save_in_flight(raise_error=False)
@@ -412,18 +426,24 @@ def has_checkpoint(path: str | os.PathLike) -> bool:
     record: ``checkpointing.versions.newest_checkpoint``) has one too: the load then says why,
     rather than a resume starting over. A link elsewhere than its own version is none.
 
+    On S3, ``path`` is a checkpoint with a commit record, or a prefix holding one
+    (``checkpointing.object_store``).
+
     Raises:
-        ConfigError: ``path`` is a URL (``s3://...``): object storage is not supported yet (rather than
-            False, which would have a resume start over).
+        ConfigError: ``path`` is a URL of another scheme than ``s3://`` (rather than False, which would
+            have a resume start over).
     """
     path = _tagged(path, None)
+    if isinstance(path, S3Path):
+        own = format_named(SmpFormat.name)
+        return own.is_complete(path) if own.is_folder(path) else own.newest(path) is not None
     for folder_format in registered_formats():
         if folder_format.is_folder(path):
             return folder_format.is_complete(path)
     return entry_kind(path) == "directory" and any(f.newest(path) is not None for f in registered_formats())
 
 
-def last_tag_directory() -> Path | None:
+def last_tag_directory() -> Path | S3Path | None:
     """The directory this rank last saved a tag into (``save_checkpoint(dir, tag, ...)``), or None."""
     return _tag_directories.get(this_replica())
 
@@ -437,13 +457,19 @@ def remove_checkpoint(path: str | os.PathLike) -> None:
     call it from one rank. This rank's background save of ``path``, if one is in flight, is
     waited for first.
 
+    On S3 its commit records go first (oldest first), then its versions' objects.
+
     Raises:
-        ConfigError: ``path`` is a URL (``s3://...``): object storage is not supported yet.
+        ConfigError: ``path`` is a URL of another scheme than ``s3://``.
         CheckpointError: ``path`` is something else than a checkpoint; it is left alone.
     """
     path = _tagged(path, None)
     if save_in_flight() == str(path):
         finish_save_in_flight(raise_error=False)
+    if isinstance(path, S3Path):
+        with open_store(path.parent) as store:
+            store.remove(path.name)
+        return
     try:
         with Folder.open(path.parent) as root:
             target = root.readlink(path.name)

@@ -1,12 +1,13 @@
 """The small model and optimizer the checkpoint tests save, move across DP sizes and load, with the
 loop that trains them on the same global batch at every DP size: shared by the checkpointing unit
-tests and the CLI's."""
+tests, the CLI's and object storage's; and the two halves of a run cut by a checkpoint (run by each
+rank: ``tests.distributed.run_ranks``)."""
 
 from __future__ import annotations
 
 import torch
 
-from nxd_smp import MixedPrecisionConfig, Zero1Optimizer
+from nxd_smp import MixedPrecisionConfig, Zero1Optimizer, finalize_checkpoint, load_checkpoint, save_checkpoint
 from tests.oracle import batch, loss_fn, make_model, param_groups
 
 GLOBAL_MICRO = 6  # micro-batches per step over all ranks: the same data at DP 1, 2, 3
@@ -42,3 +43,22 @@ def train(model, opt, steps, start, rank=0, world_size=1):
 def params_of(model):
     """Copies of ``model``'s parameters by name."""
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def save_then_continue(rank, world_size, path, async_save=False, memory_options=False):
+    """Train 3 steps, save (in the background when ``async_save``: training goes on while
+    the checkpoint is written), train 2 more."""
+    model, opt = build(seed=0, memory_options=memory_options)
+    train(model, opt, 3, 0, rank, world_size)
+    save_checkpoint(path, model=model, optimizer=opt, extra={"step": 3}, async_save=async_save)
+    train(model, opt, 2, 3, rank, world_size)
+    finalize_checkpoint()
+    return params_of(model)
+
+
+def load_then_continue(rank, world_size, path, memory_options=False):
+    model, opt = build(seed=5, memory_options=memory_options)  # everything must come from the file
+    extra = load_checkpoint(path, model=model, optimizer=opt)
+    assert extra == {"step": 3}
+    train(model, opt, 2, extra["step"], rank, world_size)
+    return params_of(model)

@@ -26,8 +26,9 @@ Where the platform lacks one of these calls, every operation is refused with a
 ``CheckpointError`` rather than done by path (``require_descriptors``).
 
 This room is local: a user's path comes in through ``local_path``, which refuses a URL
-(``s3://bucket/run``, or the ``s3:/bucket/run`` that ``pathlib`` makes of it) by its scheme
-rather than let it become a folder named ``s3:`` on the local disk.
+(``gs://bucket/run``, or the ``gs:/bucket/run`` that ``pathlib`` makes of it) by its scheme
+rather than let it become a folder named ``gs:`` on the local disk; object storage is the other
+implementation of the storage interface (``room``, ``object_store``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..core.errors import CheckpointError, ConfigError
+from .room import FileStat, Room
 
 #: What ``rename(2)`` or ``link(2)`` answer when something is already at the target.
 _TAKEN = (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR)
@@ -124,13 +126,14 @@ def local_path(path: str | os.PathLike, what: str = "path") -> Path:
     local ``Path``: the one door every entry point takes a user's path through, once, before anything
     is read or made.
 
-    nxd_smp reads and writes local file systems only (this room's directory descriptors). A URL handed
-    to ``pathlib`` becomes a relative path (``s3://bucket/run`` is ``s3:/bucket/run``): a save would make
-    the folder ``./s3:/bucket/run`` on the instance's own disk and report success, and the checkpoint
-    would die with the instance. So any ``scheme://`` (``s3``, ``gs``, ``hdfs``, ``http(s)``, ``file``,
-    any other), and its folded ``scheme:/`` form (also as ``pathlib`` reads it: ``./s3:/x`` is ``s3:/x``),
-    is refused by name until object storage lands. A colon elsewhere (``ckpt/step:5``) is a local name;
-    a local folder whose name ends in ``:`` is reached by its absolute path.
+    This room is the local file system (directory descriptors). A URL handed to ``pathlib`` becomes a
+    relative path (``gs://bucket/run`` is ``gs:/bucket/run``): a save would make the folder
+    ``./gs:/bucket/run`` on the instance's own disk and report success, and the checkpoint would die
+    with the instance. So any ``scheme://`` and its folded ``scheme:/`` form (also as ``pathlib`` reads
+    it: ``./gs:/x`` is ``gs:/x``) is refused by name. The checkpoint entry points take ``s3://`` before
+    this door (``locations.location_of``); the outputs and the other tools' files (exports, DCP folders,
+    the loops' files) are local only. A colon elsewhere (``ckpt/step:5``) is a local name; a local folder
+    whose name ends in ``:`` is reached by its absolute path.
 
     Args:
         path: the user's path.
@@ -148,14 +151,15 @@ def local_path(path: str | os.PathLike, what: str = "path") -> Path:
     scheme = url_scheme(text) or url_scheme(str(Path(text)))  # (``s3://`` alone; ``./s3:/x``, which Path folds)
     if scheme is not None:
         folded = "" if text.startswith(f"{scheme}://") else " (pathlib.Path folds a URL's '//' into '/')"
-        raise ConfigError(
-            f"{what} {text!r} is a {scheme!r} URL{folded}: object storage is not supported yet; pass a local path "
-            f"(or the bucket mounted as a file system). Refused rather than written to a local folder named "
-            f"'{scheme}:'.")
+        where = ("checkpoints are saved to and loaded from s3:// (save_checkpoint, load_checkpoint and the "
+                 "inspecting tools); this one takes a local path" if scheme == "s3"
+                 else "nxd_smp stores checkpoints on local paths and s3:// only")
+        raise ConfigError(f"{what} {text!r} is a {scheme!r} URL{folded}: {where}. Refused rather than written to a "
+                          f"local folder named '{scheme}:'.")
     return Path(text)
 
 
-class Folder:
+class Folder(Room):
     """An open directory: a descriptor and, for messages only, the path it was opened as.
 
     Every method takes names relative to it (one component, or a relative path walked one
@@ -322,6 +326,16 @@ class Folder:
             if own:
                 os.close(fd)
 
+    def stat_file(self, name: str) -> FileStat | None:
+        """``name``'s identity (device, inode), size and whether it is a regular file (a link is not: it is
+        never followed); None if nothing is there.
+
+        Raises:
+            CheckpointError: a link or a file on the way to it.
+        """
+        st = self.lstat(name)
+        return None if st is None else FileStat((st.st_dev, st.st_ino), st.st_size, stat.S_ISREG(st.st_mode))
+
     def exists(self, name: str) -> bool:
         """Whether anything (a dangling link included) is at ``name``."""
         try:
@@ -404,6 +418,9 @@ class Folder:
                 view = view[f.write(view):]
             if sync:
                 os.fsync(f.fileno())
+
+    def sync_file(self, file: BinaryIO) -> None:
+        os.fsync(file.fileno())
 
     def mkdir(self, name: str, mode: int = 0o777) -> Folder:
         """A new directory ``name`` (``mkdir(2)``: nothing planted there is reused), opened."""

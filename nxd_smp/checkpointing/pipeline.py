@@ -15,9 +15,10 @@ from typing import Any
 from ..core.errors import CheckpointError
 from ..optim.loading.run import Reader
 from ..optim.loading.staged import Request, Staged, Targets
-from .files import Folder, entry_kind
+from .files import entry_kind
+from .locations import open_store
+from .object_store import S3Path
 from .smp_format import open_version, read
-from .versions import COMPLETE_FILE, checkpoint_links, locate, unpublish, version_of
 
 
 # ---------------------------------------------------------------------------- formats
@@ -60,46 +61,45 @@ class FolderFormat(ABC):
 
 
 class SmpFormat(FolderFormat):
-    """nxd_smp's own checkpoints (``smp_format``, ``versions``): a link to a version directory, a version
-    directory, or a directory of links (its newest complete one)."""
+    """nxd_smp's own checkpoints (``smp_format``) in either store (``locations.open_store``): a checkpoint, a
+    version, or a directory (prefix) of checkpoints (its newest complete one)."""
 
     name = "nxd_smp"
 
-    def is_folder(self, path: Path) -> bool:
+    def is_folder(self, path: Path | S3Path) -> bool:
         try:
-            with Folder.open(path.parent) as root:
-                return version_of(root, path.name) is not None or root.exists(f"{path.name}/{COMPLETE_FILE}")
+            with open_store(path.parent) as store:
+                return store.is_checkpoint(path.name)
         except (OSError, CheckpointError):
             return False
 
-    def is_complete(self, path: Path) -> bool:
+    def is_complete(self, path: Path | S3Path) -> bool:
         try:
             self.locate(path)
             return True
         except (FileNotFoundError, CheckpointError):
             return False
 
-    def newest(self, directory: Path) -> Path | None:
+    def newest(self, directory: Path | S3Path) -> Path | S3Path | None:
         try:
-            with Folder.open(directory) as root:
-                return directory if checkpoint_links(root) else None
+            with open_store(directory) as store:
+                return directory if store.has_checkpoints() else None
         except (OSError, CheckpointError):
             return None
 
-    def remove(self, path: Path) -> None:
-        with Folder.open(path.parent) as root:
-            unpublish(root, path.name)
+    def remove(self, path: Path | S3Path) -> None:
+        with open_store(path.parent) as store:
+            store.remove(path.name)
 
-    def locate(self, path: Path) -> Any:
-        with Folder.open(path.parent) as root:
-            where, version = locate(root, path.name)
-            return [str(root.path), (f"{path.name}/" if where else "") + version]
+    def locate(self, path: Path | S3Path) -> Any:
+        with open_store(path.parent) as store:
+            return [str(store.where()), *store.locate(path.name)]
 
     def reader(self, location: Any, targets: Targets, *, verify: bool) -> Reader:
-        root_path, version_name = location
+        root, *located = location
 
         def read_smp(request: Request) -> Staged:
-            with Folder.open(root_path) as root, root.sub(version_name) as version:
+            with open_store(root) as store, store.open_located(located) as version:
                 return read(open_version(version), request, verify=verify)
 
         return read_smp
@@ -123,7 +123,7 @@ def format_named(name: str) -> FolderFormat:
     return next(f for f in _formats if f.name == name)
 
 
-def locate_checkpoint(path: Path) -> list:
+def locate_checkpoint(path: Path | S3Path) -> list:
     """Rank 0: which format's checkpoint ``path`` means, and where, as ``[format name, location]``: another
     tool's folder that ``path`` is, or (a directory holding no nxd_smp checkpoint) its newest complete one;
     else nxd_smp's.
@@ -133,6 +133,8 @@ def locate_checkpoint(path: Path) -> list:
         CheckpointError: nothing complete there, naming why.
     """
     own = _formats[-1]
+    if isinstance(path, S3Path):  # (other tools' folders are read from local paths only)
+        return [own.name, own.locate(path)]
     kind = entry_kind(path)
     if kind != "link":
         for folder_format in _formats[:-1]:

@@ -38,23 +38,17 @@ from ..zero1_optimizer import Zero1Optimizer
 from .files import Folder
 from .smp_format import completion_bytes, entries_to_save, small_files
 from .storage import INDEX_FILE, IO_THREADS, write_index, write_tensors
-from .versions import (
-    COMPLETE_FILE,
-    clear_folder,
-    is_link_name,
-    publish_version,
-    replaceable_folder,
-    retain,
-    version_prefix,
-)
+from .locations import open_store
+from .room import Room, Store
+from .versions import is_link_name
 from .writer import stage, start_save
 
 log = logging.getLogger("nxd_smp.checkpoint")
 
 
-def save(path: Path, model: nn.Module, optimizer: Zero1Optimizer | None, backend: Backend, *,
+def save(path: Any, model: nn.Module, optimizer: Zero1Optimizer | None, backend: Backend, *,
          objects: Mapping[str, Any], extra: Any, save_master_weights: bool, async_save: bool,
-         num_kept_ckpts: int | None, progress: bool | None) -> Path:
+         num_kept_ckpts: int | None, progress: bool | None) -> Any:
     """``save_checkpoint`` once its arguments are checked and no save of this rank is in flight:
     decide a new version, write this rank's part (now, or staged and in the background), publish.
     Returns the version directory."""
@@ -69,39 +63,34 @@ def save(path: Path, model: nn.Module, optimizer: Zero1Optimizer | None, backend
         layout["save"] = decide(backend.world_coordinator, lambda: secrets.token_hex(16))
     state, meta, copied = entries_to_save(model, optimizer, bool(save_master_weights), backend, layout)
     small: dict[str, bytes] = {}
-    root: Folder | None = None
+    store: Store | None = None
 
     def begin() -> list:
-        """Rank 0: the small files encoded, the new version made; its name and identity for all."""
-        nonlocal small, root
+        """Rank 0: the small files encoded, a new version begun; how every rank opens it."""
+        nonlocal small, store
         try:
             small, tensors = small_files(meta, extra, objects)
         except TypeError as e:
             raise TypeError(f"nothing was saved to {path}: {e}") from None
         state.update(tensors)
-        root = Folder.open(path.parent, create=True)
-        if root.exists(path.name) and not root.is_link(path.name):
-            if not replaceable_folder(root, path.name):
-                raise CheckpointError(f"{path} exists and is not an nxd_smp checkpoint link; pass a new path (or tag) or "
-                                      f"remove it.")
-            clear_folder(root, path.name)  # an empty folder made for us (or NxD's markers only): the link takes its place
-        name = f"{version_prefix(path.name)}{secrets.token_hex(6)}"
-        with root.mkdir(name) as version:
-            return [name, *version.identity()]
+        store = open_store(path.parent, create=True)
+        return store.begin(path.name)
 
     try:
-        name, *identity = decide(coordinator, begin)
+        begun = decide(coordinator, begin)
     except (CheckpointError, FileNotFoundError) as e:
+        if store is not None:
+            store.close()
         raise CheckpointError(f"nothing was saved to {path}: {e}") from None
-    opened = open_made(root, path.parent, name, identity, "version")  # (a failure: told to every rank by the write)
-    job = dict(opened=opened, path=path, name=name, identity=identity, num_kept=num_kept_ckpts)
+    opened = open_begun(store, path.parent, begun)  # (a failure: told to every rank by the write)
+    job = dict(opened=opened, path=path, begun=begun, num_kept=num_kept_ckpts)
     if not async_save:
         try:
             with phases(progress, coordinator.rank, ["write", "publish"], f"save {path.name}", log) as advance:
                 _write_and_publish(state, small, coordinator, advance=advance, **job)
         finally:
             close_opened(opened)
-        return path.parent / name
+        return path.parent / begun[0]
 
     with phases(progress, coordinator.rank, ["stage"], f"stage {path.name}", log) as advance:
         if not copied:  # the live tensors may change while they are written
@@ -119,7 +108,22 @@ def save(path: Path, model: nn.Module, optimizer: Zero1Optimizer | None, backend
             close_opened(job["opened"])
 
     start_save(str(path), work)
-    return path.parent / name
+    return path.parent / begun[0]
+
+
+def open_begun(store: Store | None, parent: Any, begun: list) -> tuple[Store, Room] | Exception:
+    """The store (``parent``, or rank 0's ``store`` already open) and the version rank 0 began in it, opened on
+    this rank and checked to be that very one (``Store.open_version``); or why not, which the ranks'
+    write-and-publish then tells every rank."""
+    try:
+        store = store or open_store(parent)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it in the write-and-publish
+        return e
+    try:
+        return store, store.open_version(begun)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it in the write-and-publish
+        store.close()
+        return e
 
 
 def open_made(root: Folder | None, parent: Path, name: str, identity: list[int], what: str
@@ -139,15 +143,16 @@ def open_made(root: Folder | None, parent: Path, name: str, identity: list[int],
         return e
 
 
-def close_opened(opened: tuple[Folder, Folder] | Exception) -> None:
-    """Close what ``open_made`` opened (nothing, if it could not). It runs after the publish too, so a
-    directory descriptor that will not close (nothing of the save's is lost with it) fails nothing."""
+def close_opened(opened: tuple[Any, Any] | Exception) -> None:
+    """Close what ``open_made`` or ``open_begun`` opened (nothing, if it could not). It runs after the publish
+    too, so a directory descriptor that will not close (nothing of the save's is lost with it) fails nothing."""
     if not isinstance(opened, BaseException):
         for folder in opened:
             try:
                 folder.close()
             except OSError:
-                folder.fd = -1
+                if isinstance(folder, Folder):
+                    folder.fd = -1
 
 
 def check_async_save(coordinator: Coordinator) -> None:
@@ -164,11 +169,11 @@ def check_async_save(coordinator: Coordinator) -> None:
 
 
 def _write_and_publish(state: Mapping[str, torch.Tensor], small: Mapping[str, bytes], coordinator: Coordinator, *,
-                       opened: tuple[Folder, Folder] | Exception, path: Path, name: str, identity: list[int],
-                       num_kept: int | None, advance: Callable[[str], None]) -> None:
-    """Every rank writes its tensors into the version it opened (``opened``: the root and the version, or why
-    it could not); then rank 0 writes the index, the small files and the completion record, swaps the link
-    and applies the retention."""
+                       opened: tuple[Store, Room] | Exception, path: Any, begun: list, num_kept: int | None,
+                       advance: Callable[[str], None]) -> None:
+    """Every rank writes its tensors into the version it opened (``opened``: the store and the version, or why
+    it could not); then rank 0 writes the index and the small files, and the store commits the version with
+    its completion record and applies the retention."""
 
     def write() -> Any:
         if isinstance(opened, BaseException):
@@ -176,7 +181,7 @@ def _write_and_publish(state: Mapping[str, torch.Tensor], small: Mapping[str, by
         return write_tensors(opened[1], f"__{coordinator.rank}_", state, threads=IO_THREADS)
 
     def publish(written: list) -> None:
-        root, version = opened
+        store, version = opened
         entries = {}
         for part_entries, _ in written:  # replicated scalars (a parameter's step) come from several ranks
             for key, entry in part_entries.items():
@@ -186,11 +191,9 @@ def _write_and_publish(state: Mapping[str, torch.Tensor], small: Mapping[str, by
         for file, data in small.items():
             version.write_bytes(file, data)
             files[file] = [len(data), zlib.crc32(data)]
-        version.write_bytes(COMPLETE_FILE, completion_bytes(files))
-        version.fsync()
-        publish_version(root, path.name, name, tuple(identity))
+        store.publish(path.name, begun, version, completion_bytes(files))
         if num_kept is not None:  # (published: the retention warns, never fails the save)
-            retain(root, num_kept, newest=path.name)
+            store.retain(num_kept, newest=path.name)
 
     write_and_publish(coordinator, write, publish, what=str(path), advance=advance)
 

@@ -26,7 +26,6 @@ this rank installs (``staged``).
 from __future__ import annotations
 
 import math
-import stat
 import time
 import zlib
 from collections.abc import Mapping
@@ -58,7 +57,7 @@ from ..optim.loading.staged import (
 from ..optim.param_groups import KERNEL_OPTIONS
 from ..optim.state_fit import describe, is_moment
 from ..zero1_optimizer import Zero1Optimizer
-from .files import Folder
+from .room import Room
 from .storage import INDEX_FILE, IO_THREADS, JSON_LIMIT, StoredTensor, crc32_of, read_index, read_tensors
 from .typed_json import decode, dtype_named, dumps, encode, loads
 from .versions import COMPLETE_FILE
@@ -246,7 +245,7 @@ class Completion:
     saved_at_ns: int | None
 
 
-def read_completion(version: Folder) -> Completion:
+def read_completion(version: Room) -> Completion:
     """The completion record of ``version``, checked to be one: its format, and per file a plain name
     with its size and CRC-32.
 
@@ -278,26 +277,26 @@ def read_completion(version: Folder) -> Completion:
     return Completion({name: (size, crc) for name, (size, crc) in files.items()}, saved_at)
 
 
-def verify_files(version: Folder, completion: Completion, checksums: bool) -> None:
+def verify_files(version: Room, completion: Completion, checksums: bool) -> None:
     """Every file the completion record lists is there, a regular file, with its size; with
     ``checksums`` also its CRC-32 (a second read of every byte: ``inspect --verify``; the loader checks
     the tensors it reads as it reads them)."""
     problems = []
     for name, (size, crc) in sorted(completion.files.items()):
-        st = version.lstat(name)
+        st = version.stat_file(name)
         if st is None:
             problems.append(f"{name} is missing")
-        elif not stat.S_ISREG(st.st_mode):
+        elif not st.regular:
             problems.append(f"{name} is not a regular file")
-        elif st.st_size != size:
-            problems.append(f"{name} is truncated or altered ({st.st_size} bytes, expected {size})")
+        elif st.size != size:
+            problems.append(f"{name} is truncated or altered ({st.size} bytes, expected {size})")
         elif checksums and crc32_of(version, name) != crc:
             problems.append(f"{name} is corrupted (CRC-32 mismatch)")
     if problems:
         raise CheckpointError(f"the checkpoint at {version.where()} is damaged: " + "; ".join(problems) + ".")
 
 
-def _listed_bytes(version: Folder, completion: Completion, name: str, limit: int) -> bytes:
+def _listed_bytes(version: Room, completion: Completion, name: str, limit: int) -> bytes:
     """A small file's bytes, those the completion record lists (size and CRC-32)."""
     if name not in completion.files:
         raise CheckpointError(f"{version.where(COMPLETE_FILE)} does not list {name}; the checkpoint is damaged.")
@@ -314,7 +313,7 @@ class Opened:
     """A version folder opened and checked as far as every reader of it needs: its completion record,
     its index, its metadata and its small files (the caller's extra, the objects' states)."""
 
-    version: Folder
+    version: Room
     completion: Completion
     index: dict[str, StoredTensor]
     meta: Meta
@@ -322,7 +321,7 @@ class Opened:
     objects: dict[str, Any]
 
 
-def open_version(version: Folder, *, verify: bool = False) -> Opened:
+def open_version(version: Room, *, verify: bool = False) -> Opened:
     """Read and check everything of ``version`` but its tensors' bytes.
 
     Raises:
@@ -374,7 +373,7 @@ def expected_entries(meta: Meta) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_entries(meta: Meta, index: Mapping[str, StoredTensor], version: Folder) -> None:
+def _check_entries(meta: Meta, index: Mapping[str, StoredTensor], version: Room) -> None:
     """Every tensor the metadata says the checkpoint holds is in the index at that shape, so what is
     read is what the metadata accounts for."""
     problems = [f"{key} ({'missing' if key not in index else f'shape {index[key].shape}, expected {shape}'})"

@@ -2,7 +2,7 @@
 
 Each rank writes the tensors it saves straight from their memory (a view of a flat shard is written
 as it is: no clone, no per-tensor pickle) into a few large files (``__<rank>_<k>.bin``, one per
-writer thread) of the version folder, created there (``files.Folder.create``), computing CRC-32 of
+writer thread) of the version folder, created there (``room.Room.create``: a local file, or an object uploaded in parts), computing CRC-32 of
 each tensor and of each file on the bytes while it writes them, then fsyncs (``write_tensors``).
 The index is a JSON file (``write_index``: per key its file, offset, length, CRC-32, dtype and shape).
 
@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import threading
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 
@@ -31,6 +30,7 @@ from ..core.errors import CheckpointError, ChecksumError
 from ..optim.loading.check import check_cast, is_shape, is_size
 from .budget import Budget
 from .files import Folder, check_name
+from .room import Room
 from .reader import first_overlap, load_bytes
 from .typed_json import dtype_named, loads
 
@@ -54,7 +54,7 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def write_tensors(folder: Folder, prefix: str, tensors: Mapping[str, torch.Tensor], *, threads: int = 2,
+def write_tensors(folder: Room, prefix: str, tensors: Mapping[str, torch.Tensor], *, threads: int = 2,
                   sync: bool = True) -> tuple[dict[str, list], dict[str, list[int]]]:
     """Write CPU ``tensors`` as raw bytes into ``threads`` new files ``<prefix><k>.bin`` of ``folder``
     (largest first, balanced by size), fsynced when ``sync``.
@@ -94,7 +94,7 @@ def write_tensors(folder: Folder, prefix: str, tensors: Mapping[str, torch.Tenso
                 mine[key] = [name, offset, len(view), crc, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
                 offset += len(view)
             if sync:
-                os.fsync(f.fileno())
+                folder.sync_file(f)
         with lock:
             entries.update(mine)
             files[name] = [offset, file_crc]
@@ -107,7 +107,7 @@ def write_tensors(folder: Folder, prefix: str, tensors: Mapping[str, torch.Tenso
     return entries, files
 
 
-def write_index(folder: Folder, entries: Mapping[str, Sequence], *, sync: bool = True) -> list[int]:
+def write_index(folder: Room, entries: Mapping[str, Sequence], *, sync: bool = True) -> list[int]:
     """The index of every rank's ``entries`` (as ``write_tensors`` returns them) as the JSON file
     ``INDEX_FILE`` of ``folder`` (``{"format", "entries": {key: [file, offset, length, crc32, dtype name,
     shape]}}``). Returns the file's ``[size, crc32]``."""
@@ -137,7 +137,7 @@ class StoredTensor:
         return n * self.dtype.itemsize
 
 
-def read_index(folder: Folder, *, data: bytes | None = None) -> dict[str, StoredTensor]:
+def read_index(folder: Room, *, data: bytes | None = None) -> dict[str, StoredTensor]:
     """Every tensor of the checkpoint in ``folder``, from its JSON index (``data``: its bytes, already
     read and checked against the completion record), each one whole tensor whose record holds exactly
     its bytes, in a regular file of the folder, no two records of a file overlapping: what a reader
@@ -173,7 +173,7 @@ def read_index(folder: Folder, *, data: bytes | None = None) -> dict[str, Stored
     return out
 
 
-def check_spans(folder: Folder, records: Iterable[tuple[str, Any, int, int]], *, source: str) -> None:
+def check_spans(folder: Room, records: Iterable[tuple[str, Any, int, int]], *, source: str) -> None:
     """Every record ``(key, file name, offset, length)`` of an index (nxd_smp's JSON, a DCP ``.metadata``)
     in a regular file of ``folder`` (no link followed), within the file's size, and no two records of one
     file overlapping: what a reader of the records allocates and reads is then bounded by the folder.
@@ -182,19 +182,19 @@ def check_spans(folder: Folder, records: Iterable[tuple[str, Any, int, int]], *,
         CheckpointError: naming ``source``, the entry and the file.
     """
     sizes: dict[str, tuple[tuple[int, int], int]] = {}
-    spans: dict[tuple[int, int], list[tuple[int, int, str]]] = {}  # by the file itself: "a" and "./a" are one
+    spans: dict[Hashable, list[tuple[int, int, str]]] = {}  # by the file itself: "a" and "./a" are one
     for key, name, offset, length in records:
         if not (is_size(offset) and is_size(length)):
             raise CheckpointError(f"{source}: entry {key!r} has the offset {offset!r} and length {length!r}; refused.")
         if name not in sizes:
             check_name(name, f"{source}: entry {key!r}")
-            st = folder.lstat(name)
+            st = folder.stat_file(name)
             if st is None:
                 raise CheckpointError(f"{source}: entry {key!r} is in {name}, which is missing.")
-            if not stat.S_ISREG(st.st_mode):
+            if not st.regular:
                 raise CheckpointError(f"{source}: entry {key!r} is in {name}, which is not a regular file (a link, a "
                                       f"FIFO, a directory); refused.")
-            sizes[name] = ((st.st_dev, st.st_ino), st.st_size)
+            sizes[name] = (st.identity, st.size)
         identity, size = sizes[name]
         if offset + length > size:
             raise CheckpointError(f"{source}: entry {key!r} claims bytes [{offset}, {offset + length}) of {name}, "
@@ -207,7 +207,7 @@ def check_spans(folder: Folder, records: Iterable[tuple[str, Any, int, int]], *,
                                   f"(each record's bytes are its own).")
 
 
-def read_tensors(folder: Folder, index: Mapping[str, StoredTensor], targets: Mapping[str, torch.Tensor], *,
+def read_tensors(folder: Room, index: Mapping[str, StoredTensor], targets: Mapping[str, torch.Tensor], *,
                  verify: bool = True, threads: int = 2) -> None:
     """Read each ``targets[key]`` (a tensor of the stored shape) from the checkpoint in ``folder``: raw
     bytes straight into it where it is a contiguous CPU tensor of the stored dtype (else through a
@@ -266,7 +266,7 @@ def _read_raw(f, key: str, stored: StoredTensor, tensor: torch.Tensor, verify: b
         raise ChecksumError(f"{key} in {stored.file} is corrupted (CRC-32 mismatch).")
 
 
-def crc32_of(folder: Folder, name: str) -> int:
+def crc32_of(folder: Room, name: str) -> int:
     """The CRC-32 of the file ``name`` of ``folder`` (a second read of every byte)."""
     crc = 0
     with folder.open_file(name) as f:

@@ -18,10 +18,10 @@ from typing import Any, Iterator
 import torch
 
 from ..core.errors import CheckpointError
-from .files import Folder, check_output, local_path, write_output_file
+from .files import check_output, write_output_file
+from .locations import location_of, open_store
 from .smp_format import FORMAT, Opened, expected_entries, master_key, model_key, open_version, state_key
 from .storage import read_tensors
-from .versions import locate
 
 
 @contextmanager
@@ -30,13 +30,11 @@ def opened(path: str | os.PathLike, *, verify: bool = False) -> Iterator[Opened]
     but for its tensors (``smp_format.open_version``), in this process only.
 
     Raises:
-        ConfigError: ``path`` is a URL (``files.local_path``).
+        ConfigError: ``path`` is a URL of another scheme than ``s3`` (``locations.location_of``).
     """
-    path = local_path(path, "the checkpoint path")
-    with Folder.open(path.parent) as root:
-        where, version = locate(root, path.name)
-        with root.sub(f"{where}/{version}" if where else version) as folder:
-            yield open_version(folder, verify=verify)
+    path = location_of(path, "the checkpoint path")
+    with open_store(path.parent) as store, store.open_located(store.locate(path.name)) as version:
+        yield open_version(version, verify=verify)
 
 
 def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
@@ -119,13 +117,13 @@ def read_whole_checkpoint(paths: str | os.PathLike | Sequence[str | os.PathLike]
     from rank 0 (replicated: the same). What the exports and ``consolidate`` read.
 
     Raises:
-        ConfigError: a path is a URL (checked for every path before any is read).
+        ConfigError: a path is a URL of another scheme than ``s3`` (checked for every path before any is read).
         CheckpointError: one coordinate's checkpoint alone; parts of different saves (their save ids
             differ), not each coordinate once in order, or whose entries do not join (other names, groups,
             state keys, or shapes that differ off the split dimension); each named.
     """
     many = not isinstance(paths, (str, os.PathLike))
-    names = [str(local_path(p, "the checkpoint path")) for p in (paths if many else [paths])]
+    names = [str(location_of(p, "the checkpoint path")) for p in (paths if many else [paths])]
     parts = [read_checkpoint(p) for p in names]
     layouts = [part["tensor_parallel"] for part in parts]
     if len(parts) == 1:

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import stat
+from pathlib import Path
 from typing import Any
 
 from ..core.errors import CheckpointError
 from .files import Folder, after_publish, replace_file
+from .room import Room, Store
 from .typed_json import loads
 
 #: The record of a directory's saves, written by the saving run itself (the module's docstring).
@@ -357,3 +360,70 @@ def locate(root: Folder, name: str) -> tuple[str, str]:
         raise CheckpointError(f"the checkpoint at {root.where(version)} is incomplete (no {COMPLETE_FILE}): its save "
                               f"was cut off. Resume from an earlier checkpoint.")
     return where, version
+
+
+# ---------------------------------------------------------------------------- the local store
+class LocalStore(Store):
+    """A directory of checkpoints on a local file system (the ``Store`` of ``room``): links swapped to
+    version directories, with the record of saves (this module's docstring)."""
+
+    def __init__(self, root: Folder):
+        self.root = root
+
+    def where(self, name: str = "") -> Path:
+        return self.root.where(name)
+
+    def begin(self, name: str) -> list:
+        root = self.root
+        if root.exists(name) and not root.is_link(name):
+            if not replaceable_folder(root, name):
+                raise CheckpointError(f"{root.where(name)} exists and is not an nxd_smp checkpoint link; pass a new path "
+                                      f"(or tag) or remove it.")
+            clear_folder(root, name)  # an empty folder made for us (or NxD's markers only): the link takes its place
+        version = f"{version_prefix(name)}{secrets.token_hex(6)}"
+        with root.mkdir(version) as made:
+            return [version, *made.identity()]
+
+    def open_version(self, begun: list) -> Folder:
+        version, *identity = begun
+        folder = self.root.sub(version)
+        if folder.identity() != tuple(identity):
+            folder.close()
+            raise CheckpointError(f"{self.root.where(version)} is not the version rank 0 made for this save (it was "
+                                  f"replaced); nothing was written into it.")
+        return folder
+
+    def publish(self, name: str, begun: list, version: Room, completion: bytes) -> None:
+        version.write_bytes(COMPLETE_FILE, completion)
+        version.fsync()
+        publish_version(self.root, name, begun[0], tuple(begun[1:]))
+
+    def retain(self, keep: int, newest: str) -> None:
+        retain(self.root, keep, newest)
+
+    def locate(self, name: str) -> list:
+        where, version = locate(self.root, name)
+        return [f"{where}/{version}" if where else version]
+
+    def open_located(self, location: list) -> Folder:
+        return self.root.sub(location[0])
+
+    def is_checkpoint(self, name: str) -> bool:
+        return version_of(self.root, name) is not None or self.root.exists(f"{name}/{COMPLETE_FILE}")
+
+    def has_checkpoints(self) -> bool:
+        return bool(checkpoint_links(self.root))
+
+    def remove(self, name: str) -> None:
+        target = self.root.readlink(name)
+        if target is not None and target.rsplit("/", 1)[-1].startswith(version_prefix(name)):
+            unpublish(self.root, name)
+        elif self.root.exists(name):
+            raise CheckpointError(f"{self.root.where(name)} is not a checkpoint (an nxd_smp checkpoint link or an NxD tag "
+                                  f"folder); nothing was removed.")
+
+    def dup(self) -> LocalStore:
+        return LocalStore(self.root.dup())
+
+    def close(self) -> None:
+        self.root.close()

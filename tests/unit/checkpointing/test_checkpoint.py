@@ -24,32 +24,13 @@ from nxd_smp import (
 )
 from nxd_smp.checkpoint import consolidate, inspect_checkpoint
 from tests.distributed import run_ranks
-from tests.checkpoint_scenario import build, params_of, train
+from tests.checkpoint_scenario import build, load_then_continue, params_of, save_then_continue, train
 from tests.oracle import assert_params_close, make_model
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
 # ---------------------------------------------------------------- across DP sizes
-def save_then_continue(rank, world_size, path, async_save=False, memory_options=False):
-    """Train 3 steps, save (in the background when ``async_save``: training goes on while
-    the checkpoint is written), train 2 more."""
-    model, opt = build(seed=0, memory_options=memory_options)
-    train(model, opt, 3, 0, rank, world_size)
-    save_checkpoint(path, model=model, optimizer=opt, extra={"step": 3}, async_save=async_save)
-    train(model, opt, 2, 3, rank, world_size)
-    finalize_checkpoint()
-    return params_of(model)
-
-
-def load_then_continue(rank, world_size, path, memory_options=False):
-    model, opt = build(seed=5, memory_options=memory_options)  # everything must come from the file
-    extra = load_checkpoint(path, model=model, optimizer=opt)
-    assert extra == {"step": 3}
-    train(model, opt, 2, extra["step"], rank, world_size)
-    return params_of(model)
-
-
 @pytest.fixture(scope="module")
 def dp2_run(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("dp2") / "ckpt")

@@ -1,0 +1,774 @@
+"""Checkpoints on object storage (``s3://bucket/prefix``, through boto3: the optional ``nxd_smp[s3]``
+extra): the ``Room`` and ``Store`` of ``room`` over S3's calls.
+
+S3 has no rename, so a version cannot be written under a temporary name and swapped in. Instead:
+
+* **Data.** Each save writes a new version under its own prefix, ``<root>/<name>/v-<id>/``: every rank
+  uploads its files there (``create``: one ``PutObject`` for a small file, a multipart upload with
+  parts in parallel for a large one; a multipart upload is invisible until completed), and rank 0
+  the index, the small files and ``COMPLETE.json``, as on local disk.
+* **The commit.** Once every rank's upload is agreed, rank 0 writes the root's next commit record,
+  ``<root>/.nxd_smp_commits/<sequence>.json`` (the *manifest*: the checkpoint's name, its version,
+  the save's id, the size and CRC-32 of its ``COMPLETE.json``, which lists every file's), with a
+  conditional ``PutObject`` (``If-None-Match: *``). The sequence is chosen when the save begins (one
+  more than the highest committed), so two jobs that save into one root at once race for the same
+  key: exactly one commits, and the other is refused, its version removed. A retried PUT whose first
+  answer was lost meets its own manifest: it is read back and recognised by the save's id.
+* **What a load trusts.** The manifests only, never a listing of data: a checkpoint's newest version is
+  the one its highest-sequence manifest names, and a root's newest checkpoint is the highest
+  sequence. There is no pointer that could lag a manifest: the commit record is the order.
+  ``COMPLETE.json`` is checked against the manifest's size and CRC-32, every file against
+  ``COMPLETE.json``, every tensor against its CRC-32 as its bytes are read (ranged GETs, in parallel).
+* **Removal and retention** delete a checkpoint's manifests (oldest first, so the name never falls
+  back to an older version), then its data. A save, once committed, removes the versions of its
+  name that the manifests no longer name (a replaced one, or one a killed save left); the next save
+  of a name aborts the multipart uploads a killed save of that name left behind (found by its
+  prefix). Other abandoned uploads are a bucket lifecycle rule's job
+  (``AbortIncompleteMultipartUpload``), which ``docs/checkpoints.md`` shows.
+* **A server without conditional writes** (it answers 200 to a second ``If-None-Match: *`` PUT of one
+  key: probed once per bucket) gets the single-writer protocol, with a warning: the manifest key is
+  checked absent, written, and read back; two jobs saving into one root at once may then both
+  believe they committed.
+
+Credentials, region and endpoint come from boto3's standard chain (``AWS_ENDPOINT_URL`` for a server
+other than AWS). Throttling, timeouts and dropped connections are retried by botocore's standard
+mode with jittered exponential backoff; a write that fails for good fails the save on every rank, and
+the previous checkpoint stays the newest.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import re
+import secrets
+import threading
+import time
+import warnings
+import zlib
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.errors import CheckpointError, ChecksumError, ConfigError
+from .files import after_publish, check_name
+from .room import FileStat, Room, Store
+from .typed_json import loads
+
+#: The boto3 release whose ``put_object`` and ``complete_multipart_upload`` take ``IfNoneMatch`` and ``IfMatch``.
+BOTO3_MIN = (1, 35, 69)
+INSTALL = "pip install 'nxd_smp[s3]'"
+#: The folder of a root's commit records (manifests), beside its checkpoints' names (which are never hidden).
+COMMITS = ".nxd_smp_commits"
+COMMIT_FORMAT = "nxd_smp.commit/1"
+COMPLETE_FILE = "COMPLETE.json"  # (``versions.COMPLETE_FILE``; the same record on disk and in a bucket)
+_SEQUENCE_DIGITS = 16
+_VERSION = re.compile(r"v-[0-9a-f]{12}")
+_SAVE_ID = re.compile(r"[0-9a-f]{32}")
+_MANIFEST_LIMIT = 1 << 20
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+#: SeaweedFS hides keys below a folder of this name from listings: a prefix never holds one.
+_HIDDEN_BY_SERVERS = (".versions",)
+_KEY_LIMIT = 900  # S3 keys hold 1024 bytes; a version's own names take the rest
+#: Bytes per uploaded part (the first thousand parts; then larger, S3 allowing 10,000 parts) and per ranged GET.
+PART_BYTES = 16 << 20
+_PARTS_IN_FLIGHT = 4  # per file being uploaded: bounds the memory an upload holds
+_TRANSFER_THREADS = 16
+_CONFLICT_RETRIES = 8  # AWS answers 409 ConditionalRequestConflict to concurrent conditional writes
+
+
+# ---------------------------------------------------------------------------- the URL
+@dataclass(frozen=True)
+class S3Path:
+    """``s3://bucket/key``: a bucket and a key of plain ``/``-separated components (``""``: the bucket)."""
+
+    bucket: str
+    key: str
+
+    @classmethod
+    def parse(cls, text: str, what: str = "path", *, bucket_alone: bool = False) -> S3Path:
+        """``s3://bucket/prefix`` (or the ``s3:/bucket/prefix`` ``pathlib`` folds it into; a trailing ``/`` is
+        dropped). ``bucket_alone``: ``s3://bucket`` too (a root of checkpoints; a user's path names a prefix).
+
+        Raises:
+            ConfigError: not a bucket name and a prefix of plain components, naming why.
+        """
+        rest = text.split(":", 1)[1].lstrip("/")
+        bucket, _, key = rest.partition("/")
+        key = key.rstrip("/")
+        if not _BUCKET.fullmatch(bucket) or ".." in bucket:
+            raise ConfigError(f"{what} {text!r} names the bucket {bucket!r}, which is not an S3 bucket name (3-63 "
+                              f"lowercase letters, digits, '.' and '-').")
+        if not key and not bucket_alone:
+            raise ConfigError(f"{what} {text!r} names a bucket only; name a prefix in it (s3://{bucket}/run1).")
+        return cls(bucket, "")._join(key, what, text) if key else cls(bucket, "")
+
+    def _join(self, key: str, what: str, text: str) -> S3Path:
+        parts = key.split("/")
+        bad = next((p for p in parts if p in ("", ".", "..") or "\0" in p or p in _HIDDEN_BY_SERVERS), None)
+        if bad is not None:
+            why = ("S3 servers hide keys below it" if bad in _HIDDEN_BY_SERVERS
+                   else "a prefix is a path of plain names")
+            raise ConfigError(f"{what} {text!r} holds the component {bad!r}; refused ({why}).")
+        joined = f"{self.key}/{key}" if self.key else key
+        if len(joined.encode()) > _KEY_LIMIT:
+            raise ConfigError(f"{what} {text!r} is too long for S3 keys (at most {_KEY_LIMIT} bytes of prefix).")
+        return S3Path(self.bucket, joined)
+
+    @property
+    def name(self) -> str:
+        return self.key.rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> S3Path:
+        return S3Path(self.bucket, self.key.rsplit("/", 1)[0] if "/" in self.key else "")
+
+    @property
+    def prefix(self) -> str:
+        """The keys below this path begin with it."""
+        return f"{self.key}/" if self.key else ""
+
+    def __truediv__(self, name: str) -> S3Path:
+        return self._join(name, "the name", name)
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.key}" if self.key else f"s3://{self.bucket}"
+
+
+# ---------------------------------------------------------------------------- the client and its errors
+_client: Any = None
+_client_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def require_boto3() -> None:
+    """Refuse S3 where boto3 is missing or too old, before anything is made.
+
+    Raises:
+        ConfigError: naming the install line.
+    """
+    try:
+        import boto3
+    except ImportError:
+        raise ConfigError(f"s3:// checkpoints need boto3, which is not installed: {INSTALL}.") from None
+    found = tuple(int(p) for p in re.findall(r"\d+", boto3.__version__)[:3])
+    if found < BOTO3_MIN:
+        raise ConfigError(f"s3:// checkpoints need boto3>={'.'.join(map(str, BOTO3_MIN))} (conditional writes); found "
+                          f"{boto3.__version__}: {INSTALL} --upgrade.")
+
+
+def s3_client() -> Any:
+    """The process's boto3 S3 client (thread-safe): boto3's standard chain for credentials, region and
+    endpoint (``AWS_ENDPOINT_URL``), botocore's standard retries (jittered exponential backoff on
+    throttling, timeouts, 5xx and dropped connections).
+
+    Raises:
+        ConfigError: boto3 is missing or older than ``BOTO3_MIN``, naming the install line.
+    """
+    global _client
+    with _client_lock:
+        if _client is None:
+            require_boto3()
+            import boto3
+            from botocore.config import Config
+
+            config = Config(retries={"mode": "standard", "max_attempts": 10}, max_pool_connections=4 * _TRANSFER_THREADS,
+                            connect_timeout=10, read_timeout=120)
+            _client = boto3.session.Session().client("s3", config=config)
+    return _client
+
+
+def _transfers() -> ThreadPoolExecutor:
+    """The threads that move parts and ranges (I/O bound: the GIL is released while they wait)."""
+    global _pool
+    with _client_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_TRANSFER_THREADS, thread_name_prefix="nxd_smp-s3")
+    return _pool
+
+
+def _code(error: Exception) -> str:
+    response = getattr(error, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return {412: "PreconditionFailed", 404: "NoSuchKey"}.get(status, code) if code in ("", str(status)) else code
+
+
+def _absent(error: Exception) -> bool:
+    return _code(error) in ("NoSuchKey", "NotFound", "404")
+
+
+def _refused_condition(error: Exception) -> bool:
+    return _code(error) == "PreconditionFailed"
+
+
+@contextmanager
+def _s3(doing: str) -> Iterator[None]:
+    """Turn boto3's errors in the block into a ``CheckpointError`` naming ``doing`` and the fix."""
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+    try:
+        yield
+    except NoCredentialsError:
+        raise CheckpointError(f"{doing} failed: boto3 found no AWS credentials (environment, ~/.aws, an instance "
+                              f"role); for a server other than AWS also set AWS_ENDPOINT_URL.") from None
+    except ClientError as e:
+        code = _code(e)
+        message = e.response.get("Error", {}).get("Message", "")
+        hint = {"NoSuchBucket": " (the bucket does not exist: create it first)",
+                "AccessDenied": " (the credentials may not do this)",
+                "InvalidAccessKeyId": " (unknown access key)", "SignatureDoesNotMatch": " (wrong secret key)"}
+        raise CheckpointError(f"{doing} failed: {code}: {message}{hint.get(code, '')}.") from None
+    except BotoCoreError as e:
+        raise CheckpointError(f"{doing} failed after botocore's retries: {e}.") from None
+
+
+def _call(operation: str, **kwargs: Any) -> Any:
+    """``client.<operation>(**kwargs)``, retried with jitter on ``ConditionalRequestConflict`` (botocore does
+    not retry it)."""
+    for attempt in range(_CONFLICT_RETRIES):
+        try:
+            return getattr(s3_client(), operation)(**kwargs)
+        except Exception as e:
+            if _code(e) != "ConditionalRequestConflict" or attempt == _CONFLICT_RETRIES - 1:
+                raise
+            time.sleep(random.uniform(0.05, 0.2) * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+def _list(bucket: str, prefix: str) -> dict[str, int]:
+    """The objects below ``prefix``: key -> size."""
+    objects: dict[str, int] = {}
+    pages = s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    with _s3(f"listing s3://{bucket}/{prefix}"):
+        for page in pages:
+            objects.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
+    return objects
+
+
+def _get(bucket: str, key: str, start: int, length: int, into: memoryview | None = None) -> bytes | None:
+    """Bytes ``[start, start + length)`` of the object ``key`` (a ranged GET), or into ``into``.
+
+    Raises:
+        ChecksumError: the object ends before them.
+    """
+    where = f"s3://{bucket}/{key}"
+    if length == 0:
+        return b"" if into is None else None
+    with _s3(f"reading {where}"):
+        body = _call("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")["Body"]
+        data = body.read()
+    if len(data) != length:
+        raise ChecksumError(f"{where}: {len(data)} bytes at {start}, expected {length} (truncated or replaced).")
+    if into is None:
+        return data
+    into[:] = data
+    return None
+
+
+def _delete(bucket: str, keys: list[str]) -> None:
+    """Remove the objects ``keys``, a thousand per call (``DeleteObjects``)."""
+    for first in range(0, len(keys), 1000):
+        batch = keys[first:first + 1000]
+        with _s3(f"removing {len(batch)} objects below s3://{bucket}/{batch[0].rsplit('/', 1)[0]}"):
+            answer = _call("delete_objects", Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+        if answer.get("Errors"):
+            error = answer["Errors"][0]
+            raise CheckpointError(f"removing s3://{bucket}/{error.get('Key')} failed: {error.get('Code')}: "
+                                  f"{error.get('Message')} ({len(answer['Errors'])} objects left).")
+
+
+# ---------------------------------------------------------------------------- reading and writing one object
+class _RangedReader(io.RawIOBase):
+    """An object opened for reading: each ``readinto`` is ranged GETs of exactly what it asks for, a large
+    one split into ``PART_BYTES`` ranges fetched in parallel."""
+
+    def __init__(self, bucket: str, key: str, size: int):
+        super().__init__()
+        self._bucket, self._key, self._size, self._pos = bucket, key, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        if base + offset < 0:
+            raise ValueError("negative seek position")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self._size - self._pos))
+        ranges = [(a, min(n, a + PART_BYTES)) for a in range(0, n, PART_BYTES)]
+        if len(ranges) == 1:
+            _get(self._bucket, self._key, self._pos, n, view[:n])
+        elif ranges:
+            start = self._pos
+            futures = [_transfers().submit(_get, self._bucket, self._key, start + a, b - a, view[a:b]) for a, b in ranges]
+            for future in futures:
+                future.result()
+        self._pos += n
+        return n
+
+
+class _Upload:
+    """A new object being written: a small one is one ``PutObject`` when it is closed; past ``PART_BYTES`` a
+    multipart upload whose parts go up in parallel as they fill (at most ``_PARTS_IN_FLIGHT`` held at once),
+    completed when the block ends and aborted if it ends by an exception (nothing of it is then visible)."""
+
+    def __init__(self, bucket: str, key: str):
+        self._bucket, self._key = bucket, key
+        self._where = f"s3://{bucket}/{key}"
+        self._pending = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[Future] = []
+        self._slots = threading.Semaphore(_PARTS_IN_FLIGHT)
+
+    def __enter__(self) -> _Upload:
+        return self
+
+    def __exit__(self, kind: type | None, *rest: object) -> None:
+        if kind is None:
+            self._finish()
+        else:
+            self._abort()
+
+    def _part_bytes(self) -> int:
+        return PART_BYTES * (1 + len(self._parts) // 1000)
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        part = self._part_bytes()
+        if self._pending:
+            take = min(part - len(self._pending), len(view))
+            self._pending += view[:take]
+            view = view[take:]
+            if len(self._pending) == part:
+                self._send(bytes(self._pending))
+                self._pending = bytearray()
+        while len(view) >= part:
+            self._send(bytes(view[:part]))
+            view = view[part:]
+            part = self._part_bytes()
+        self._pending += view
+        return n
+
+    def _send(self, data: bytes) -> None:
+        failed = next((f for f in self._parts if f.done() and f.exception() is not None), None)
+        if failed is not None:
+            failed.result()
+        if self._upload_id is None:
+            with _s3(f"starting the upload of {self._where}"):
+                self._upload_id = _call("create_multipart_upload", Bucket=self._bucket, Key=self._key)["UploadId"]
+        number = len(self._parts) + 1
+        self._slots.acquire()
+        try:
+            future = _transfers().submit(self._upload_part, number, data)
+        except BaseException:
+            self._slots.release()
+            raise
+        future.add_done_callback(lambda _: self._slots.release())
+        self._parts.append(future)
+
+    def _upload_part(self, number: int, data: bytes) -> dict[str, Any]:
+        with _s3(f"uploading part {number} of {self._where}"):
+            answer = _call("upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
+                           PartNumber=number, Body=data)
+        return {"PartNumber": number, "ETag": answer["ETag"]}
+
+    def _finish(self) -> None:
+        if self._upload_id is None:
+            with _s3(f"writing {self._where}"):
+                _call("put_object", Bucket=self._bucket, Key=self._key, Body=bytes(self._pending))
+            return
+        try:
+            if self._pending:
+                self._send(bytes(self._pending))
+            parts = [future.result() for future in self._parts]
+            with _s3(f"completing the upload of {self._where}"):
+                _call("complete_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
+                      MultipartUpload={"Parts": parts})
+        except BaseException:
+            self._abort()
+            raise
+
+    def _abort(self) -> None:
+        for future in self._parts:
+            future.cancel()
+        for future in self._parts:
+            if not future.cancelled():
+                future.exception()
+        if self._upload_id is not None:
+            try:
+                _call("abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id)
+            except Exception:  # noqa: BLE001 - the next save of this checkpoint aborts it again
+                pass
+
+
+# ---------------------------------------------------------------------------- a version's files
+class ObjectRoom(Room):
+    """The files of one version, the objects below ``path``. ``pinned``: files whose size and CRC-32 the
+    commit recorded (``COMPLETE.json``), checked when read."""
+
+    def __init__(self, path: S3Path, *, pinned: dict[str, tuple[int, int]] | None = None,
+                 listing: dict[str, int] | None = None):
+        self.path = path
+        self._pinned = dict(pinned or {})
+        self._listing = listing
+
+    def where(self, name: str = "") -> str:
+        return f"{self.path}/{name}" if name else str(self.path)
+
+    def _key(self, name: str, source: str | None = None) -> str:
+        check_name(name, source or self.where())
+        return f"{self.path.key}/{name}"
+
+    def _sizes(self) -> dict[str, int]:
+        """The version's objects (name -> size), listed once: a committed version never changes."""
+        if self._listing is None:
+            objects = _list(self.path.bucket, self.path.prefix)
+            self._listing = {key[len(self.path.prefix):]: size for key, size in objects.items()}
+        return self._listing
+
+    def stat_file(self, name: str) -> FileStat | None:
+        self._key(name)
+        size = self._sizes().get(name)
+        return None if size is None else FileStat(name, size, True)
+
+    def tree_size(self) -> int:
+        return sum(self._sizes().values())
+
+    def exists(self, name: str) -> bool:
+        try:
+            return self.stat_file(name) is not None
+        except CheckpointError:
+            return False
+
+    def _stat(self, name: str, source: str | None) -> FileStat:
+        key = self._key(name, source)
+        found = self.stat_file(name)
+        if found is None:
+            raise CheckpointError(f"s3://{self.path.bucket}/{key} is missing" + (f" (named by {source})" if source else "")
+                                  + ".")
+        return found
+
+    def open_file(self, name: str, *, source: str | None = None) -> _RangedReader:
+        return _RangedReader(self.path.bucket, self._key(name, source), self._stat(name, source).size)
+
+    def read_bytes(self, name: str, *, limit: int, source: str | None = None) -> bytes:
+        size = self._stat(name, source).size
+        if size > limit:
+            raise CheckpointError(f"{self.where(name)} holds {size} bytes, more than the {limit} such a file may; refused.")
+        data = _get(self.path.bucket, self._key(name), 0, size)
+        if name in self._pinned and (len(data), zlib.crc32(data)) != self._pinned[name]:
+            raise CheckpointError(f"{self.where(name)} is not the file its commit record names (size or CRC-32 differ): "
+                                  f"altered after the save; refused.")
+        return data
+
+    def create(self, name: str) -> _Upload:
+        return _Upload(self.path.bucket, self._key(name))
+
+    def sync_file(self, file: Any) -> None:
+        """Nothing: an object is durable once its upload completes."""
+
+    def write_bytes(self, name: str, data: bytes | memoryview, *, sync: bool = True) -> None:
+        with self.create(name) as upload:
+            upload.write(data)
+
+    def fsync(self) -> None:
+        """Nothing: S3 has no names to make durable."""
+
+    def dup(self) -> ObjectRoom:
+        return ObjectRoom(self.path, pinned=self._pinned, listing=self._listing)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+# ---------------------------------------------------------------------------- the commit records
+@dataclass(frozen=True)
+class Manifest:
+    """One commit record: the checkpoint ``name``'s version ``version`` (below ``<root>/<name>/``), committed
+    as the root's ``sequence``-th save by the save ``save``; ``complete``: its ``COMPLETE.json``'s size
+    and CRC-32."""
+
+    sequence: int
+    name: str
+    version: str
+    save: str
+    complete: tuple[int, int]
+
+
+def _manifest_bytes(manifest: Manifest) -> bytes:
+    return json.dumps({"format": COMMIT_FORMAT, "sequence": manifest.sequence, "name": manifest.name,
+                       "version": manifest.version, "save": manifest.save,
+                       "complete": list(manifest.complete)}).encode()
+
+
+def _parse_manifest(data: bytes, sequence: int, source: str) -> Manifest:
+    from .versions import is_link_name
+
+    value = loads(data, source)
+    fields = {"format", "sequence", "name", "version", "save", "complete"}
+    complete = value.get("complete") if isinstance(value, dict) else None
+    if not (isinstance(value, dict) and set(value) == fields and value["format"] == COMMIT_FORMAT
+            and value["sequence"] == sequence and not isinstance(value["sequence"], bool)
+            and is_link_name(value["name"]) and isinstance(value["version"], str)
+            and _VERSION.fullmatch(value["version"]) and isinstance(value["save"], str)
+            and _SAVE_ID.fullmatch(value["save"]) and isinstance(complete, list) and len(complete) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63 for v in complete)):
+        raise CheckpointError(f"{source} is not a commit record nxd_smp writes ({{'format': {COMMIT_FORMAT!r}, "
+                              f"'sequence', 'name', 'version', 'save', 'complete'}}, its sequence the key's); it is "
+                              f"damaged or crafted and not trusted. Remove it to load the others.")
+    return Manifest(sequence, value["name"], value["version"], value["save"], (complete[0], complete[1]))
+
+
+_conditional_writes: dict[tuple[str, str], bool] = {}
+
+
+class ObjectStore(Store):
+    """The checkpoints below an S3 prefix (the module's docstring)."""
+
+    def __init__(self, root: S3Path):
+        s3_client()  # (a missing extra is refused before anything else)
+        self.root = root
+
+    def where(self, name: str = "") -> str:
+        return str(self.root / name) if name else str(self.root)
+
+    @property
+    def _bucket(self) -> str:
+        return self.root.bucket
+
+    def _commit_key(self, sequence: int) -> str:
+        return f"{self.root.prefix}{COMMITS}/{sequence:0{_SEQUENCE_DIGITS}d}.json"
+
+    def _sequences(self) -> list[int]:
+        """The sequences committed, oldest first (a listing of the commit records; nothing else counts)."""
+        objects = _list(self._bucket, f"{self.root.prefix}{COMMITS}/")
+        found = []
+        for key in objects:
+            name = key.rsplit("/", 1)[-1]
+            if re.fullmatch(rf"\d{{{_SEQUENCE_DIGITS}}}\.json", name):
+                found.append(int(name[:_SEQUENCE_DIGITS]))
+        return sorted(found)
+
+    def _manifest(self, sequence: int) -> Manifest | None:
+        key = self._commit_key(sequence)
+        try:
+            with _s3(f"reading s3://{self._bucket}/{key}"):
+                try:
+                    answer = _call("get_object", Bucket=self._bucket, Key=key, Range=f"bytes=0-{_MANIFEST_LIMIT}")
+                except Exception as e:
+                    if _absent(e):
+                        return None  # (removed since the listing)
+                    raise
+                data = answer["Body"].read()
+        except CheckpointError:
+            raise
+        if len(data) > _MANIFEST_LIMIT:
+            raise CheckpointError(f"s3://{self._bucket}/{key} is larger than a commit record may be; refused.")
+        return _parse_manifest(data, sequence, f"s3://{self._bucket}/{key}")
+
+    def manifests(self) -> list[Manifest]:
+        """Every commit record of the root, oldest first."""
+        return [m for m in (self._manifest(s) for s in self._sequences()) if m is not None]
+
+    def _versions_of(self, name: str) -> tuple[list[str], list[str]]:
+        """(the version folders below ``<root>/<name>/`` that hold objects, the other objects there), from one
+        listing of its objects (not of its folders: a server may list a folder it emptied)."""
+        below = (self.root / name).prefix
+        objects = _list(self._bucket, below)
+        versions: set[str] = set()
+        other = []
+        for key in objects:
+            first, _, rest = key[len(below):].partition("/")
+            if _VERSION.fullmatch(first) and rest:
+                versions.add(f"{below}{first}/")
+            else:
+                other.append(key)
+        return sorted(versions), other
+
+    # ------------------------------------------------------------------ saving
+    def begin(self, name: str) -> list:
+        versions, other = self._versions_of(name)
+        if other:
+            raise CheckpointError(f"{self.where(name)} holds objects that are not nxd_smp versions (the first: "
+                                  f"s3://{self._bucket}/{other[0]}); pass a new path (or tag) or remove them.")
+        self._probe()
+        sequence = max(self._sequences(), default=0) + 1
+        self._abort_uploads(name)
+        return [f"{name}/v-{secrets.token_hex(6)}", sequence, secrets.token_hex(16)]
+
+    def _abort_uploads(self, name: str) -> None:
+        """Abort the multipart uploads a killed save of ``name`` left (its prefix's own only)."""
+        prefix = (self.root / name).prefix
+        with after_publish(f"aborting the uploads left below {self.where(name)} by a save cut off",
+                           "a lifecycle rule (AbortIncompleteMultipartUpload) removes them"):
+            with _s3(f"listing the uploads below {self.where(name)}"):
+                pages = s3_client().get_paginator("list_multipart_uploads").paginate(Bucket=self._bucket, Prefix=prefix)
+                uploads = [(u["Key"], u["UploadId"]) for page in pages for u in page.get("Uploads", [])]
+            for key, upload_id in uploads:
+                with _s3(f"aborting the upload of s3://{self._bucket}/{key}"):
+                    _call("abort_multipart_upload", Bucket=self._bucket, Key=key, UploadId=upload_id)
+
+    def _probe(self) -> None:
+        """Whether the server honours ``If-None-Match: *`` (once per bucket): PUT one key twice."""
+        found = (getattr(s3_client().meta, "endpoint_url", ""), self._bucket)
+        if found in _conditional_writes:
+            return
+        key = f"{self.root.prefix}{COMMITS}/probe-{secrets.token_hex(8)}"
+        with _s3(f"probing s3://{self._bucket} for conditional writes"):
+            _call("put_object", Bucket=self._bucket, Key=key, Body=b"", IfNoneMatch="*")
+            try:
+                _call("put_object", Bucket=self._bucket, Key=key, Body=b"", IfNoneMatch="*")
+                honoured = False
+            except Exception as e:
+                if not _refused_condition(e):
+                    raise
+                honoured = True
+            _call("delete_object", Bucket=self._bucket, Key=key)
+        if not honoured:
+            warnings.warn(f"nxd_smp: the S3 server of s3://{self._bucket} ignores conditional writes (If-None-Match); "
+                          f"checkpoints are committed with the single-writer protocol (checked, written, read back), "
+                          f"which cannot tell two jobs saving into one prefix at the same moment apart.", stacklevel=2)
+        _conditional_writes[found] = honoured
+
+    def open_version(self, begun: list) -> ObjectRoom:
+        return ObjectRoom(self.root / begun[0])
+
+    def publish(self, name: str, begun: list, version: Room, completion: bytes) -> None:
+        path, sequence, save = begun
+        version.write_bytes(COMPLETE_FILE, completion)
+        manifest = Manifest(sequence, name, path.rsplit("/", 1)[-1], save, (len(completion), zlib.crc32(completion)))
+        try:
+            self._commit(manifest)
+        except CheckpointError:
+            with after_publish(f"removing the version {self.where(path)} that was not committed", "remove it by hand"):
+                self._remove_versions([f"{(self.root / path).prefix}"])
+            raise
+        # committed: from here on nothing fails the save
+        with after_publish(f"removing the versions of {self.where(name)} that its commit replaced",
+                           "they are left in place (remove them by hand)"):
+            self._remove_replaced(name, manifest)
+
+    def _commit(self, manifest: Manifest) -> None:
+        key = self._commit_key(manifest.sequence)
+        where = f"s3://{self._bucket}/{key}"
+        body = _manifest_bytes(manifest)
+        conditional = _conditional_writes.get((getattr(s3_client().meta, "endpoint_url", ""), self._bucket), True)
+        with _s3(f"committing {self.where(manifest.name)} ({where})"):
+            if not conditional and self._manifest(manifest.sequence) is not None:
+                raise self._lost(manifest)
+            try:
+                _call("put_object", Bucket=self._bucket, Key=key, Body=body,
+                      **({"IfNoneMatch": "*"} if conditional else {}))
+            except Exception as e:
+                if not _refused_condition(e):
+                    raise
+        found = self._manifest(manifest.sequence)  # (ours, also where a retried PUT met its own first write)
+        if found is None or found.save != manifest.save:
+            raise self._lost(manifest)
+
+    def _lost(self, manifest: Manifest) -> CheckpointError:
+        return CheckpointError(
+            f"another job committed a checkpoint to {self.where()} while this save of {manifest.name} was being "
+            f"written (both took the commit record {manifest.sequence}); this save was not committed and its version "
+            f"is removed. One job saves into a prefix at a time: give each job its own.")
+
+    def _remove_replaced(self, name: str, manifest: Manifest) -> None:
+        """After ``manifest``'s commit: the older commit records of ``name`` (oldest first), then every version of
+        ``name`` that no commit record names (replaced, or left by a save cut off)."""
+        manifests = self.manifests()
+        for old in manifests:
+            if old.name == name and old.sequence < manifest.sequence:
+                self._delete_manifest(old)
+        named = {m.version for m in manifests if m.name == name and m.sequence >= manifest.sequence}
+        versions, _ = self._versions_of(name)
+        self._remove_versions([v for v in versions if v.rstrip("/").rsplit("/", 1)[-1] not in named])
+
+    def _delete_manifest(self, manifest: Manifest) -> None:
+        with _s3(f"removing the commit record {manifest.sequence} of {self.where()}"):
+            _call("delete_object", Bucket=self._bucket, Key=self._commit_key(manifest.sequence))
+
+    def _remove_versions(self, prefixes: list[str]) -> None:
+        """Remove every object below each version folder in ``prefixes`` (keys ending in ``/``)."""
+        for prefix in prefixes:
+            objects = _list(self._bucket, prefix)
+            if objects:
+                _delete(self._bucket, sorted(objects))
+
+    def retain(self, keep: int, newest: str) -> None:
+        with after_publish(f"the retention in {self.where()} (num_kept_ckpts={keep})"):
+            manifests = self.manifests()
+            last = {m.name: m.sequence for m in manifests}  # (the newest commit of each name)
+            names = sorted(last, key=last.get)
+            for name in names[:max(0, len(names) - keep)]:
+                if name != newest:
+                    with after_publish(f"removing the checkpoint {self.where(name)} (num_kept_ckpts={keep})",
+                                       "it is left in place (remove it by hand)"):
+                        self._remove_name(name, [m for m in manifests if m.name == name])
+
+    def _remove_name(self, name: str, manifests: list[Manifest]) -> None:
+        for manifest in sorted(manifests, key=lambda m: m.sequence):  # (the newest last: no older one comes back)
+            self._delete_manifest(manifest)
+        versions, _ = self._versions_of(name)
+        self._remove_versions(versions)
+
+    # ------------------------------------------------------------------ loading
+    def locate(self, name: str) -> list:
+        manifests = [m for m in self.manifests() if m.name == name]
+        if manifests:
+            return self._location(f"{name}/{manifests[-1].version}", manifests[-1])
+        inner = ObjectStore(self.root / name)
+        found = inner.manifests()
+        if found:
+            return self._location(f"{name}/{found[-1].name}/{found[-1].version}", found[-1])
+        versions, other = self._versions_of(name)
+        if versions:
+            raise CheckpointError(f"no complete checkpoint at {self.where(name)}: its saves were cut off before their "
+                                  f"commit (no commit record in {self.where()}/{COMMITS} names it). Resume from an earlier "
+                                  f"checkpoint.")
+        if other:
+            raise CheckpointError(f"{self.where(name)} holds objects but no nxd_smp checkpoint (the first: "
+                                  f"s3://{self._bucket}/{other[0]}).")
+        raise FileNotFoundError(f"no checkpoint at {self.where(name)}: nothing is stored there.")
+
+    @staticmethod
+    def _location(path: str, manifest: Manifest) -> list:
+        return [path, *manifest.complete]
+
+    def open_located(self, location: list) -> ObjectRoom:
+        path, size, crc = location
+        return ObjectRoom(self.root / path, pinned={COMPLETE_FILE: (size, crc)})
+
+    def is_checkpoint(self, name: str) -> bool:
+        return any(m.name == name for m in self.manifests()) or bool(self._versions_of(name)[0])
+
+    def has_checkpoints(self) -> bool:
+        return bool(self._sequences())
+
+    def remove(self, name: str) -> None:
+        manifests = [m for m in self.manifests() if m.name == name]
+        versions, other = self._versions_of(name)
+        if not manifests and other:
+            raise CheckpointError(f"{self.where(name)} is not an nxd_smp checkpoint (it holds other objects); nothing "
+                                  f"was removed.")
+        self._remove_name(name, manifests)
+
+    def dup(self) -> ObjectStore:
+        return ObjectStore(self.root)
+
+    def close(self) -> None:
+        """Nothing to release."""

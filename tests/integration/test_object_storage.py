@@ -1,0 +1,318 @@
+"""Checkpoints on object storage, against a real S3 server (SeaweedFS, ``tests/s3_server.py``) started for
+this module: NxD's call shapes with ``s3://``, a round trip at DP 1 and 2 resumed at DP 3 against the run
+that was never interrupted, a save killed mid-upload, two jobs racing for one commit, retention, the
+server stopped and restarted mid-save, and the commit protocol's own cases, each checked from outside by
+listing the bucket (what a load can see)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nxd_smp import ConfigError, has_checkpoint, load_checkpoint, save_checkpoint
+from nxd_smp.checkpoint import consolidate, inspect_checkpoint, remove_checkpoint
+from nxd_smp.checkpointing import object_store
+from nxd_smp.checkpointing.locations import open_store
+from nxd_smp.checkpointing.object_store import COMMITS, S3Path
+from nxd_smp.core.errors import CheckpointError
+from tests.checkpoint_scenario import build, load_then_continue, params_of, save_then_continue, train
+from tests.distributed import run_ranks
+from tests.oracle import assert_params_close
+from tests.s3_server import S3Server
+
+ROOT = Path(__file__).resolve().parents[2]
+BUCKET = "ckpt"
+
+pytestmark = pytest.mark.filterwarnings("ignore:the loaded state has no master weights")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The server, reached through boto3's standard chain (``AWS_ENDPOINT_URL``) by this process and its
+    children; a fresh data folder for this module."""
+    server = S3Server(tmp_path_factory.mktemp("s3") / "data")
+    server.start()
+    server.client().create_bucket(Bucket=BUCKET)
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in server.env.items():
+            patch.setenv(key, value)
+        object_store._client = None  # (made again from this environment)
+        object_store._conditional_writes.clear()
+        yield server
+        object_store._client = None
+    server.stop()
+
+
+@pytest.fixture
+def prefix(request, server):
+    """A prefix of its own for each test: ``s3://ckpt/<test name>``."""
+    return f"s3://{BUCKET}/{re.sub(r'[^a-z0-9]+', '-', request.node.name.lower()).strip('-')[:60]}"
+
+
+def commits(server, prefix: str) -> list[str]:
+    key = prefix.removeprefix(f"s3://{BUCKET}/")
+    return [k.rsplit("/", 1)[-1] for k in server.keys(BUCKET, f"{key}/{COMMITS}/")]
+
+
+def keys(server, prefix: str) -> list[str]:
+    return server.keys(BUCKET, prefix.removeprefix(f"s3://{BUCKET}/") + "/")
+
+
+def assert_same_params(a, b):
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "parameters differ"
+
+
+# ---------------------------------------------------------------------------- round trips
+def test_nxd_call_shapes_round_trip_bit_exact_at_dp1(server, prefix):
+    uninterrupted = save_then_continue(0, 1, f"{prefix}/ckpt")
+    assert has_checkpoint(f"{prefix}/ckpt") and has_checkpoint(prefix) and not has_checkpoint(f"{prefix}/other")
+    assert_same_params(load_then_continue(0, 1, f"{prefix}/ckpt"), uninterrupted)
+    # NxD's shape: a directory of tags, the newest loaded, user content back
+    model, opt = build(seed=0)
+    train(model, opt, 3, 0)
+    save_checkpoint(prefix, "step_3", model, opt, user_content={"step": 3}, num_kept_ckpts=-1)
+    other, other_opt = build(seed=7)
+    assert load_checkpoint(prefix, model=other, optimizer=other_opt) == {"step": 3}
+    assert_same_params(params_of(other), params_of(model))
+    for mine, theirs in zip(opt.master_shards, other_opt.master_shards):
+        assert torch.equal(mine, theirs)
+        saved, loaded = opt.inner_optimizer.state[mine], other_opt.inner_optimizer.state[theirs]
+        assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+
+
+def test_saved_at_dp2_resumes_at_dp3_as_the_run_that_was_never_interrupted(server, prefix):
+    uninterrupted = run_ranks(2, save_then_continue, f"{prefix}/ckpt")
+    assert_same_params(run_ranks(2, load_then_continue, f"{prefix}/ckpt")[1], uninterrupted[1])
+    assert_params_close(run_ranks(3, load_then_continue, f"{prefix}/ckpt")[0], uninterrupted[0],
+                        max_ulp=2, max_flip_fraction=0.05)
+    # each rank uploaded its own files into the one version
+    files = {k.rsplit("/", 1)[-1] for k in keys(server, f"{prefix}/ckpt")}
+    assert {"__0_0.bin", "__1_0.bin", "COMPLETE.json", "nxd_smp_index.json"} <= files
+
+
+def test_a_background_save_uploads_while_training_goes_on(server, prefix):
+    uninterrupted = save_then_continue(0, 1, f"{prefix}/ckpt", True)
+    assert_same_params(load_then_continue(0, 1, f"{prefix}/ckpt"), uninterrupted)
+
+
+def test_the_offline_tools_read_from_s3(server, prefix, tmp_path):
+    model, opt = build(seed=0)
+    train(model, opt, 1, 0)
+    save_checkpoint(f"{prefix}/ckpt", model=model, optimizer=opt)
+    assert inspect_checkpoint(prefix)["optimizer"]["dp_size_written_at"] == 1
+    consolidate(f"{prefix}/ckpt", tmp_path / "plain.pt")
+    plain = torch.load(tmp_path / "plain.pt", weights_only=True)
+    assert all(torch.equal(plain["model"][k], v) for k, v in model.state_dict().items())
+    out = subprocess.run([sys.executable, "-m", "nxd_smp", "inspect", f"{prefix}/ckpt", "--verify"],
+                         capture_output=True, text=True, cwd=ROOT, env=os.environ.copy())
+    assert out.returncode == 0 and f"{prefix}/ckpt/v-" in out.stdout, out.stderr
+
+
+# ---------------------------------------------------------------------------- the commit
+def test_retention_keeps_the_newest_and_removes_the_others_data(server, prefix):
+    model, opt = build(seed=0)
+    for step in range(1, 5):
+        train(model, opt, 1, step)
+        save_checkpoint(prefix, f"step_{step}", model, opt, user_content={"step": step}, num_kept_ckpts=2)
+    save_checkpoint(prefix, "step_4", model, opt, user_content={"step": 44}, num_kept_ckpts=2)  # the same tag again
+    names = {k.split("/")[1] for k in keys(server, prefix) if f"/{COMMITS}/" not in k}
+    assert names == {"step_3", "step_4"}
+    assert len(commits(server, prefix)) == 2
+    assert len({k.split("/")[2] for k in keys(server, f"{prefix}/step_4")}) == 1  # the replaced version is gone
+    other, other_opt = build(seed=3)
+    assert load_checkpoint(prefix, model=other, optimizer=other_opt) == {"step": 44}
+    assert load_checkpoint(prefix, "step_3", model=other, optimizer=other_opt) == {"step": 3}
+    remove_checkpoint(f"{prefix}/step_3")
+    assert not keys(server, f"{prefix}/step_3") and len(commits(server, prefix)) == 1
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(prefix, "step_3", model=other, optimizer=other_opt)
+
+
+def test_two_jobs_racing_for_one_commit_one_wins_the_other_is_refused(server, prefix):
+    """Job A begins a save; job B begins after it and commits first: both took the same commit record, so
+    A's commit is refused and its version removed; B's checkpoint is the one a load finds."""
+    model, opt = build(seed=0)
+    train(model, opt, 1, 0)
+    store = open_store(S3Path.parse(prefix))
+    begun = store.begin("ckpt")
+    version = store.open_version(begun)
+    version.write_bytes("__0_0.bin", b"job A's bytes")
+    save_checkpoint(f"{prefix}/ckpt", model=model, optimizer=opt, extra={"job": "B"})
+    with pytest.raises(CheckpointError, match="another job committed"):
+        store.publish("ckpt", begun, version, b"{}")
+    assert not keys(server, f"{prefix}/{begun[0]}")
+    other, other_opt = build(seed=3)
+    assert load_checkpoint(f"{prefix}/ckpt", model=other, optimizer=other_opt) == {"job": "B"}
+    assert len(commits(server, prefix)) == 1
+
+
+def test_a_retried_commit_that_meets_its_own_first_write_succeeds(server, prefix):
+    """botocore resends a PUT whose answer was lost; the resend meets the condition its first write set."""
+    store = open_store(S3Path.parse(prefix))
+    begun = store.begin("ckpt")
+    version = store.open_version(begun)
+    manifest = object_store.Manifest(begun[1], "ckpt", begun[0].split("/")[1], begun[2], (2, 0))
+    store._commit(manifest)
+    store._commit(manifest)  # the resend: 412, then recognised by its save id
+    assert commits(server, prefix) == [f"{begun[1]:016d}.json"]
+    assert version is not None
+
+
+def test_without_conditional_writes_the_single_writer_protocol_commits_and_still_refuses_a_taken_record(
+        server, prefix, monkeypatch):
+    endpoint = (object_store.s3_client().meta.endpoint_url, BUCKET)
+    monkeypatch.setitem(object_store._conditional_writes, endpoint, False)
+    model, opt = build(seed=0)
+    store = open_store(S3Path.parse(prefix))
+    begun = store.begin("ckpt")
+    save_checkpoint(f"{prefix}/ckpt", model=model, optimizer=opt, extra={"job": "B"})
+    with pytest.raises(CheckpointError, match="another job committed"):
+        store.publish("ckpt", begun, store.open_version(begun), b"{}")
+    other, other_opt = build(seed=3)
+    assert load_checkpoint(f"{prefix}/ckpt", model=other, optimizer=other_opt) == {"job": "B"}
+
+
+def test_a_manifest_or_completion_record_altered_after_the_save_is_refused(server, prefix):
+    model, opt = build(seed=0)
+    save_checkpoint(f"{prefix}/ckpt", model=model, optimizer=opt)
+    client = server.client()
+    complete = next(k for k in keys(server, f"{prefix}/ckpt") if k.endswith("COMPLETE.json"))
+    body = client.get_object(Bucket=BUCKET, Key=complete)["Body"].read()
+    client.put_object(Bucket=BUCKET, Key=complete, Body=body.replace(b'"files"', b'"files" '))
+    other, other_opt = build(seed=3)
+    with pytest.raises(CheckpointError, match="not the file its commit record names"):
+        load_checkpoint(f"{prefix}/ckpt", model=other, optimizer=other_opt)
+    (commit,) = commits(server, prefix)
+    key = f"{prefix.removeprefix(f's3://{BUCKET}/')}/{COMMITS}/{commit}"
+    client.put_object(Bucket=BUCKET, Key=key, Body=b'{"format": "nxd_smp.commit/1", "name": "../x"}')
+    with pytest.raises(CheckpointError, match="not a commit record nxd_smp writes"):
+        load_checkpoint(f"{prefix}/ckpt", model=other, optimizer=other_opt)
+
+
+# ---------------------------------------------------------------------------- kills and outages
+KILLED_SAVER = textwrap.dedent("""
+    import sys, torch, torch.nn as nn
+    import nxd_smp
+    prefix = sys.argv[1]
+    model = nn.Sequential(nn.Linear(8, 8))
+    opt = nxd_smp.Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    nxd_smp.save_checkpoint(prefix, "small", model=model, optimizer=opt, user_content={"which": "small"})
+    big = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 2048))  # ~100 MB with AdamW's state: multipart
+    big_opt = nxd_smp.Zero1Optimizer(big.parameters(), torch.optim.AdamW, lr=1e-3)
+    print("small saved", flush=True)
+    nxd_smp.save_checkpoint(prefix, "big", model=big, optimizer=big_opt, user_content={"which": "big"})
+    print("big saved", flush=True)
+""")
+
+
+def test_a_save_killed_mid_upload_leaves_the_previous_checkpoint_and_no_partial_one(server, prefix, tmp_path):
+    script = tmp_path / "saver.py"
+    script.write_text(KILLED_SAVER)
+    child = subprocess.Popen([sys.executable, str(script), prefix], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                             env=os.environ.copy())
+    assert child.stdout.readline().strip() == "small saved"
+    big = prefix.removeprefix(f"s3://{BUCKET}/") + "/big/"
+    deadline = time.monotonic() + 120
+    while not server.uploads(BUCKET, big):  # a multipart upload of the big save is under way
+        assert child.poll() is None and time.monotonic() < deadline, "the save ended before an upload was seen"
+        time.sleep(0.02)
+    child.kill()
+    child.wait()
+    # from outside: the small checkpoint is the only commit; the big one's parts are invisible
+    assert len(commits(server, prefix)) == 1
+    assert server.uploads(BUCKET, big)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    import nxd_smp
+
+    opt = nxd_smp.Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    assert load_checkpoint(prefix, model=model, optimizer=opt) == {"which": "small"}
+    assert has_checkpoint(prefix) and not has_checkpoint(f"{prefix}/big")
+    with pytest.raises(CheckpointError, match="cut off before their commit") if keys(server, f"{prefix}/big") \
+            else pytest.raises(FileNotFoundError):
+        load_checkpoint(f"{prefix}/big", model=model, optimizer=opt)
+    # saving the tag again works, aborts the killed save's uploads and removes what it left
+    save_checkpoint(prefix, "big", model=model, optimizer=opt, user_content={"which": "again"})
+    assert not server.uploads(BUCKET, big)
+    assert len({k.split("/")[2] for k in keys(server, f"{prefix}/big")}) == 1
+    assert load_checkpoint(prefix, model=model, optimizer=opt) == {"which": "again"}
+
+
+def test_the_server_restarting_mid_save_is_retried_or_a_clear_error_never_half_a_version(server, prefix):
+    model, opt = build(seed=0)
+    save_checkpoint(prefix, "before", model=model, optimizer=opt, user_content={"which": "before"})
+    big = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+    import nxd_smp
+
+    big_opt = nxd_smp.Zero1Optimizer(big.parameters(), torch.optim.AdamW, lr=1e-3)
+    outcome = {}
+
+    def save():
+        try:
+            save_checkpoint(prefix, "during", model=big, optimizer=big_opt, user_content={"which": "during"})
+            outcome["saved"] = True
+        except CheckpointError as e:
+            outcome["error"] = str(e)
+
+    saving = threading.Thread(target=save)
+    saving.start()
+    time.sleep(0.3)
+    server.kill()
+    time.sleep(2)
+    server.start()
+    saving.join(timeout=400)
+    assert not saving.is_alive()
+    listed = commits(server, prefix)
+    fresh, fresh_opt = build(seed=3)
+    if outcome.get("saved"):
+        assert len(listed) == 2
+        loaded = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+        loaded_opt = nxd_smp.Zero1Optimizer(loaded.parameters(), torch.optim.AdamW, lr=1e-3)
+        assert load_checkpoint(prefix, model=loaded, optimizer=loaded_opt) == {"which": "during"}
+        assert_same_params(params_of(loaded), params_of(big))
+    else:
+        assert "failed" in outcome["error"] and len(listed) == 1
+        assert load_checkpoint(prefix, model=fresh, optimizer=fresh_opt) == {"which": "before"}
+
+
+# ---------------------------------------------------------------------------- the doors
+def test_an_s3_path_without_boto3_is_refused_with_the_install_line(monkeypatch, tmp_path):
+    monkeypatch.setattr(object_store, "_client", None)
+    monkeypatch.setitem(sys.modules, "boto3", None)
+    model, opt = build(seed=0)
+    with pytest.raises(ConfigError, match=re.escape("pip install 'nxd_smp[s3]'")):
+        save_checkpoint("s3://bucket/run1", model=model, optimizer=opt)
+
+
+@pytest.mark.parametrize("url, why", [
+    ("s3://bucket", "names a bucket only"), ("s3://B_ad/x", "not an S3 bucket name"),
+    ("s3://bucket/a/../b", "'..'"), ("s3://bucket/a//b", "''"), ("s3://bucket/x/.versions/y", "hide"),
+])
+def test_an_s3_url_that_names_no_prefix_of_plain_names_is_refused(url, why):
+    model, opt = build(seed=0)
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        save_checkpoint(url, model=model, optimizer=opt)
+
+
+def test_state_dicts_to_s3_are_refused_naming_the_call_shape_that_works():
+    model, opt = build(seed=0)
+    with pytest.raises(ConfigError, match="pass the model and the optimizer themselves"):
+        save_checkpoint("s3://bucket/run1", "step_1", model=model.state_dict(), optimizer=opt.state_dict())
+
+
+def test_saving_over_objects_that_are_not_a_checkpoint_is_refused(server, prefix):
+    server.client().put_object(Bucket=BUCKET, Key=f"{prefix.removeprefix(f's3://{BUCKET}/')}/ckpt/notes.txt", Body=b"x")
+    model, opt = build(seed=0)
+    with pytest.raises(CheckpointError, match="not nxd_smp versions"):
+        save_checkpoint(f"{prefix}/ckpt", model=model, optimizer=opt)
+    with pytest.raises(CheckpointError, match="not an nxd_smp checkpoint"):
+        remove_checkpoint(f"{prefix}/ckpt")
+    assert keys(server, f"{prefix}/ckpt") == [f"{prefix.removeprefix(f's3://{BUCKET}/')}/ckpt/notes.txt"]
