@@ -36,7 +36,7 @@ from .backend import Backend, select_backend, this_replica
 from .backend.agreement import decide
 from .checkpointing.files import Folder, entry_kind
 from .checkpointing.locations import location_of, open_store
-from .checkpointing.object_store import S3Path
+from .checkpointing.object_store import NotCommitted, S3Path
 from .checkpointing.pipeline import (
     SmpFormat,
     format_named,
@@ -427,16 +427,21 @@ def has_checkpoint(path: str | os.PathLike) -> bool:
     rather than a resume starting over. A link elsewhere than its own version is none.
 
     On S3, ``path`` is a checkpoint with a commit record, or a prefix holding one
-    (``checkpointing.object_store``).
+    (``checkpointing.object_store``); a failure to find out (the server away, a damaged commit
+    record) is raised rather than answered False, which would have a resume start over.
 
     Raises:
         ConfigError: ``path`` is a URL of another scheme than ``s3://`` (rather than False, which would
             have a resume start over).
     """
     path = _tagged(path, None)
-    if isinstance(path, S3Path):
-        own = format_named(SmpFormat.name)
-        return own.is_complete(path) if own.is_folder(path) else own.newest(path) is not None
+    if isinstance(path, S3Path):  # (an outage, throttling or a damaged record is raised: never "start over")
+        with open_store(path.parent) as store:
+            try:
+                store.locate(path.name)
+                return True
+            except (FileNotFoundError, NotCommitted):
+                return False
     for folder_format in registered_formats():
         if folder_format.is_folder(path):
             return folder_format.is_complete(path)

@@ -26,8 +26,15 @@ until the new one is installed, so it cannot read into the old one's pages). ``s
 (their files, index and metadata, the checks): their MB/s over the raw one says how much of a save's
 and a load's time is not the disk's.
 
+With ``--url s3://bucket/prefix`` the checkpoint goes to object storage (boto3's chain: set
+``AWS_ENDPOINT_URL`` for a server other than AWS), measured against the limit for the same bytes: a raw
+boto3 upload of as many bytes (s3transfer's managed ``upload_fileobj`` from memory: parts in parallel)
+and their download (``download_fileobj`` into memory), alternating with the save and the (cold: no
+cache on this side) load, every repeat. The goal is 0.8x of raw boto3 both ways.
+
     python scripts/bench_checkpoint.py --out docs/bench_checkpoint.json   # 50M and 100M parameters
     python scripts/bench_checkpoint.py --params 2e6 4e6 --repeats 1        # a quick look
+    python scripts/bench_checkpoint.py --url s3://bench/run --params 5e6 10e6 --out docs/bench_checkpoint_s3.json
 """
 
 from __future__ import annotations
@@ -219,6 +226,74 @@ def measure(params: float, width: int, repeats: int, root: Path) -> dict:
     return result
 
 
+def measure_s3(params: float, width: int, repeats: int, url: str) -> dict:
+    """Save and load at ``url`` (S3) against raw boto3 upload and download of as many bytes, alternating."""
+    import io
+
+    import boto3
+
+    from nxd_smp.checkpointing.object_store import S3Path
+
+    model, opt = build(params, width)
+    n = sum(q.numel() for q in model.parameters())
+    root = S3Path.parse(url)
+    client = boto3.client("s3")
+    times: dict[str, list[float]] = {k: [] for k in ("save", "raw_upload", "load", "raw_download")}
+    raw_key = f"{root.key}/raw.bin"
+    for _ in range(repeats):
+        t = time.perf_counter()
+        version = nxd_smp.save_checkpoint(f"{url}/ckpt", model=model, optimizer=opt)
+        times["save"].append(time.perf_counter() - t)
+        listed = client.get_paginator("list_objects_v2").paginate(Bucket=root.bucket, Prefix=f"{version.key}/")
+        ours_bytes = sum(o["Size"] for page in listed for o in page.get("Contents", []))
+        data = torch.randint(0, 256, (ours_bytes,), dtype=torch.uint8).numpy().tobytes()  # (as many bytes as ours)
+        t = time.perf_counter()
+        client.upload_fileobj(io.BytesIO(data), root.bucket, raw_key)
+        times["raw_upload"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        nxd_smp.load_checkpoint(f"{url}/ckpt", model=model, optimizer=opt)
+        times["load"].append(time.perf_counter() - t)
+        into = io.BytesIO()
+        t = time.perf_counter()
+        client.download_fileobj(root.bucket, raw_key, into)
+        times["raw_download"].append(time.perf_counter() - t)
+        del data, into
+    median = {k: statistics.median(v) for k, v in times.items()}
+    mb = 2**20
+    return {
+        "params": n, "bytes": ours_bytes, "url": url,
+        "MBps": {"save": ours_bytes / mb / median["save"], "raw_upload": ours_bytes / mb / median["raw_upload"],
+                 "load": ours_bytes / mb / median["load"], "raw_download": ours_bytes / mb / median["raw_download"]},
+        "limit_ratio": {"save": median["raw_upload"] / median["save"], "load": median["raw_download"] / median["load"]},
+        "limit_ratio_range": {
+            name: [min(per), max(per)] for name, per in (
+                (name, [raw / ours for ours, raw in zip(times[mine], times[theirs])])
+                for name, mine, theirs in (("save", "save", "raw_upload"), ("load", "load", "raw_download")))},
+        "seconds": times,
+    }
+
+
+def main_s3(args: argparse.Namespace) -> None:
+    results = [measure_s3(params, args.width, args.repeats, args.url) for params in args.params]
+    report = [f"AdamW states + fp32 master weights, DP=1, at {args.url}, medians of {args.repeats} (MB/s = MiB of "
+              f"the version's objects / s); raw: boto3's upload_fileobj / download_fileobj of as many bytes", "",
+              "| params | MiB | save MB/s | raw upload MB/s | save / raw (range) | load MB/s | raw download MB/s "
+              "| load / raw (range) |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        speed, limit, spread = r["MBps"], r["limit_ratio"], r["limit_ratio_range"]
+        report.append(f"| {r['params'] / 1e6:.1f}M | {r['bytes'] / 2**20:.0f} | {speed['save']:.0f} | "
+                      f"{speed['raw_upload']:.0f} | {limit['save']:.2f} ({spread['save'][0]:.2f}-{spread['save'][1]:.2f}) "
+                      f"| {speed['load']:.0f} | {speed['raw_download']:.0f} | {limit['load']:.2f} "
+                      f"({spread['load'][0]:.2f}-{spread['load'][1]:.2f}) |")
+    report += ["", f"target: save and load >= {TARGETS['limit_ratio']} of raw boto3"]
+    print("\n".join(report))
+    summary = {"results": results, "targets": {"limit_ratio": TARGETS["limit_ratio"]}, "command": " ".join(sys.argv),
+               "report": report, "limit_ratio": results[-1]["limit_ratio"]}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", type=float, nargs="+", default=[50e6, 101e6], help="approximate parameter counts")
@@ -226,9 +301,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
     p.add_argument("--out", type=Path, default=Path("bench_results/bench_checkpoint.json"))
+    p.add_argument("--url", default=None, help="s3://bucket/prefix: measure object storage against raw boto3 instead")
     args = p.parse_args()
     if min(args.params) < 1 or args.width < 1 or args.repeats < 1:
         p.error("--params, --width and --repeats must be positive")
+    if args.url is not None:
+        if not args.url.startswith("s3://"):
+            p.error("--url takes s3://bucket/prefix")
+        main_s3(args)
+        return
 
     results = []
     root = Path(tempfile.mkdtemp(dir=args.dir))

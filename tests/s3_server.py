@@ -57,12 +57,18 @@ class S3Server:
                      f"-filer.port.grpc={grpc_filer}", f"-s3.port.grpc={grpc_s3}", "-s3.port.iceberg=0",
                      "-s3.port.lance=0", "-volume.max=200"]
         self.process: subprocess.Popen | None = None
+        self._client = None
         self.endpoint = f"http://127.0.0.1:{self.s3_port}"
         self.env = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
                     "AWS_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1",
                     "AWS_EC2_METADATA_DISABLED": "true"}
 
     def client(self):
+        if self._client is None:
+            self._client = self._new_client()
+        return self._client
+
+    def _new_client(self):
         return boto3.session.Session().client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
                                               aws_secret_access_key=SECRET_KEY, region_name="us-east-1")
 

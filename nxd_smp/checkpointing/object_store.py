@@ -3,7 +3,7 @@ extra): the ``Room`` and ``Store`` of ``room`` over S3's calls.
 
 S3 has no rename, so a version cannot be written under a temporary name and swapped in. Instead:
 
-* **Data.** Each save writes a new version under its own prefix, ``<root>/<name>/v-<id>/``: every rank
+* **Data.** Each save writes a new version under its own prefix, ``<root>/<name>/v-<sequence>-<id>/``: every rank
   uploads its files there (``create``: one ``PutObject`` for a small file, a multipart upload with
   parts in parallel for a large one; a multipart upload is invisible until completed), and rank 0
   the index, the small files and ``COMPLETE.json``, as on local disk.
@@ -38,6 +38,7 @@ the previous checkpoint stays the newest.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import random
@@ -66,7 +67,8 @@ COMMITS = ".nxd_smp_commits"
 COMMIT_FORMAT = "nxd_smp.commit/1"
 COMPLETE_FILE = "COMPLETE.json"  # (``versions.COMPLETE_FILE``; the same record on disk and in a bucket)
 _SEQUENCE_DIGITS = 16
-_VERSION = re.compile(r"v-[0-9a-f]{12}")
+#: A version folder: the sequence its save began at (16 digits), then a random id.
+_VERSION = re.compile(r"v-(\d{16})-[0-9a-f]{12}")
 _SAVE_ID = re.compile(r"[0-9a-f]{32}")
 _MANIFEST_LIMIT = 1 << 20
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
@@ -78,6 +80,8 @@ PART_BYTES = 16 << 20
 _PARTS_IN_FLIGHT = 4  # per file being uploaded: bounds the memory an upload holds
 _TRANSFER_THREADS = 16
 _CONFLICT_RETRIES = 8  # AWS answers 409 ConditionalRequestConflict to concurrent conditional writes
+_STREAM_RETRIES = 5
+_OTHER_NAMES_RETRIES = 1000  # commit records another name's save took while this one was written
 
 
 # ---------------------------------------------------------------------------- the URL
@@ -139,6 +143,22 @@ class S3Path:
 
 
 # ---------------------------------------------------------------------------- the client and its errors
+class LostCommit(CheckpointError):
+    """Another save took the commit record this one began for: this save is certainly not committed."""
+
+
+class NotCommitted(CheckpointError):
+    """A name with versions but no commit record: its saves were cut off before their commit."""
+
+
+@contextmanager
+def _warn_on_failure(doing: str, left: str) -> Iterator[None]:
+    """Run the block; an exception (but ``KeyboardInterrupt`` and ``SystemExit``) becomes a warning naming
+    ``doing`` and what it ``left``: clean-up that no save's outcome depends on."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - clean-up only
+        warnings.warn(f"nxd_smp: {doing} failed ({type(e).__name__}: {str(e)[:300]}); {left}.", stacklevel=3)
 _client: Any = None
 _client_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -255,12 +275,23 @@ def _get(bucket: str, key: str, start: int, length: int, into: memoryview | None
     Raises:
         ChecksumError: the object ends before them.
     """
+    from botocore.exceptions import ClientError
+
     where = f"s3://{bucket}/{key}"
     if length == 0:
         return b"" if into is None else None
     with _s3(f"reading {where}"):
-        body = _call("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")["Body"]
-        data = body.read()
+        for attempt in range(_STREAM_RETRIES):  # (botocore retries a request, not a body cut off while it streams)
+            try:
+                body = _call("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")["Body"]
+                data = body.read()
+                break
+            except ClientError:
+                raise
+            except Exception:
+                if attempt == _STREAM_RETRIES - 1:
+                    raise
+                time.sleep(random.uniform(0.5, 1.5) * 2**attempt)
     if len(data) != length:
         raise ChecksumError(f"{where}: {len(data)} bytes at {start}, expected {length} (truncated or replaced).")
     if into is None:
@@ -497,6 +528,13 @@ class ObjectRoom(Room):
 
 
 # ---------------------------------------------------------------------------- the commit records
+def _begun_at(version: str) -> int:
+    """The sequence the save of the version folder ``version`` began at (``v-<sequence>-<id>``); a name that
+    is not a version's counts as begun before every save."""
+    found = _VERSION.fullmatch(version)
+    return int(found.group(1)) if found else -1
+
+
 @dataclass(frozen=True)
 class Manifest:
     """One commit record: the checkpoint ``name``'s version ``version`` (below ``<root>/<name>/``), committed
@@ -608,20 +646,23 @@ class ObjectStore(Store):
                                   f"s3://{self._bucket}/{other[0]}); pass a new path (or tag) or remove them.")
         self._probe()
         sequence = max(self._sequences(), default=0) + 1
-        self._abort_uploads(name)
-        return [f"{name}/v-{secrets.token_hex(6)}", sequence, secrets.token_hex(16)]
+        self._abort_uploads(name, sequence)
+        return [f"{name}/v-{sequence:0{_SEQUENCE_DIGITS}d}-{secrets.token_hex(6)}", sequence, secrets.token_hex(16)]
 
-    def _abort_uploads(self, name: str) -> None:
-        """Abort the multipart uploads a killed save of ``name`` left (its prefix's own only)."""
+    def _abort_uploads(self, name: str, sequence: int) -> None:
+        """Abort the multipart uploads that killed saves of ``name`` left: those of versions begun at ``sequence``
+        or before (a save begun at the same one races this one for its commit record and would lose it to
+        one of them anyway; one begun later, after a commit, is left to finish)."""
         prefix = (self.root / name).prefix
-        with after_publish(f"aborting the uploads left below {self.where(name)} by a save cut off",
-                           "a lifecycle rule (AbortIncompleteMultipartUpload) removes them"):
+        with _warn_on_failure(f"aborting the uploads left below {self.where(name)} by a save cut off",
+                              "a lifecycle rule (AbortIncompleteMultipartUpload) removes them"):
             with _s3(f"listing the uploads below {self.where(name)}"):
                 pages = s3_client().get_paginator("list_multipart_uploads").paginate(Bucket=self._bucket, Prefix=prefix)
                 uploads = [(u["Key"], u["UploadId"]) for page in pages for u in page.get("Uploads", [])]
             for key, upload_id in uploads:
-                with _s3(f"aborting the upload of s3://{self._bucket}/{key}"):
-                    _call("abort_multipart_upload", Bucket=self._bucket, Key=key, UploadId=upload_id)
+                if _begun_at(key[len(prefix):].split("/", 1)[0]) <= sequence:
+                    with _s3(f"aborting the upload of s3://{self._bucket}/{key}"):
+                        _call("abort_multipart_upload", Bucket=self._bucket, Key=key, UploadId=upload_id)
 
     def _probe(self) -> None:
         """Whether the server honours ``If-None-Match: *`` (once per bucket): PUT one key twice."""
@@ -630,14 +671,17 @@ class ObjectStore(Store):
             return
         key = f"{self.root.prefix}{COMMITS}/probe-{secrets.token_hex(8)}"
         with _s3(f"probing s3://{self._bucket} for conditional writes"):
-            _call("put_object", Bucket=self._bucket, Key=key, Body=b"", IfNoneMatch="*")
+            _call("put_object", Bucket=self._bucket, Key=key, Body=b"")  # (unconditional: a resend changes nothing)
             try:
                 _call("put_object", Bucket=self._bucket, Key=key, Body=b"", IfNoneMatch="*")
                 honoured = False
             except Exception as e:
-                if not _refused_condition(e):
+                if _code(e) in ("NotImplemented", "InvalidArgument", "InvalidRequest"):  # (the header refused outright)
+                    honoured = False
+                elif not _refused_condition(e):
                     raise
-                honoured = True
+                else:
+                    honoured = True
             _call("delete_object", Bucket=self._bucket, Key=key)
         if not honoured:
             warnings.warn(f"nxd_smp: the S3 server of s3://{self._bucket} ignores conditional writes (If-None-Match); "
@@ -653,36 +697,50 @@ class ObjectStore(Store):
         version.write_bytes(COMPLETE_FILE, completion)
         manifest = Manifest(sequence, name, path.rsplit("/", 1)[-1], save, (len(completion), zlib.crc32(completion)))
         try:
-            self._commit(manifest)
-        except CheckpointError:
-            with after_publish(f"removing the version {self.where(path)} that was not committed", "remove it by hand"):
+            committed = self._commit(manifest)
+        except LostCommit:  # (only then: a commit whose outcome is unknown may stand, and its data with it)
+            with _warn_on_failure(f"removing the version {self.where(path)} that was not committed",
+                                  "remove it by hand"):
                 self._remove_versions([f"{(self.root / path).prefix}"])
             raise
+        manifest = committed
         # committed: from here on nothing fails the save
         with after_publish(f"removing the versions of {self.where(name)} that its commit replaced",
                            "they are left in place (remove them by hand)"):
             self._remove_replaced(name, manifest)
 
-    def _commit(self, manifest: Manifest) -> None:
-        key = self._commit_key(manifest.sequence)
-        where = f"s3://{self._bucket}/{key}"
-        body = _manifest_bytes(manifest)
+    def _commit(self, manifest: Manifest) -> Manifest:
+        """Write ``manifest``'s commit record; where another name's save took its sequence meanwhile (sibling
+        checkpoints saved at once: tensor-parallel coordinates), the next free one. Returns what was committed.
+
+        Raises:
+            LostCommit: a save of the same name took the record (this one is not committed).
+            CheckpointError: the outcome is unknown (the server stayed away): the version is kept.
+        """
         conditional = _conditional_writes.get((getattr(s3_client().meta, "endpoint_url", ""), self._bucket), True)
-        with _s3(f"committing {self.where(manifest.name)} ({where})"):
-            if not conditional and self._manifest(manifest.sequence) is not None:
+        for _ in range(_OTHER_NAMES_RETRIES):
+            key = self._commit_key(manifest.sequence)
+            with _s3(f"committing {self.where(manifest.name)} (s3://{self._bucket}/{key})"):
+                found = None if conditional else self._manifest(manifest.sequence)
+                if found is None:
+                    try:
+                        _call("put_object", Bucket=self._bucket, Key=key, Body=_manifest_bytes(manifest),
+                              **({"IfNoneMatch": "*"} if conditional else {}))
+                    except Exception as e:
+                        if not _refused_condition(e):
+                            raise
+                    found = self._manifest(manifest.sequence)  # (ours, also where a resent PUT met its first write)
+            if found is not None and found.save == manifest.save:
+                return manifest
+            if found is not None and found.name == manifest.name:
                 raise self._lost(manifest)
-            try:
-                _call("put_object", Bucket=self._bucket, Key=key, Body=body,
-                      **({"IfNoneMatch": "*"} if conditional else {}))
-            except Exception as e:
-                if not _refused_condition(e):
-                    raise
-        found = self._manifest(manifest.sequence)  # (ours, also where a retried PUT met its own first write)
-        if found is None or found.save != manifest.save:
-            raise self._lost(manifest)
+            # another name's save (or one removed since): the next sequence
+            manifest = Manifest(max(self._sequences(), default=0) + 1, *dataclasses.astuple(manifest)[1:])
+        raise CheckpointError(f"committing {self.where(manifest.name)} found {_OTHER_NAMES_RETRIES} commit records "
+                              f"taken by other saves in a row; nothing was committed.")
 
     def _lost(self, manifest: Manifest) -> CheckpointError:
-        return CheckpointError(
+        return LostCommit(
             f"another job committed a checkpoint to {self.where()} while this save of {manifest.name} was being "
             f"written (both took the commit record {manifest.sequence}); this save was not committed and its version "
             f"is removed. One job saves into a prefix at a time: give each job its own.")
@@ -695,8 +753,10 @@ class ObjectStore(Store):
             if old.name == name and old.sequence < manifest.sequence:
                 self._delete_manifest(old)
         named = {m.version for m in manifests if m.name == name and m.sequence >= manifest.sequence}
-        versions, _ = self._versions_of(name)
-        self._remove_versions([v for v in versions if v.rstrip("/").rsplit("/", 1)[-1] not in named])
+        ours = _begun_at(manifest.version)
+        versions, _ = self._versions_of(name)  # (a save of this name begun after our commit's is left to finish)
+        self._remove_versions([v for v in versions if v.rstrip("/").rsplit("/", 1)[-1] not in named
+                               and _begun_at(v.rstrip("/").rsplit("/", 1)[-1]) <= ours])
 
     def _delete_manifest(self, manifest: Manifest) -> None:
         with _s3(f"removing the commit record {manifest.sequence} of {self.where()}"):
@@ -737,7 +797,7 @@ class ObjectStore(Store):
             return self._location(f"{name}/{found[-1].name}/{found[-1].version}", found[-1])
         versions, other = self._versions_of(name)
         if versions:
-            raise CheckpointError(f"no complete checkpoint at {self.where(name)}: its saves were cut off before their "
+            raise NotCommitted(f"no complete checkpoint at {self.where(name)}: its saves were cut off before their "
                                   f"commit (no commit record in {self.where()}/{COMMITS} names it). Resume from an earlier "
                                   f"checkpoint.")
         if other:

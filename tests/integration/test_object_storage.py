@@ -155,6 +155,21 @@ def test_two_jobs_racing_for_one_commit_one_wins_the_other_is_refused(server, pr
     assert len(commits(server, prefix)) == 1
 
 
+def test_sibling_checkpoints_saved_at_once_both_commit(server, prefix):
+    """Saves of other names into one root (tensor-parallel coordinates' siblings) take the same commit record
+    when they begin together: the one that finds it taken by another name commits at the next."""
+    model, opt = build(seed=0)
+    store = open_store(S3Path.parse(prefix))
+    begun = store.begin("tp1")
+    version = store.open_version(begun)
+    save_checkpoint(f"{prefix}/tp0", model=model, optimizer=opt, extra={"tp": 0})
+    store.publish("tp1", begun, version, b"{}")
+    names = [store._manifest(int(c[:16])).name for c in commits(server, prefix)]
+    assert names == ["tp0", "tp1"]
+    other, other_opt = build(seed=3)
+    assert load_checkpoint(f"{prefix}/tp0", model=other, optimizer=other_opt) == {"tp": 0}
+
+
 def test_a_retried_commit_that_meets_its_own_first_write_succeeds(server, prefix):
     """botocore resends a PUT whose answer was lost; the resend meets the condition its first write set."""
     store = open_store(S3Path.parse(prefix))
@@ -196,6 +211,8 @@ def test_a_manifest_or_completion_record_altered_after_the_save_is_refused(serve
     client.put_object(Bucket=BUCKET, Key=key, Body=b'{"format": "nxd_smp.commit/1", "name": "../x"}')
     with pytest.raises(CheckpointError, match="not a commit record nxd_smp writes"):
         load_checkpoint(f"{prefix}/ckpt", model=other, optimizer=other_opt)
+    with pytest.raises(CheckpointError, match="not a commit record nxd_smp writes"):  # (not False: a resume
+        has_checkpoint(prefix)                                                      # would start over)
 
 
 # ---------------------------------------------------------------------------- kills and outages
@@ -206,7 +223,7 @@ KILLED_SAVER = textwrap.dedent("""
     model = nn.Sequential(nn.Linear(8, 8))
     opt = nxd_smp.Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
     nxd_smp.save_checkpoint(prefix, "small", model=model, optimizer=opt, user_content={"which": "small"})
-    big = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 2048))  # ~100 MB with AdamW's state: multipart
+    big = nn.Sequential(nn.Linear(4096, 2048), nn.Linear(2048, 4096))  # ~230 MB with AdamW's state: multipart
     big_opt = nxd_smp.Zero1Optimizer(big.parameters(), torch.optim.AdamW, lr=1e-3)
     print("small saved", flush=True)
     nxd_smp.save_checkpoint(prefix, "big", model=big, optimizer=big_opt, user_content={"which": "big"})
