@@ -36,7 +36,7 @@ from .backend import Backend, select_backend, this_replica
 from .backend.agreement import decide
 from .checkpointing.files import Folder, entry_kind
 from .checkpointing.locations import location_of, open_store
-from .checkpointing.object_store import NotCommitted, S3Path
+from .checkpointing.object_store import S3Path
 from .checkpointing.pipeline import (
     SmpFormat,
     format_named,
@@ -48,7 +48,7 @@ from .checkpointing.save import save
 from .checkpointing.tools import consolidate, inspect_checkpoint, read_checkpoint
 from .checkpointing.versions import version_prefix
 from .checkpointing.writer import finalize_checkpoint, finish_save_in_flight, save_in_flight
-from .core.errors import CheckpointError, ConfigError
+from .core.errors import CheckpointError, ConfigError, NotCommittedError
 from .optim.loading.check import SCHEDULER
 from .optim.loading.run import full_state, run
 from .optim.loading.staged import Staged, Targets
@@ -297,10 +297,6 @@ def save_checkpoint(
         raise ConfigError(f"num_kept_ckpts must be a positive int, -1 or None, got {num_kept_ckpts!r}.")
     if tag is not None:
         _tag_directories[this_replica()] = path.parent
-    if state_dicts and isinstance(path, S3Path):
-        raise ConfigError(f"{path} is an 's3' URL: NxD Training's call shape (state dicts) writes NxD's own folder "
-                          f"layout, which nxd_smp writes to local paths only; on S3 pass the model and the optimizer "
-                          f"themselves.")
     if state_dicts:
         return _save_state_dicts(path, model, optimizer, scheduler, extra, stateful=stateful,
                                  save_master_weights=save_master_weights, async_save=async_save,
@@ -395,10 +391,6 @@ def load_checkpoint(
         optimizer = check_args(model, optimizer)
     elif stateful:
         raise TypeError("with state dicts to fill, stateful= does not apply.")
-    if state_dicts and isinstance(path, S3Path):
-        raise ConfigError(f"{path} is an 's3' URL: NxD Training's call shape (dicts to fill) reads NxD's own folder "
-                          f"layout, which nxd_smp reads from local paths only; on S3 pass the model and the optimizer "
-                          f"themselves.")
     objects = stateful_objects(scheduler, stateful)
     _check_nxd_only_args(num_workers, strict=strict, use_zero1_dcp=use_zero1_dcp)
     finish_save_in_flight(raise_error=False)
@@ -440,7 +432,7 @@ def has_checkpoint(path: str | os.PathLike) -> bool:
             try:
                 store.locate(path.name)
                 return True
-            except (FileNotFoundError, NotCommitted):
+            except (FileNotFoundError, NotCommittedError):
                 return False
     for folder_format in registered_formats():
         if folder_format.is_folder(path):

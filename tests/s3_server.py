@@ -22,7 +22,7 @@ import boto3
 ACCESS_KEY, SECRET_KEY = "nxd-smp-test", "nxd-smp-test-secret"
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     sockets = [socket.socket() for _ in range(n)]
     try:
         for s in sockets:
@@ -50,7 +50,7 @@ class S3Server:
     def __init__(self, data: Path):
         self.data = data
         # every port its own (the defaults are fixed ports, or a port plus 10000, which may pass 65535)
-        self.s3_port, master, volume, filer, grpc_master, grpc_volume, grpc_filer, grpc_s3 = _free_ports(8)
+        self.s3_port, master, volume, filer, grpc_master, grpc_volume, grpc_filer, grpc_s3 = free_ports(8)
         self.args = [weed_binary(), "server", f"-dir={data}", "-s3", f"-s3.port={self.s3_port}", "-ip=127.0.0.1",
                      f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
                      f"-master.port.grpc={grpc_master}", f"-volume.port.grpc={grpc_volume}",

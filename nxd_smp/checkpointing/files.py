@@ -422,6 +422,10 @@ class Folder(Room):
     def sync_file(self, file: BinaryIO) -> None:
         os.fsync(file.fileno())
 
+    def opened_stat(self, file: BinaryIO) -> FileStat:
+        st = os.fstat(file.fileno())
+        return FileStat((st.st_dev, st.st_ino), st.st_size, stat.S_ISREG(st.st_mode))
+
     def mkdir(self, name: str, mode: int = 0o777) -> Folder:
         """A new directory ``name`` (``mkdir(2)``: nothing planted there is reused), opened."""
         fd, last, own = self._walk(name, None)
@@ -870,6 +874,17 @@ def after_publish(doing: str, left: str = "") -> Iterator[None]:
                       f"{f'; {left}' if left else ''}.", stacklevel=3)
 
 
+
+
+@contextmanager
+def warn_on_failure(doing: str, left: str) -> Iterator[None]:
+    """Run the block, clean-up that no save's outcome depends on (what a failed save wrote, what a killed
+    one left): an exception (but ``KeyboardInterrupt`` and ``SystemExit``) becomes a warning naming
+    ``doing`` and what it ``left``."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - clean-up only
+        warnings.warn(f"nxd_smp: {doing} failed ({type(e).__name__}: {str(e)[:300]}); {left}.", stacklevel=3)
 
 
 def replace_file(folder: Folder, name: str, data: bytes) -> None:

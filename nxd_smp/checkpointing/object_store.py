@@ -54,8 +54,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.errors import CheckpointError, ChecksumError, ConfigError
-from .files import after_publish, check_name
+from ..core.errors import CheckpointError, ChecksumError, ConfigError, LostCommitError, NotCommittedError
+from .files import after_publish, check_name, warn_on_failure
 from .room import FileStat, Room, Store
 from .typed_json import loads
 
@@ -143,22 +143,6 @@ class S3Path:
 
 
 # ---------------------------------------------------------------------------- the client and its errors
-class LostCommit(CheckpointError):
-    """Another save took the commit record this one began for: this save is certainly not committed."""
-
-
-class NotCommitted(CheckpointError):
-    """A name with versions but no commit record: its saves were cut off before their commit."""
-
-
-@contextmanager
-def _warn_on_failure(doing: str, left: str) -> Iterator[None]:
-    """Run the block; an exception (but ``KeyboardInterrupt`` and ``SystemExit``) becomes a warning naming
-    ``doing`` and what it ``left``: clean-up that no save's outcome depends on."""
-    try:
-        yield
-    except Exception as e:  # noqa: BLE001 - clean-up only
-        warnings.warn(f"nxd_smp: {doing} failed ({type(e).__name__}: {str(e)[:300]}); {left}.", stacklevel=3)
 _client: Any = None
 _client_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -195,7 +179,8 @@ def s3_client() -> Any:
             import boto3
             from botocore.config import Config
 
-            config = Config(retries={"mode": "standard", "max_attempts": 10}, max_pool_connections=4 * _TRANSFER_THREADS,
+            config = Config(retries={"mode": "standard", "max_attempts": 10},
+                            max_pool_connections=4 * _TRANSFER_THREADS,
                             connect_timeout=10, read_timeout=120)
             _client = boto3.session.Session().client("s3", config=config)
     return _client
@@ -305,7 +290,8 @@ def _delete(bucket: str, keys: list[str]) -> None:
     for first in range(0, len(keys), 1000):
         batch = keys[first:first + 1000]
         with _s3(f"removing {len(batch)} objects below s3://{bucket}/{batch[0].rsplit('/', 1)[0]}"):
-            answer = _call("delete_objects", Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+            answer = _call("delete_objects", Bucket=bucket,
+                           Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
         if answer.get("Errors"):
             error = answer["Errors"][0]
             raise CheckpointError(f"removing s3://{bucket}/{error.get('Key')} failed: {error.get('Code')}: "
@@ -320,6 +306,14 @@ class _RangedReader(io.RawIOBase):
     def __init__(self, bucket: str, key: str, size: int):
         super().__init__()
         self._bucket, self._key, self._size, self._pos = bucket, key, size, 0
+
+    @property
+    def key(self) -> str:
+        return self._key
+
+    @property
+    def size(self) -> int:
+        return self._size
 
     def readable(self) -> bool:
         return True
@@ -345,7 +339,8 @@ class _RangedReader(io.RawIOBase):
             _get(self._bucket, self._key, self._pos, n, view[:n])
         elif ranges:
             start = self._pos
-            futures = [_transfers().submit(_get, self._bucket, self._key, start + a, b - a, view[a:b]) for a, b in ranges]
+            futures = [_transfers().submit(_get, self._bucket, self._key, start + a, b - a, view[a:b])
+                       for a, b in ranges]
             for future in futures:
                 future.result()
         self._pos += n
@@ -482,7 +477,7 @@ class ObjectRoom(Room):
 
     def exists(self, name: str) -> bool:
         try:
-            return self.stat_file(name) is not None
+            return self.stat_file(name) is not None or self.is_dir(name)
         except CheckpointError:
             return False
 
@@ -490,21 +485,48 @@ class ObjectRoom(Room):
         key = self._key(name, source)
         found = self.stat_file(name)
         if found is None:
-            raise CheckpointError(f"s3://{self.path.bucket}/{key} is missing" + (f" (named by {source})" if source else "")
-                                  + ".")
+            named = f" (named by {source})" if source else ""
+            raise CheckpointError(f"s3://{self.path.bucket}/{key} is missing{named}.")
         return found
 
-    def open_file(self, name: str, *, source: str | None = None) -> _RangedReader:
-        return _RangedReader(self.path.bucket, self._key(name, source), self._stat(name, source).size)
+    def open_file(self, name: str, *, source: str | None = None) -> io.BufferedReader:
+        """Buffered for a parser's small reads; a large ``readinto`` goes straight to the ranged GETs."""
+        raw = _RangedReader(self.path.bucket, self._key(name, source), self._stat(name, source).size)
+        return io.BufferedReader(raw, buffer_size=1 << 20)
+
+    def opened_stat(self, file: Any) -> FileStat:
+        raw = file.raw
+        return FileStat(raw.key, raw.size, True)
+
+    def is_file(self, name: str) -> bool:
+        try:
+            return self.stat_file(name) is not None
+        except CheckpointError:
+            return False
+
+    def is_dir(self, name: str) -> bool:
+        check_name(name, self.where())
+        return any(key.startswith(f"{name}/") for key in self._sizes())
+
+    def names(self) -> list[str]:
+        return sorted({key.split("/", 1)[0] for key in self._sizes()})
+
+    def sub(self, name: str, *, source: str | None = None) -> ObjectRoom:
+        self._key(name, source)
+        if not self.is_dir(name):
+            raise CheckpointError(f"{self.where(name)} is missing" + (f" (named by {source})" if source else "") + ".")
+        below = {key[len(name) + 1:]: size for key, size in self._sizes().items() if key.startswith(f"{name}/")}
+        return ObjectRoom(self.path / name, listing=below)
 
     def read_bytes(self, name: str, *, limit: int, source: str | None = None) -> bytes:
         size = self._stat(name, source).size
         if size > limit:
-            raise CheckpointError(f"{self.where(name)} holds {size} bytes, more than the {limit} such a file may; refused.")
+            raise CheckpointError(f"{self.where(name)} holds {size} bytes, more than the {limit} such a file may; "
+                                  f"refused.")
         data = _get(self.path.bucket, self._key(name), 0, size)
         if name in self._pinned and (len(data), zlib.crc32(data)) != self._pinned[name]:
-            raise CheckpointError(f"{self.where(name)} is not the file its commit record names (size or CRC-32 differ): "
-                                  f"altered after the save; refused.")
+            raise CheckpointError(f"{self.where(name)} is not the file its commit record names (size or CRC-32 "
+                                  f"differ): altered after the save; refused.")
         return data
 
     def create(self, name: str) -> _Upload:
@@ -603,18 +625,20 @@ class ObjectStore(Store):
         return sorted(found)
 
     def _manifest(self, sequence: int) -> Manifest | None:
+        """The commit record ``sequence``, None if it is gone (removed since the listing).
+
+        Raises:
+            CheckpointError: it cannot be read, or it is not one nxd_smp writes.
+        """
         key = self._commit_key(sequence)
-        try:
-            with _s3(f"reading s3://{self._bucket}/{key}"):
-                try:
-                    answer = _call("get_object", Bucket=self._bucket, Key=key, Range=f"bytes=0-{_MANIFEST_LIMIT}")
-                except Exception as e:
-                    if _absent(e):
-                        return None  # (removed since the listing)
-                    raise
-                data = answer["Body"].read()
-        except CheckpointError:
-            raise
+        with _s3(f"reading s3://{self._bucket}/{key}"):
+            try:
+                answer = _call("get_object", Bucket=self._bucket, Key=key, Range=f"bytes=0-{_MANIFEST_LIMIT}")
+            except Exception as e:
+                if _absent(e):
+                    return None
+                raise
+            data = answer["Body"].read()
         if len(data) > _MANIFEST_LIMIT:
             raise CheckpointError(f"s3://{self._bucket}/{key} is larger than a commit record may be; refused.")
         return _parse_manifest(data, sequence, f"s3://{self._bucket}/{key}")
@@ -654,8 +678,8 @@ class ObjectStore(Store):
         or before (a save begun at the same one races this one for its commit record and would lose it to
         one of them anyway; one begun later, after a commit, is left to finish)."""
         prefix = (self.root / name).prefix
-        with _warn_on_failure(f"aborting the uploads left below {self.where(name)} by a save cut off",
-                              "a lifecycle rule (AbortIncompleteMultipartUpload) removes them"):
+        with warn_on_failure(f"aborting the uploads left below {self.where(name)} by a save cut off",
+                             "a lifecycle rule (AbortIncompleteMultipartUpload) removes them"):
             with _s3(f"listing the uploads below {self.where(name)}"):
                 pages = s3_client().get_paginator("list_multipart_uploads").paginate(Bucket=self._bucket, Prefix=prefix)
                 uploads = [(u["Key"], u["UploadId"]) for page in pages for u in page.get("Uploads", [])]
@@ -698,9 +722,9 @@ class ObjectStore(Store):
         manifest = Manifest(sequence, name, path.rsplit("/", 1)[-1], save, (len(completion), zlib.crc32(completion)))
         try:
             committed = self._commit(manifest)
-        except LostCommit:  # (only then: a commit whose outcome is unknown may stand, and its data with it)
-            with _warn_on_failure(f"removing the version {self.where(path)} that was not committed",
-                                  "remove it by hand"):
+        except LostCommitError:  # (only then: a commit whose outcome is unknown may stand, and its data with it)
+            with warn_on_failure(f"removing the version {self.where(path)} that was not committed",
+                                 "remove it by hand"):
                 self._remove_versions([f"{(self.root / path).prefix}"])
             raise
         manifest = committed
@@ -714,7 +738,7 @@ class ObjectStore(Store):
         checkpoints saved at once: tensor-parallel coordinates), the next free one. Returns what was committed.
 
         Raises:
-            LostCommit: a save of the same name took the record (this one is not committed).
+            LostCommitError: a save of the same name took the record (this one is not committed).
             CheckpointError: the outcome is unknown (the server stayed away): the version is kept.
         """
         conditional = _conditional_writes.get((getattr(s3_client().meta, "endpoint_url", ""), self._bucket), True)
@@ -740,7 +764,7 @@ class ObjectStore(Store):
                               f"taken by other saves in a row; nothing was committed.")
 
     def _lost(self, manifest: Manifest) -> CheckpointError:
-        return LostCommit(
+        return LostCommitError(
             f"another job committed a checkpoint to {self.where()} while this save of {manifest.name} was being "
             f"written (both took the commit record {manifest.sequence}); this save was not committed and its version "
             f"is removed. One job saves into a prefix at a time: give each job its own.")
@@ -769,6 +793,11 @@ class ObjectStore(Store):
             if objects:
                 _delete(self._bucket, sorted(objects))
 
+    def discard(self, begun: list) -> None:
+        with warn_on_failure(f"removing {self.where(begun[0])}, the version of a save that failed",
+                             "the next save of its name removes it"):
+            self._remove_versions([(self.root / begun[0]).prefix])
+
     def retain(self, keep: int, newest: str) -> None:
         with after_publish(f"the retention in {self.where()} (num_kept_ckpts={keep})"):
             manifests = self.manifests()
@@ -788,6 +817,14 @@ class ObjectStore(Store):
 
     # ------------------------------------------------------------------ loading
     def locate(self, name: str) -> list:
+        if _VERSION.fullmatch(name) and self.root.key:  # (a version's own path, as save_checkpoint returns it)
+            outer = ObjectStore(self.root.parent)
+            named = [m for m in outer.manifests() if m.name == self.root.name and m.version == name]
+            if not named:
+                raise NotCommittedError(f"{self.where(name)} is a version that no commit record of {outer.where()} "
+                                        f"names (replaced since, or its save was cut off); load the checkpoint by its "
+                                        f"name.")
+            return self._location(name, named[-1])
         manifests = [m for m in self.manifests() if m.name == name]
         if manifests:
             return self._location(f"{name}/{manifests[-1].version}", manifests[-1])
@@ -797,9 +834,9 @@ class ObjectStore(Store):
             return self._location(f"{name}/{found[-1].name}/{found[-1].version}", found[-1])
         versions, other = self._versions_of(name)
         if versions:
-            raise NotCommitted(f"no complete checkpoint at {self.where(name)}: its saves were cut off before their "
-                                  f"commit (no commit record in {self.where()}/{COMMITS} names it). Resume from an earlier "
-                                  f"checkpoint.")
+            raise NotCommittedError(f"no complete checkpoint at {self.where(name)}: its saves were cut off before "
+                                    f"their commit (no commit record in {self.where()}/{COMMITS} names it). Resume "
+                                    f"from an earlier checkpoint.")
         if other:
             raise CheckpointError(f"{self.where(name)} holds objects but no nxd_smp checkpoint (the first: "
                                   f"s3://{self._bucket}/{other[0]}).")

@@ -18,6 +18,7 @@ from ..optim.loading.staged import Request, Staged, Targets
 from .files import entry_kind
 from .locations import open_store
 from .object_store import S3Path
+from .room import Room
 from .smp_format import open_version, read
 
 
@@ -53,6 +54,11 @@ class FolderFormat(ABC):
     @abstractmethod
     def reader(self, location: Any, targets: Targets, *, verify: bool) -> Reader:
         """The reader of the checkpoint at ``location`` (``locate``'s) for ``targets``."""
+
+    def holds(self, version: Room) -> bool:
+        """Whether a version of nxd_smp's stores (an object store's: ``locate_checkpoint``) holds this format's
+        files rather than nxd_smp's own; its ``reader`` then takes the location ``["store", root, *located]``."""
+        return False
 
     def save_state_dicts(self, folder: Path, *, model: Any, optimizer: Any, scheduler: Any, user_content: Any,
                          backend: Any, async_save: bool, num_kept: int | None) -> Path:
@@ -133,8 +139,11 @@ def locate_checkpoint(path: Path | S3Path) -> list:
         CheckpointError: nothing complete there, naming why.
     """
     own = _formats[-1]
-    if isinstance(path, S3Path):  # (other tools' folders are read from local paths only)
-        return [own.name, own.locate(path)]
+    if isinstance(path, S3Path):  # (a version of the object store: nxd_smp's files, or another format's inside it)
+        location = own.locate(path)
+        with open_store(location[0]) as store, store.open_located(location[1:]) as version:
+            other = next((f for f in _formats[:-1] if f.holds(version)), None)
+        return [own.name, location] if other is None else [other.name, ["store", *location]]
     kind = entry_kind(path)
     if kind != "link":
         for folder_format in _formats[:-1]:

@@ -18,17 +18,16 @@ from __future__ import annotations
 import collections
 import ctypes
 import io
-import os
 import struct
 import zipfile
 import zlib
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 
 from ..core.errors import CheckpointError, UnsafeFileError
 from .budget import Budget
-from .files import Folder
+from .room import Room
 from .unpickler import (
     _MAX_INT64,
     XserReference,
@@ -158,15 +157,16 @@ def _load_archive(file: Any, size: int, source: str, kind: str, checksums: list[
 
 
 # ---------------------------------------------------------------------------- entry points
-def load_file(folder: Folder, name: str, *, kind: str = "state_dict", checksums: list[int] | None = None,
-              once: dict[tuple[int, int], str] | None = None) -> Any:
+def load_file(folder: Room, name: str, *, kind: str = "state_dict", checksums: list[int] | None = None,
+              once: dict[Hashable, str] | None = None) -> Any:
     """The ``torch.save`` file ``name`` of ``folder`` (or, with ``kind="dcp_metadata"``, a DCP index) read
     on the CPU by the strict reader (see the module's docstring), without running code from it and
     without allocating more than it holds. The file is opened below ``folder`` without following a link,
-    as a regular file, never blocking (``files.Folder.open_file``). ``checksums``: a list the file's
-    checksum is appended to (from the CRC-32s its zip records carry, which the read checks: what the
-    ranks compare of a replicated file without reading it twice). ``once``: the files a load has read
-    so far, by (device, inode), which this one joins; one of them again (a file listed twice, or under a
+    as a regular file, never blocking (``files.Folder.open_file``; in a bucket, an object read by ranged
+    GETs). ``checksums``: a list the file's checksum is appended to (from the CRC-32s its zip records
+    carry, which the read checks: what the ranks compare of a replicated file without reading it twice).
+    ``once``: the files a load has read so far, by identity (device and inode; an object's key), which
+    this one joins; one of them again (a file listed twice, or under a
     second name: a hard link) is refused, so that what a load builds is bounded by its files' bytes.
 
     Raises:
@@ -175,10 +175,10 @@ def load_file(folder: Folder, name: str, *, kind: str = "state_dict", checksums:
     """
     source = str(folder.where(name))
     with folder.open_file(name) as f:
-        st = os.fstat(f.fileno())
-        size = st.st_size
+        st = folder.opened_stat(f)
+        size = st.size
         if once is not None:
-            identity = (st.st_dev, st.st_ino)
+            identity = st.identity
             if identity in once:
                 raise CheckpointError(f"{source} is {once[identity]} again (one file listed twice, or under two names: "
                                       f"a hard link); each file of a checkpoint is its own record, read once. Refused.")

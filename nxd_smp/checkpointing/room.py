@@ -53,6 +53,30 @@ class Room(ABC):
         """``name``'s identity, size and kind, None if nothing is there."""
 
     @abstractmethod
+    def is_file(self, name: str) -> bool:
+        """Whether ``name`` is a plain file."""
+
+    @abstractmethod
+    def is_dir(self, name: str) -> bool:
+        """Whether ``name`` is a folder (holds files)."""
+
+    @abstractmethod
+    def names(self) -> list[str]:
+        """The names in this folder (files and folders, one level), sorted."""
+
+    @abstractmethod
+    def sub(self, name: str, *, source: str | None = None) -> Room:
+        """The folder ``name`` below this one.
+
+        Raises:
+            CheckpointError: missing, or not a folder (a link is never followed); naming it.
+        """
+
+    @abstractmethod
+    def opened_stat(self, file: BinaryIO) -> FileStat:
+        """What ``file`` (``open_file``'s) is: the file itself, not what its name means now."""
+
+    @abstractmethod
     def tree_size(self) -> int:
         """The bytes of every file in the folder and below it."""
 
@@ -135,6 +159,11 @@ class Store(ABC):
         Raises:
             CheckpointError: nothing was committed (the version was swapped, another job committed first).
         """
+
+    @abstractmethod
+    def discard(self, begun: list) -> None:
+        """Rank 0, once a rank's write failed (every rank has stopped writing): remove the version ``begin``
+        made; what cannot be removed is left with a warning (the next save of its name removes it)."""
 
     @abstractmethod
     def retain(self, keep: int, newest: str) -> None:

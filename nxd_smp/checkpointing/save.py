@@ -33,7 +33,7 @@ from ..backend.agreement import decide, error_text
 from ..backend.coordination import Coordinator
 from ..core.dtensors import tensor_parallel_layout
 from ..core.errors import CheckpointError
-from ..core.progress import phases
+from ..core.progress import phases, transfer
 from ..zero1_optimizer import Zero1Optimizer
 from .files import Folder
 from .smp_format import completion_bytes, entries_to_save, small_files
@@ -83,7 +83,7 @@ def save(path: Any, model: nn.Module, optimizer: Zero1Optimizer | None, backend:
             store.close()
         raise CheckpointError(f"nothing was saved to {path}: {e}") from None
     opened = open_begun(store, path.parent, begun)  # (a failure: told to every rank by the write)
-    job = dict(opened=opened, path=path, begun=begun, num_kept=num_kept_ckpts)
+    job = dict(opened=opened, path=path, begun=begun, num_kept=num_kept_ckpts, progress=progress)
     if not async_save:
         try:
             with phases(progress, coordinator.rank, ["write", "publish"], f"save {path.name}", log) as advance:
@@ -170,7 +170,7 @@ def check_async_save(coordinator: Coordinator) -> None:
 
 def _write_and_publish(state: Mapping[str, torch.Tensor], small: Mapping[str, bytes], coordinator: Coordinator, *,
                        opened: tuple[Store, Room] | Exception, path: Any, begun: list, num_kept: int | None,
-                       advance: Callable[[str], None]) -> None:
+                       advance: Callable[[str], None], progress: bool | None) -> None:
     """Every rank writes its tensors into the version it opened (``opened``: the store and the version, or why
     it could not); then rank 0 writes the index and the small files, and the store commits the version with
     its completion record and applies the retention."""
@@ -178,7 +178,10 @@ def _write_and_publish(state: Mapping[str, torch.Tensor], small: Mapping[str, by
     def write() -> Any:
         if isinstance(opened, BaseException):
             raise opened
-        return write_tensors(opened[1], f"__{coordinator.rank}_", state, threads=IO_THREADS)
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        desc = f"write {path.name}: rank {coordinator.rank}'s part"
+        with transfer(progress, coordinator.rank, total, desc, log) as moved:
+            return write_tensors(opened[1], f"__{coordinator.rank}_", state, threads=IO_THREADS, moved=moved)
 
     def publish(written: list) -> None:
         store, version = opened
@@ -195,7 +198,11 @@ def _write_and_publish(state: Mapping[str, torch.Tensor], small: Mapping[str, by
         if num_kept is not None:  # (published: the retention warns, never fails the save)
             store.retain(num_kept, newest=path.name)
 
-    write_and_publish(coordinator, write, publish, what=str(path), advance=advance)
+    def discard() -> None:
+        if not isinstance(opened, BaseException):
+            opened[0].discard(begun)
+
+    write_and_publish(coordinator, write, publish, what=str(path), discard=discard, advance=advance)
 
 
 def write_and_publish(coordinator: Coordinator, write: Callable[[], Any], publish: Callable[[list[Any]], None], *,

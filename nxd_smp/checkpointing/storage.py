@@ -19,7 +19,7 @@ import json
 import os
 import threading
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Hashable
@@ -55,9 +55,11 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
 
 
 def write_tensors(folder: Room, prefix: str, tensors: Mapping[str, torch.Tensor], *, threads: int = 2,
-                  sync: bool = True) -> tuple[dict[str, list], dict[str, list[int]]]:
+                  sync: bool = True, moved: Callable[[int], None] | None = None
+                  ) -> tuple[dict[str, list], dict[str, list[int]]]:
     """Write CPU ``tensors`` as raw bytes into ``threads`` new files ``<prefix><k>.bin`` of ``folder``
-    (largest first, balanced by size), fsynced when ``sync``.
+    (largest first, balanced by size), fsynced when ``sync``; ``moved(n)`` is told of the bytes as they go
+    (from the writing threads).
 
     Returns:
         ``(entries, files)``, both JSON values: ``entries[key] = [file, offset, length, crc32, dtype
@@ -91,6 +93,8 @@ def write_tensors(folder: Room, prefix: str, tensors: Mapping[str, torch.Tensor]
                     file_crc = zlib.crc32(chunk, file_crc)
                     while chunk:  # a raw write may take fewer bytes than given
                         chunk = chunk[f.write(chunk) :]
+                    if moved is not None:
+                        moved(min(_CHUNK, len(view) - start))
                 mine[key] = [name, offset, len(view), crc, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
                 offset += len(view)
             if sync:

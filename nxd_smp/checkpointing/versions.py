@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import CheckpointError
-from .files import Folder, after_publish, replace_file
+from .files import Folder, after_publish, replace_file, warn_on_failure
 from .room import Room, Store
 from .typed_json import loads
 
@@ -397,6 +397,12 @@ class LocalStore(Store):
         version.write_bytes(COMPLETE_FILE, completion)
         version.fsync()
         publish_version(self.root, name, begun[0], tuple(begun[1:]))
+
+    def discard(self, begun: list) -> None:
+        with warn_on_failure(f"removing {self.root.where(begun[0])}, the version of a save that failed",
+                             "the next save of its name removes it"):
+            if self.root.lstat(begun[0]) is not None and self.root.identity(begun[0]) == tuple(begun[1:]):
+                remove_version(self.root, begun[0])
 
     def retain(self, keep: int, newest: str) -> None:
         retain(self.root, keep, newest)

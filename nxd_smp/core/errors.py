@@ -38,5 +38,15 @@ class BudgetError(CheckpointError):
     file. The message names the file, the budget and what its size allowed."""
 
 
+class LostCommitError(CheckpointError):
+    """A save to object storage found its commit record taken by another save of the same checkpoint
+    name (another job): it is certainly not committed."""
+
+
+class NotCommittedError(CheckpointError):
+    """A checkpoint name on object storage with versions but no commit record: its saves were cut off
+    before their commit."""
+
+
 class CoordinationError(RuntimeError):
     """A rank did not take part in an exchange (it failed, or it waited past the timeout)."""

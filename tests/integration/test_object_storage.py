@@ -27,7 +27,7 @@ from nxd_smp.core.errors import CheckpointError
 from tests.checkpoint_scenario import build, load_then_continue, params_of, save_then_continue, train
 from tests.distributed import run_ranks
 from tests.oracle import assert_params_close
-from tests.s3_server import S3Server
+from tests.s3_server import S3Server, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 BUCKET = "ckpt"
@@ -79,9 +79,10 @@ def test_nxd_call_shapes_round_trip_bit_exact_at_dp1(server, prefix):
     # NxD's shape: a directory of tags, the newest loaded, user content back
     model, opt = build(seed=0)
     train(model, opt, 3, 0)
-    save_checkpoint(prefix, "step_3", model, opt, user_content={"step": 3}, num_kept_ckpts=-1)
+    version = save_checkpoint(prefix, "step_3", model, opt, user_content={"step": 3}, num_kept_ckpts=-1)
     other, other_opt = build(seed=7)
     assert load_checkpoint(prefix, model=other, optimizer=other_opt) == {"step": 3}
+    assert load_checkpoint(str(version), model=other, optimizer=other_opt) == {"step": 3}  # (the version itself)
     assert_same_params(params_of(other), params_of(model))
     for mine, theirs in zip(opt.master_shards, other_opt.master_shards):
         assert torch.equal(mine, theirs)
@@ -115,6 +116,45 @@ def test_the_offline_tools_read_from_s3(server, prefix, tmp_path):
     out = subprocess.run([sys.executable, "-m", "nxd_smp", "inspect", f"{prefix}/ckpt", "--verify"],
                          capture_output=True, text=True, cwd=ROOT, env=os.environ.copy())
     assert out.returncode == 0 and f"{prefix}/ckpt/v-" in out.stdout, out.stderr
+
+
+def same(a, b) -> bool:
+    """Whether two state dicts hold the same structure, values and tensors (bit for bit)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
+            and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict) or isinstance(b, dict):
+        return isinstance(a, dict) and isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_nxd_trainings_state_dicts_round_trip_on_s3_as_on_local_disk(server, prefix, tmp_path):
+    """NxD Training's call shape (state dicts in, dicts to fill out) with an s3:// directory, against the same
+    calls into a local directory (NxD's tag folders, tested against NxD's own files elsewhere)."""
+    model, opt = build(seed=0)
+    train(model, opt, 2, 0)
+    for where in (prefix, tmp_path / "run"):
+        for step in (1, 2):
+            save_checkpoint(where, f"step_{step}", model=model.state_dict(), optimizer=opt.state_dict(),
+                            user_content={"step": step}, num_kept_ckpts=1)
+    assert {k.split("/")[1] for k in keys(server, prefix) if f"/{COMMITS}/" not in k} == {"step_2"}
+    filled = []
+    for where in (prefix, tmp_path / "run"):
+        model_sd: dict = {}
+        optimizer_sd: dict = {}
+        assert load_checkpoint(where, "step_2", model=model_sd, optimizer=optimizer_sd) == {"step": 2}
+        filled.append((model_sd, optimizer_sd))
+    assert filled[0][0] and filled[0][1] and same(filled[0], filled[1])
+    other, other_opt = build(seed=3)  # into live objects: the rank-local state dict through its own reader
+    assert load_checkpoint(prefix, model=other, optimizer=other_opt) == {"step": 2}
+    assert_same_params(params_of(other), params_of(model))
+    for mine, theirs in zip(opt.master_shards, other_opt.master_shards):
+        saved, loaded = opt.inner_optimizer.state[mine], other_opt.inner_optimizer.state[theirs]
+        assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    remove_checkpoint(f"{prefix}/step_2")
+    assert not has_checkpoint(prefix) and not keys(server, f"{prefix}/step_2")
 
 
 # ---------------------------------------------------------------------------- the commit
@@ -215,6 +255,26 @@ def test_a_manifest_or_completion_record_altered_after_the_save_is_refused(serve
         has_checkpoint(prefix)                                                      # would start over)
 
 
+def test_a_save_that_fails_on_a_rank_removes_its_version_and_keeps_the_previous(server, prefix, monkeypatch):
+    model, opt = build(seed=0)
+    save_checkpoint(f"{prefix}/ckpt", model=model, optimizer=opt, extra={"which": "first"})
+    before = keys(server, f"{prefix}/ckpt")
+    real_write = object_store._Upload.write
+
+    def failing(self, data):  # (fault injection: the server refuses one file's bytes midway)
+        if self._key.endswith("__0_1.bin"):
+            raise CheckpointError("injected: the upload was refused")
+        return real_write(self, data)
+
+    monkeypatch.setattr(object_store._Upload, "write", failing)
+    with pytest.raises(CheckpointError, match="injected"):
+        save_checkpoint(f"{prefix}/ckpt", model=model, optimizer=opt, extra={"which": "second"})
+    monkeypatch.undo()
+    assert keys(server, f"{prefix}/ckpt") == before and not server.uploads(BUCKET, f"{prefix[len('s3://ckpt/'):]}/")
+    other, other_opt = build(seed=3)
+    assert load_checkpoint(f"{prefix}/ckpt", model=other, optimizer=other_opt) == {"which": "first"}
+
+
 # ---------------------------------------------------------------------------- kills and outages
 KILLED_SAVER = textwrap.dedent("""
     import sys, torch, torch.nn as nn
@@ -300,6 +360,43 @@ def test_the_server_restarting_mid_save_is_retried_or_a_clear_error_never_half_a
         assert load_checkpoint(prefix, model=fresh, optimizer=fresh_opt) == {"which": "before"}
 
 
+# ---------------------------------------------------------------------------- nodes without a shared disk
+def torchrun(nnodes: int, nproc: int, mode: str, prefix: str, out: Path, scratch: Path, timeout: float = 300) -> None:
+    """``torchrun --nnodes N --nproc-per-node P --rdzv-backend c10d`` on localhost, one agent per "node", each
+    in a scratch folder of its own (its working directory and TMPDIR): no disk is shared but the bucket."""
+    (port,) = free_ports(1)
+    agents = []
+    for node in range(nnodes):
+        home = scratch / f"node{node}"
+        home.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(home), "OMP_NUM_THREADS": "1"}
+        agents.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=s3-{mode}-{port}",
+             str(ROOT / "tests" / "s3_nodes_worker.py"), mode, prefix, str(out)],
+            cwd=home, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    assert all(agent.returncode == 0 for agent in agents), "\n".join(outputs)[-4000:]
+
+
+def test_two_nodes_without_a_shared_disk_save_to_s3_and_resume_at_another_world_size(server, prefix, tmp_path):
+    """Two "nodes" of two ranks (torchrun's c10d rendezvous on localhost) save to S3 in the background while
+    training goes on; three ranks on one other node resume from it and match the run that was never cut."""
+    torchrun(2, 2, "save", prefix, tmp_path / "uninterrupted.pt", tmp_path / "first")
+    torchrun(1, 3, "resume", prefix, tmp_path / "resumed.pt", tmp_path / "second")
+    uninterrupted = torch.load(tmp_path / "uninterrupted.pt", weights_only=True)
+    assert_params_close(torch.load(tmp_path / "resumed.pt", weights_only=True), uninterrupted, max_ulp=2,
+                        max_flip_fraction=0.05)
+    files = {k.rsplit("/", 1)[-1] for k in keys(server, f"{prefix}/step_3")}
+    assert {f"__{rank}_0.bin" for rank in range(4)} <= files  # (every rank of both nodes uploaded its part)
+    for home in (tmp_path / "first").iterdir():
+        assert not [p.name for p in home.iterdir() if p.name.startswith("s3")], "a URL became a local folder"
+
+
 # ---------------------------------------------------------------------------- the doors
 def test_an_s3_path_without_boto3_is_refused_with_the_install_line(monkeypatch, tmp_path):
     monkeypatch.setattr(object_store, "_client", None)
@@ -317,12 +414,6 @@ def test_an_s3_url_that_names_no_prefix_of_plain_names_is_refused(url, why):
     model, opt = build(seed=0)
     with pytest.raises(ConfigError, match=re.escape(why)):
         save_checkpoint(url, model=model, optimizer=opt)
-
-
-def test_state_dicts_to_s3_are_refused_naming_the_call_shape_that_works():
-    model, opt = build(seed=0)
-    with pytest.raises(ConfigError, match="pass the model and the optimizer themselves"):
-        save_checkpoint("s3://bucket/run1", "step_1", model=model.state_dict(), optimizer=opt.state_dict())
 
 
 def test_saving_over_objects_that_are_not_a_checkpoint_is_refused(server, prefix):

@@ -11,7 +11,9 @@ from typing import Any
 
 from ...backend import Backend
 from ...checkpointing.files import Folder, user_path
+from ...checkpointing.locations import open_store
 from ...checkpointing.pipeline import FolderFormat, register_format
+from ...checkpointing.room import Room
 from ...optim.loading.run import Reader
 from ...optim.loading.staged import Request, Staged, Targets
 from .folders import STATE_DICTS_FILE, here, is_complete, is_nxd_checkpoint, nxd_tags, read_tag, remove_tag
@@ -47,6 +49,10 @@ class NxdTagFolders(FolderFormat):
         state_dicts = isinstance(targets.model, MutableMapping) or isinstance(targets.optimizer, MutableMapping)
 
         def read_nxd(request: Request) -> Staged:
+            if location[0] == "store":  # (a tag saved from state dicts to object storage: its committed version)
+                _, root, *located = location
+                with open_store(root) as store, store.open_located(located) as tag:
+                    return read_state_dicts(tag, targets, request)
             root, name = location
             with Folder.open(root) as parent, parent.sub(name) as tag:  # (opened once: no link below the root)
                 # state dicts to fill, or a tag saved from state dicts (rank-local, loaded as saved)
@@ -55,6 +61,9 @@ class NxdTagFolders(FolderFormat):
                 return read_tag(tag, targets, request)
 
         return read_nxd
+
+    def holds(self, version: Room) -> bool:
+        return version.is_file(STATE_DICTS_FILE)
 
     def save_state_dicts(self, folder: Path, *, model: Any, optimizer: Any, scheduler: Any, user_content: Any,
                          backend: Backend, async_save: bool, num_kept: int | None) -> Path:

@@ -31,11 +31,12 @@ import stat
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 
 from ...checkpointing.files import Folder
+from ...checkpointing.room import Room
 from ...checkpointing.reader import check_distinct, load_file
 from ...checkpointing.unpickler import XserReference
 from ...checkpointing.versions import DONE_FILE, MARKER_FILE
@@ -54,6 +55,9 @@ SCHEDULER_FILE = "scheduler.pt"
 #: Written into a tag saved from state dicts: the format and the sizes it was saved at.
 STATE_DICTS_FILE = "nxd_smp_state_dicts.json"
 STATE_DICTS_FORMAT = "nxd_smp.state_dicts/1"
+#: The completion record of a tag saved from state dicts to object storage (``COMPLETE.json``, which its commit
+#: record pins): per file its size and CRC-32.
+STORE_COMPLETE_FORMAT = "nxd_smp.state_dicts.complete/1"
 _RANK_FILE = re.compile(r"dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt")
 
 
@@ -73,7 +77,7 @@ def is_nxd_checkpoint(path: Path) -> bool:
         return False
 
 
-def _has_rank_files(tag: Folder, sub: str) -> bool:
+def _has_rank_files(tag: Room, sub: str) -> bool:
     if not tag.is_dir(sub):
         return False
     with tag.sub(sub) as folder:
@@ -140,8 +144,8 @@ def rank_file(kind: str, dp: int, tp: int, pp: int) -> str:
     return f"{kind}/dp_rank_{dp:02d}_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
 
 
-def read_file(tag: Folder, name: str, replicated: dict[str, int] | None = None,
-              once: dict[tuple[int, int], str] | None = None) -> Any:
+def read_file(tag: Room, name: str, replicated: dict[str, int] | None = None,
+              once: dict[Hashable, str] | None = None) -> Any:
     """The file ``name`` of NxD's tag folder ``tag``, its xser tensors put back in place; every file
     opened below the tag without following a link, loaded by the strict reader. ``replicated``: where
     the checksums of the files read go (from their zip records' CRC-32s), by name, for a file every rank
@@ -198,7 +202,7 @@ def read_file(tag: Folder, name: str, replicated: dict[str, int] | None = None,
     return value
 
 
-def optimizer_files(tag: Folder, tp: int, pp: int) -> list[str]:
+def optimizer_files(tag: Room, tp: int, pp: int) -> list[str]:
     """This (TP, PP) coordinate's optimizer files (names in the tag), in DP rank order."""
     if not tag.is_dir("optim"):
         return []
@@ -221,7 +225,7 @@ def optimizer_files(tag: Folder, tp: int, pp: int) -> list[str]:
     return [ranks[d] for d in range(len(ranks))]
 
 
-def check_complete(tag: Folder) -> None:
+def check_complete(tag: Room) -> None:
     if tag.is_file(MARKER_FILE) and not tag.is_file(DONE_FILE):
         raise CheckpointError(f"the NxD checkpoint {tag.where()} is incomplete (no '{DONE_FILE}' file): its save was cut "
                               f"off.")
@@ -238,7 +242,7 @@ def stage_model(staged: Staged, weights: Any, source: str) -> None:
                                dict(weights), source)
 
 
-def stage_objects(staged: Staged, tag: Folder, request: Request, once: dict[tuple[int, int], str] | None = None
+def stage_objects(staged: Staged, tag: Room, request: Request, once: dict[Hashable, str] | None = None
                   ) -> None:
     """The scheduler's state (when asked for) and the user content of ``tag`` into ``staged``."""
     if SCHEDULER in request.objects:
@@ -249,7 +253,7 @@ def stage_objects(staged: Staged, tag: Folder, request: Request, once: dict[tupl
 
 
 # ---------------------------------------------------------------------------- NxD's own tags
-def read_tag(tag: Folder, targets: Targets, request: Request) -> Staged:
+def read_tag(tag: Room, targets: Targets, request: Request) -> Staged:
     """This rank's files of NxD's tag folder ``tag`` (at its coordinate), staged for a live model
     and ``Zero1Optimizer``: the model's weights, the whole per-parameter optimizer state (torch_xla's
     ZeRO-1 layout over every DP rank's file, or a plain optimizer's replicated one), the master weights
@@ -261,7 +265,7 @@ def read_tag(tag: Folder, targets: Targets, request: Request) -> Staged:
     coordinate = here(targets)
     check_complete(tag)
     staged = Staged(source=str(tag.where()))
-    once: dict[tuple[int, int], str] = {}  # every file read once
+    once: dict[Hashable, str] = {}  # every file read once
     model_file = rank_file("model", 0, coordinate.tensor, coordinate.pipeline)
     weights = read_file(tag, model_file, staged.replicated, once)
     stage_model(staged, weights, str(tag.where(model_file)))

@@ -16,9 +16,10 @@ from __future__ import annotations
 import io
 import json
 import secrets
+import zlib
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 import torch.nn as nn
@@ -28,7 +29,10 @@ from ...backend.agreement import decide
 from ...backend.coordination import Coordinator
 from ...checkpointing.files import Folder, after_publish, place_directory
 from ...checkpointing.reader import check_distinct, load_bytes
-from ...checkpointing.save import check_async_save, close_opened, open_made, write_and_publish
+from ...checkpointing.locations import open_store
+from ...checkpointing.object_store import S3Path
+from ...checkpointing.room import Room, Store
+from ...checkpointing.save import check_async_save, close_opened, open_begun, open_made, write_and_publish
 from ...checkpointing.typed_json import loads
 from ...checkpointing.unpickler import MAX_DEPTH
 from ...checkpointing.versions import DONE_FILE, LEFT, MARKER_FILE
@@ -40,6 +44,7 @@ from .folders import (
     SCHEDULER_FILE,
     STATE_DICTS_FILE,
     STATE_DICTS_FORMAT,
+    STORE_COMPLETE_FORMAT,
     USER_CONTENT_FILE,
     check_complete,
     here,
@@ -105,8 +110,8 @@ def _readable(data: bytes, what: str) -> bytes:
     return data
 
 
-def save_state_dicts(tag: Path, *, model: Any, optimizer: Any, scheduler: Any, user_content: Any, backend: Backend,
-                     async_save: bool, num_kept: int | None) -> Path:
+def save_state_dicts(tag: Path | S3Path, *, model: Any, optimizer: Any, scheduler: Any, user_content: Any,
+                     backend: Backend, async_save: bool, num_kept: int | None) -> Path | S3Path:
     """Write the state dicts NxD Training passes (or ``state_dict()`` of objects given with them) into the
     tag folder ``tag``, in NxD's layout; every rank calls it.
 
@@ -116,7 +121,8 @@ def save_state_dicts(tag: Path, *, model: Any, optimizer: Any, scheduler: Any, u
     ``nxd_smp_state_dicts.json`` (the DP size) from rank 0, ``done`` last. Rank 0 makes a new hidden folder
     in the root and every rank checks it opened that folder (device and inode) before writing into it;
     it is renamed into place once complete; a tag saved again replaces the old folder, whose ``done`` goes
-    first. Returns ``tag``.
+    first. On S3 (``tag`` an ``S3Path``) the same files go into a version committed as the tag
+    (``_save_to_store``). Returns ``tag``.
 
     Raises:
         CheckpointError: ``tag`` is something else than a tag folder, or a rank failed to write.
@@ -144,6 +150,8 @@ def save_state_dicts(tag: Path, *, model: Any, optimizer: Any, scheduler: Any, u
         record = {"format": STATE_DICTS_FORMAT, "data_parallel_size": coordinate.data_size,
                   "world_size": coordinator.size}
         files[STATE_DICTS_FILE] = json.dumps(record).encode()
+    if isinstance(tag, S3Path):
+        return _save_to_store(tag, files, refusal, coordinator, async_save=async_save, num_kept=num_kept)
     root: Folder | None = None
 
     def begin() -> list:
@@ -181,6 +189,57 @@ def save_state_dicts(tag: Path, *, model: Any, optimizer: Any, scheduler: Any, u
             close_opened(job["opened"])
 
     start_save(str(tag), work)
+    return tag
+
+
+def _save_to_store(tag: S3Path, files: Mapping[str, bytes], refusal: TypeError | None, coordinator: Coordinator, *,
+                   async_save: bool, num_kept: int | None) -> S3Path:
+    """``save_state_dicts`` into object storage: the same files into a new version of the store at the tag's
+    parent, committed as the tag with ``done`` in it (``checkpointing.object_store``: no rename there);
+    the retention counts the store's tags."""
+    store: Store | None = None
+
+    def begin() -> list:
+        nonlocal store
+        if refusal is not None:
+            raise TypeError(f"nothing was saved to {tag}: {refusal}")
+        store = open_store(tag.parent)
+        return store.begin(tag.name)
+
+    try:
+        begun = decide(coordinator, begin)
+    except (CheckpointError, FileNotFoundError) as e:
+        raise CheckpointError(f"the save of {tag} was refused: {e}") from None
+    opened = open_begun(store, tag.parent, begun)  # (a failure: told to every rank by the write)
+
+    def write() -> None:
+        if isinstance(opened, BaseException):
+            raise opened
+        for file, data in files.items():
+            opened[1].write_bytes(file, data)
+
+    def publish(_: list) -> None:
+        store, version = opened
+        version.write_bytes(DONE_FILE, b"1")
+        listed = {file: [len(data), zlib.crc32(data)] for file, data in files.items()}
+        store.publish(tag.name, begun, version, json.dumps({"format": STORE_COMPLETE_FORMAT, "files": listed}).encode())
+        if num_kept is not None:  # (published: the retention warns, never fails the save)
+            store.retain(num_kept, newest=tag.name)
+
+    def discard() -> None:
+        if not isinstance(opened, BaseException):
+            opened[0].discard(begun)
+
+    def work() -> None:
+        try:
+            write_and_publish(coordinator, write, publish, what=str(tag), discard=discard)
+        finally:
+            close_opened(opened)
+
+    if async_save:
+        start_save(str(tag), work)
+    else:
+        work()
     return tag
 
 
@@ -238,7 +297,7 @@ def _retire(tag: Folder) -> None:
 
 
 # ---------------------------------------------------------------- reading
-def _saved_data_parallel_size(tag: Folder) -> int | None:
+def _saved_data_parallel_size(tag: Room) -> int | None:
     """The DP size a tag saved from state dicts by nxd_smp was saved at (None: not such a tag).
 
     Raises:
@@ -253,7 +312,7 @@ def _saved_data_parallel_size(tag: Folder) -> int | None:
     return size
 
 
-def read_state_dicts(tag: Folder, targets: Targets, request: Request) -> Staged:
+def read_state_dicts(tag: Room, targets: Targets, request: Request) -> Staged:
     """This rank's files of the tag ``tag`` staged for the targets NxD Training's call shape passes:
     dicts to fill (as read), a module (its weights), a ``Zero1Optimizer`` (its rank-local state dict, read
     by its own reader), a plain torch optimizer (its ``state_dict()``); the scheduler's state, the user
@@ -267,7 +326,7 @@ def read_state_dicts(tag: Folder, targets: Targets, request: Request) -> Staged:
         raise CheckpointError(f"{tag.where()} is not a complete checkpoint tag (no '{DONE_FILE}' file).")
     check_complete(tag)
     staged = Staged(source=str(tag.where()), fill={})
-    once: dict[tuple[int, int], str] = {}  # every file read once
+    once: dict[Hashable, str] = {}  # every file read once
     model, optimizer = targets.model, targets.optimizer
     if model is not None:
         model_file = rank_file("model", 0, coordinate.tensor, coordinate.pipeline)

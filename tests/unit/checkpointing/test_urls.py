@@ -126,7 +126,8 @@ COMMANDS = {
 #: tests/integration/test_object_storage.py); an ``s3://`` output, a file of another tool or a loop's folder is
 #: refused as any URL is.
 TAKE_S3 = {"save_checkpoint", "save_checkpoint(dir, tag)", "save_checkpoint(checkpoint_dir_str=)",
-           "save_checkpoint(async)", "load_checkpoint", "load_checkpoint(dir, tag)", "has_checkpoint",
+           "save_checkpoint(async)", "save_checkpoint(state dicts)", "load_checkpoint", "load_checkpoint(dir, tag)",
+           "load_checkpoint(state dicts)", "has_checkpoint",
            "remove_checkpoint", "inspect_checkpoint", "read_checkpoint", "consolidate", "export_torch",
            "export_torch(coordinates)", "export_safetensors", "export_xla",
            "inspect", "inspect --verify", "export-xla", "export-torch", "export-safetensors"}

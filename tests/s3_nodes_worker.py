@@ -1,0 +1,57 @@
+"""One rank of a run on "nodes" that share no disk, launched by ``torchrun`` (tests/integration/
+test_object_storage.py): it trains, saves to S3, and goes on (``save``), or resumes from S3 at
+whatever world size it was launched with and goes on (``resume``); rank 0 writes the parameters it
+ends with to ``OUT``. Twelve micro-batches per step over all ranks, so the run is the same at
+world sizes 1, 2, 3, 4 and 6.
+
+    torchrun ... tests/s3_nodes_worker.py save|resume s3://bucket/prefix OUT
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from nxd_smp import finalize_checkpoint, load_checkpoint, save_checkpoint
+from tests.checkpoint_scenario import build, params_of
+from tests.oracle import batch, loss_fn
+
+GLOBAL_MICRO = 12
+
+
+def train(model, opt, steps: int, start: int, rank: int, world_size: int) -> None:
+    per_rank = GLOBAL_MICRO // world_size
+    for step in range(start, start + steps):
+        for m in range(per_rank):
+            x, y = batch(0, 0, step, rank * per_rank + m)
+            (loss_fn(model, x, y) / per_rank).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def main() -> None:
+    mode, url, out = sys.argv[1:4]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if mode == "save":
+        model, opt = build(seed=0)
+        train(model, opt, 3, 0, rank, world)
+        save_checkpoint(url, "step_3", model, opt, user_content={"step": 3, "world": world}, async_save=True)
+        train(model, opt, 2, 3, rank, world)
+        finalize_checkpoint()
+    else:
+        model, opt = build(seed=5)  # everything must come from the checkpoint
+        saved = load_checkpoint(url, model=model, optimizer=opt)
+        train(model, opt, 2, saved["step"], rank, world)
+    if rank == 0:
+        torch.save(params_of(model), out)
+    print(f"rank {rank} of {world} in {os.getcwd()}: {mode} done", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
