@@ -50,6 +50,7 @@ def main() -> None:
     if rank == 0:
         torch.save(params_of(model), out)
     print(f"rank {rank} of {world} in {os.getcwd()}: {mode} done", flush=True)
+    dist.barrier()  # (every rank done before any tears the group down)
     dist.destroy_process_group()
 
 
