@@ -25,7 +25,7 @@ HEADER = ["| what | measured | target | made by (the file holds the command and 
 REPORTS = ["precision/results.json", "bench_step.json", "bench_peers.json", "bench_xla.json", "bench_xla_matmul.json",
            "bench_checkpoint.json", "bench_step_options.json", "memory_options_demo.json", "compare_checkouts.json",
            "check_accelerator_cuda.json", "bench_tp.json", "bench_full_state.json",
-           "compare_checkouts_issue51.json", "bench_checkpoint_limit.json"]
+           "compare_checkouts_issue51.json", "bench_checkpoint_limit.json", "bench_checkpoint_s3.json"]
 
 
 def _load(name: str) -> dict:
