@@ -260,7 +260,7 @@ def _get(bucket: str, key: str, start: int, length: int, into: memoryview | None
     Raises:
         ChecksumError: the object ends before them.
     """
-    from botocore.exceptions import ClientError
+    from botocore.exceptions import ClientError, NoCredentialsError
 
     where = f"s3://{bucket}/{key}"
     if length == 0:
@@ -271,7 +271,7 @@ def _get(bucket: str, key: str, start: int, length: int, into: memoryview | None
                 body = _call("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")["Body"]
                 data = body.read()
                 break
-            except ClientError:
+            except (ClientError, NoCredentialsError):  # (an answer, not a dropped stream)
                 raise
             except Exception:
                 if attempt == _STREAM_RETRIES - 1:
@@ -476,10 +476,13 @@ class ObjectRoom(Room):
         return sum(self._sizes().values())
 
     def exists(self, name: str) -> bool:
+        """Whether a file or a folder is at ``name`` (a name that is no plain path: nothing; a listing that
+        fails raises)."""
         try:
-            return self.stat_file(name) is not None or self.is_dir(name)
+            check_name(name, self.where())
         except CheckpointError:
             return False
+        return self.stat_file(name) is not None or self.is_dir(name)
 
     def _stat(self, name: str, source: str | None) -> FileStat:
         key = self._key(name, source)
@@ -500,9 +503,10 @@ class ObjectRoom(Room):
 
     def is_file(self, name: str) -> bool:
         try:
-            return self.stat_file(name) is not None
+            check_name(name, self.where())
         except CheckpointError:
             return False
+        return self.stat_file(name) is not None
 
     def is_dir(self, name: str) -> bool:
         check_name(name, self.where())
@@ -528,6 +532,23 @@ class ObjectRoom(Room):
             raise CheckpointError(f"{self.where(name)} is not the file its commit record names (size or CRC-32 "
                                   f"differ): altered after the save; refused.")
         return data
+
+    def restricted_to(self, files: dict[str, tuple[int, int]]) -> ObjectRoom:
+        """This version as its completion record lists it: exactly the files ``files`` (name -> size, CRC-32),
+        each there at its size, each checked against its CRC-32 when read whole (``read_bytes``); an object
+        the record does not list is not seen.
+
+        Raises:
+            CheckpointError: a listed file missing or of another size, naming it.
+        """
+        listed = self._sizes()
+        bad = sorted(name for name, (size, _) in files.items() if listed.get(name) != size)
+        if bad:
+            raise CheckpointError(f"the checkpoint at {self.where()} is damaged: {bad[:4]} "
+                                  f"{'is' if len(bad) == 1 else 'are'} missing or not of the size its completion "
+                                  f"record lists.")
+        return ObjectRoom(self.path, pinned={**self._pinned, **files},
+                          listing={name: size for name, (size, _) in files.items()})
 
     def create(self, name: str) -> _Upload:
         return _Upload(self.path.bucket, self._key(name))
@@ -758,7 +779,12 @@ class ObjectStore(Store):
                 return manifest
             if found is not None and found.name == manifest.name:
                 raise self._lost(manifest)
-            # another name's save (or one removed since): the next sequence
+            # another name's save (or one removed since): the next sequence, unless a save of this name committed
+            # since this one began (its record skipped on the way: this one would replace it unseen)
+            begun = _begun_at(manifest.version)
+            if any(m.name == manifest.name and m.save != manifest.save and m.sequence >= begun
+                   for m in self.manifests()):
+                raise self._lost(manifest)
             manifest = Manifest(max(self._sequences(), default=0) + 1, *dataclasses.astuple(manifest)[1:])
         raise CheckpointError(f"committing {self.where(manifest.name)} found {_OTHER_NAMES_RETRIES} commit records "
                               f"taken by other saves in a row; nothing was committed.")
@@ -838,8 +864,8 @@ class ObjectStore(Store):
                                     f"their commit (no commit record in {self.where()}/{COMMITS} names it). Resume "
                                     f"from an earlier checkpoint.")
         if other:
-            raise CheckpointError(f"{self.where(name)} holds objects but no nxd_smp checkpoint (the first: "
-                                  f"s3://{self._bucket}/{other[0]}).")
+            raise NotCommittedError(f"{self.where(name)} holds objects but no committed nxd_smp checkpoint (the first: "
+                                    f"s3://{self._bucket}/{other[0]}).")
         raise FileNotFoundError(f"no checkpoint at {self.where(name)}: nothing is stored there.")
 
     @staticmethod

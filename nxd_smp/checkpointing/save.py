@@ -83,7 +83,9 @@ def save(path: Any, model: nn.Module, optimizer: Zero1Optimizer | None, backend:
             store.close()
         raise CheckpointError(f"nothing was saved to {path}: {e}") from None
     opened = open_begun(store, path.parent, begun)  # (a failure: told to every rank by the write)
-    job = dict(opened=opened, path=path, begun=begun, num_kept=num_kept_ckpts, progress=progress)
+    # (a bar in bytes from the background writer would cut through the training loop's output: it logs)
+    job = dict(opened=opened, path=path, begun=begun, num_kept=num_kept_ckpts,
+               progress=False if async_save else progress)
     if not async_save:
         try:
             with phases(progress, coordinator.rank, ["write", "publish"], f"save {path.name}", log) as advance:

@@ -153,6 +153,16 @@ def test_nxd_trainings_state_dicts_round_trip_on_s3_as_on_local_disk(server, pre
     for mine, theirs in zip(opt.master_shards, other_opt.master_shards):
         saved, loaded = opt.inner_optimizer.state[mine], other_opt.inner_optimizer.state[theirs]
         assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    # what the completion record does not list is not seen; a listed file of another size is refused
+    (version,) = {k.rsplit("/", 2)[0] for k in keys(server, f"{prefix}/step_2") if "/optim/" in k}
+    client = server.client()
+    client.put_object(Bucket=BUCKET, Key=f"{version}/optim/dp_rank_01_tp_rank_00_pp_rank_00.pt", Body=b"planted")
+    model_sd, optimizer_sd = {}, {}
+    assert load_checkpoint(prefix, "step_2", model=model_sd, optimizer=optimizer_sd) == {"step": 2}
+    assert same((model_sd, optimizer_sd), filled[0])
+    client.put_object(Bucket=BUCKET, Key=f"{version}/user_content.pt", Body=b"short")
+    with pytest.raises(CheckpointError, match="not of the size its completion record lists"):
+        load_checkpoint(prefix, "step_2", model={}, optimizer={})
     remove_checkpoint(f"{prefix}/step_2")
     assert not has_checkpoint(prefix) and not keys(server, f"{prefix}/step_2")
 
@@ -208,6 +218,34 @@ def test_sibling_checkpoints_saved_at_once_both_commit(server, prefix):
     assert names == ["tp0", "tp1"]
     other, other_opt = build(seed=3)
     assert load_checkpoint(f"{prefix}/tp0", model=other, optimizer=other_opt) == {"tp": 0}
+
+
+def test_a_save_that_passes_another_names_record_still_meets_its_own_names(server, prefix):
+    """Job A begins a save of x; a sibling name takes A's record; job B begins later and commits x at the next.
+    A, moving past the sibling's record, finds B's record of x: refused, not committed over it."""
+    model, opt = build(seed=0)
+    store = open_store(S3Path.parse(prefix))
+    begun = store.begin("x")
+    version = store.open_version(begun)
+    save_checkpoint(f"{prefix}/c", model=model, optimizer=opt, extra={"name": "c"})
+    save_checkpoint(f"{prefix}/x", model=model, optimizer=opt, extra={"job": "B"})
+    with pytest.raises(CheckpointError, match="another job committed"):
+        store.publish("x", begun, version, b"{}")
+    other, other_opt = build(seed=3)
+    assert load_checkpoint(f"{prefix}/x", model=other, optimizer=other_opt) == {"job": "B"}
+
+
+def test_a_prefix_with_nothing_committed_has_no_checkpoint(server, prefix):
+    """A run's prefix holding other objects, or only a first save killed before its commit: has_checkpoint is
+    False (a resume starts afresh), not an error."""
+    key = prefix.removeprefix(f"s3://{BUCKET}/")
+    client = server.client()
+    client.put_object(Bucket=BUCKET, Key=f"{key}/config.yaml", Body=b"lr: 1")
+    client.put_object(Bucket=BUCKET, Key=f"{key}/step_1/v-{1:016d}-abcdefabcdef/__0_0.bin", Body=b"x")
+    assert not has_checkpoint(prefix) and not has_checkpoint(f"{prefix}/step_1")
+    model, opt = build(seed=0)
+    with pytest.raises(CheckpointError, match="cut off before their commit"):
+        load_checkpoint(f"{prefix}/step_1", model=model, optimizer=opt)
 
 
 def test_a_retried_commit_that_meets_its_own_first_write_succeeds(server, prefix):

@@ -16,7 +16,16 @@ from ...checkpointing.pipeline import FolderFormat, register_format
 from ...checkpointing.room import Room
 from ...optim.loading.run import Reader
 from ...optim.loading.staged import Request, Staged, Targets
-from .folders import STATE_DICTS_FILE, here, is_complete, is_nxd_checkpoint, nxd_tags, read_tag, remove_tag
+from .folders import (
+    STATE_DICTS_FILE,
+    here,
+    is_complete,
+    is_nxd_checkpoint,
+    nxd_tags,
+    read_tag,
+    remove_tag,
+    store_completion,
+)
 from .state_dicts import read_state_dicts, save_state_dicts
 
 
@@ -49,10 +58,10 @@ class NxdTagFolders(FolderFormat):
         state_dicts = isinstance(targets.model, MutableMapping) or isinstance(targets.optimizer, MutableMapping)
 
         def read_nxd(request: Request) -> Staged:
-            if location[0] == "store":  # (a tag saved from state dicts to object storage: its committed version)
-                _, root, *located = location
-                with open_store(root) as store, store.open_located(located) as tag:
-                    return read_state_dicts(tag, targets, request)
+            if location[0] == "store":  # (a tag saved from state dicts to object storage: its committed version,
+                _, root, *located = location  # seen as its completion record lists it)
+                with open_store(root) as store, store.open_located(located) as version:
+                    return read_state_dicts(version.restricted_to(store_completion(version)), targets, request)
             root, name = location
             with Folder.open(root) as parent, parent.sub(name) as tag:  # (opened once: no link below the root)
                 # state dicts to fill, or a tag saved from state dicts (rank-local, loaded as saved)

@@ -35,11 +35,12 @@ from typing import Any, Hashable
 
 import torch
 
-from ...checkpointing.files import Folder
+from ...checkpointing.files import Folder, check_name
 from ...checkpointing.room import Room
 from ...checkpointing.reader import check_distinct, load_file
 from ...checkpointing.unpickler import XserReference
-from ...checkpointing.versions import DONE_FILE, MARKER_FILE
+from ...checkpointing.typed_json import loads
+from ...checkpointing.versions import COMPLETE_FILE, DONE_FILE, MARKER_FILE
 from ...core.errors import CheckpointError
 from ...optim.loading.check import SCHEDULER
 from ...optim.loading.run import full_state
@@ -223,6 +224,27 @@ def optimizer_files(tag: Room, tp: int, pp: int) -> list[str]:
         raise CheckpointError(f"{tag.where('optim')} has the DP ranks {sorted(ranks)} for tp {tp} pp {pp}; some are "
                               f"missing.")
     return [ranks[d] for d in range(len(ranks))]
+
+
+def store_completion(version: Room) -> dict[str, tuple[int, int]]:
+    """The files a tag saved from state dicts to object storage holds, from its ``COMPLETE.json`` (which the
+    commit record pins): name -> (size, CRC-32).
+
+    Raises:
+        CheckpointError: the record is missing or not one ``save_state_dicts`` writes.
+    """
+    source = str(version.where(COMPLETE_FILE))
+    value = loads(version.read_bytes(COMPLETE_FILE, limit=1 << 24), source)
+    files = value.get("files") if isinstance(value, dict) and value.get("format") == STORE_COMPLETE_FORMAT else None
+    if not (isinstance(files, dict) and set(value) == {"format", "files"} and all(
+            isinstance(name, str) and isinstance(entry, list) and len(entry) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63 for v in entry)
+            for name, entry in files.items())):
+        raise CheckpointError(f"{source} is not the completion record of a tag saved from state dicts "
+                              f"({{'format': {STORE_COMPLETE_FORMAT!r}, 'files': {{name: [size, CRC-32]}}}}).")
+    for name in files:
+        check_name(name, source)
+    return {name: (size, crc) for name, (size, crc) in files.items()}
 
 
 def check_complete(tag: Room) -> None:

@@ -212,16 +212,18 @@ def _save_to_store(tag: S3Path, files: Mapping[str, bytes], refusal: TypeError |
         raise CheckpointError(f"the save of {tag} was refused: {e}") from None
     opened = open_begun(store, tag.parent, begun)  # (a failure: told to every rank by the write)
 
-    def write() -> None:
+    def write() -> dict[str, list[int]]:
         if isinstance(opened, BaseException):
             raise opened
         for file, data in files.items():
             opened[1].write_bytes(file, data)
+        return {file: [len(data), zlib.crc32(data)] for file, data in files.items()}
 
-    def publish(_: list) -> None:
+    def publish(written: list) -> None:
         store, version = opened
         version.write_bytes(DONE_FILE, b"1")
-        listed = {file: [len(data), zlib.crc32(data)] for file, data in files.items()}
+        listed = {file: entry for part in written for file, entry in part.items()}  # (every rank's files)
+        listed[DONE_FILE] = [1, zlib.crc32(b"1")]
         store.publish(tag.name, begun, version, json.dumps({"format": STORE_COMPLETE_FORMAT, "files": listed}).encode())
         if num_kept is not None:  # (published: the retention warns, never fails the save)
             store.retain(num_kept, newest=tag.name)
