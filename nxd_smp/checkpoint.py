@@ -419,7 +419,7 @@ def has_checkpoint(path: str | os.PathLike) -> bool:
     rather than a resume starting over. A link elsewhere than its own version is none.
 
     On S3, ``path`` is a checkpoint with a commit record, or a prefix holding one
-    (``checkpointing.object_store``); a failure to find out (the server away, a damaged commit
+    (``checkpointing.object_store``), or NxD's own tag folder there (with ``done``); a failure to find out (the server away, a damaged commit
     record) is raised rather than answered False, which would have a resume start over.
 
     Raises:
@@ -432,8 +432,8 @@ def has_checkpoint(path: str | os.PathLike) -> bool:
             try:
                 store.locate(path.name)
                 return True
-            except (FileNotFoundError, NotCommittedError):
-                return False
+            except (FileNotFoundError, NotCommittedError):  # (or a folder NxD itself wrote to the bucket)
+                return any(f.locate_in_bucket(path) is not None for f in registered_formats()[:-1])
     for folder_format in registered_formats():
         if folder_format.is_folder(path):
             return folder_format.is_complete(path)

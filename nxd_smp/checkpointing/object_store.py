@@ -254,6 +254,18 @@ def _list(bucket: str, prefix: str) -> dict[str, int]:
     return objects
 
 
+def objects_below(path: S3Path) -> dict[str, tuple[int, float]]:
+    """The objects below ``path``, by their names relative to it: (size, time last modified, in seconds since
+    the epoch): what a reader of another tool's folder orders by where that tool does (NxD's ``done``)."""
+    found: dict[str, tuple[int, float]] = {}
+    pages = s3_client().get_paginator("list_objects_v2").paginate(Bucket=path.bucket, Prefix=path.prefix)
+    with _s3(f"listing {path}"):
+        for page in pages:
+            for o in page.get("Contents", []):
+                found[o["Key"][len(path.prefix):]] = (o["Size"], o["LastModified"].timestamp())
+    return found
+
+
 def _get(bucket: str, key: str, start: int, length: int, into: memoryview | None = None) -> bytes | None:
     """Bytes ``[start, start + length)`` of the object ``key`` (a ranged GET), or into ``into``.
 

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-from ..core.errors import CheckpointError
+from ..core.errors import CheckpointError, NotCommittedError
 from ..optim.loading.run import Reader
 from ..optim.loading.staged import Request, Staged, Targets
 from .files import entry_kind
@@ -54,6 +54,11 @@ class FolderFormat(ABC):
     @abstractmethod
     def reader(self, location: Any, targets: Targets, *, verify: bool) -> Reader:
         """The reader of the checkpoint at ``location`` (``locate``'s) for ``targets``."""
+
+    def locate_in_bucket(self, path: S3Path) -> Any | None:
+        """Where this tool's own folder at ``path`` (or the newest under it) is in a bucket, written there by the
+        tool itself (no commit record of nxd_smp's), as a JSON value its ``reader`` takes; None if none is."""
+        return None
 
     def holds(self, version: Room) -> bool:
         """Whether a version of nxd_smp's stores (an object store's: ``locate_checkpoint``) holds this format's
@@ -140,7 +145,14 @@ def locate_checkpoint(path: Path | S3Path) -> list:
     """
     own = _formats[-1]
     if isinstance(path, S3Path):  # (a version of the object store: nxd_smp's files, or another format's inside it)
-        location = own.locate(path)
+        try:
+            location = own.locate(path)
+        except (FileNotFoundError, NotCommittedError):  # (nothing nxd_smp committed: another tool's own folder?)
+            found = next(([f.name, where] for f in _formats[:-1] if (where := f.locate_in_bucket(path)) is not None),
+                         None)
+            if found is None:
+                raise
+            return found
         with open_store(location[0]) as store, store.open_located(location[1:]) as version:
             other = next((f for f in _formats[:-1] if f.holds(version)), None)
         return [own.name, location] if other is None else [other.name, ["store", *location]]

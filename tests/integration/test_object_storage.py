@@ -167,6 +167,44 @@ def test_nxd_trainings_state_dicts_round_trip_on_s3_as_on_local_disk(server, pre
     assert not has_checkpoint(prefix) and not keys(server, f"{prefix}/step_2")
 
 
+def test_nxd_own_tag_folders_in_a_bucket_load_as_they_do_from_disk(server, prefix, tmp_path):
+    """Folders NxD itself wrote to S3 (its tag layout under the prefix, ``done`` last; no commit record of
+    nxd_smp's), plain and xser: loaded from the bucket as from the same folder on local disk."""
+    from nxd_smp import Zero1Optimizer
+    from nxd_smp.interop.torch_xla import export_xla
+    from tests.crafted import trained_run, write_nxd_tag
+    from tests.nxd_layout import HYPER, TAG, param_groups, scheduler_of
+    from tests.xla_export_worker import make_model
+
+    model, _, scheduler = trained_run(tmp_path)
+    (one_rank,) = export_xla(tmp_path / "nxd_smp" / "ckpt", tmp_path / "xla_dp1", dp_size=1)
+    optim_state = torch.load(one_rank, weights_only=True)
+    client, key = server.client(), prefix.removeprefix(f"s3://{BUCKET}/")
+    for layout in ("plain", "xser"):
+        tag = write_nxd_tag(tmp_path / layout, dict(model.state_dict()), optim_state, scheduler.state_dict(),
+                            xser=layout == "xser")
+        for file in sorted((p for p in tag.rglob("*") if p.is_file()), key=lambda p: p.name == "done"):
+            client.put_object(Bucket=BUCKET, Key=f"{key}/{layout}/{TAG}/{file.relative_to(tag)}", Body=file.read_bytes())
+        loaded = []
+        for where in (tmp_path / layout, f"{prefix}/{layout}"):
+            fresh = make_model()
+            with torch.no_grad():
+                for p in fresh.parameters():
+                    p.mul_(-1)
+            opt = Zero1Optimizer(param_groups(fresh), torch.optim.AdamW, compile_update=False, bucket_cap_mb=0.0002,
+                                 **HYPER)
+            fresh_scheduler = scheduler_of(opt)
+            content = load_checkpoint(where, model=fresh, optimizer=opt, scheduler=fresh_scheduler)
+            state = [{k: v.clone() for k, v in opt.inner_optimizer.state[m].items()} for m in opt.master_shards]
+            loaded.append((content, params_of(fresh), state, fresh_scheduler.last_epoch))
+        assert loaded[0][0] == loaded[1][0] == {"step": 2} and loaded[0][3] == loaded[1][3]
+        assert_same_params(loaded[0][1], loaded[1][1])
+        assert same(loaded[0][2], loaded[1][2])
+        assert has_checkpoint(f"{prefix}/{layout}") and has_checkpoint(f"{prefix}/{layout}/{TAG}")
+    client.put_object(Bucket=BUCKET, Key=f"{key}/cut/{TAG}/model/dp_rank_00_tp_rank_00_pp_rank_00.pt", Body=b"x")
+    assert not has_checkpoint(f"{prefix}/cut")  # (no done: NxD's save was cut off)
+
+
 # ---------------------------------------------------------------------------- the commit
 def test_retention_keeps_the_newest_and_removes_the_others_data(server, prefix):
     model, opt = build(seed=0)

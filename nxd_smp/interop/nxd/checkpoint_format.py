@@ -12,6 +12,7 @@ from typing import Any
 from ...backend import Backend
 from ...checkpointing.files import Folder, user_path
 from ...checkpointing.locations import open_store
+from ...checkpointing.object_store import ObjectRoom, S3Path
 from ...checkpointing.pipeline import FolderFormat, register_format
 from ...checkpointing.room import Room
 from ...optim.loading.run import Reader
@@ -21,6 +22,7 @@ from .folders import (
     here,
     is_complete,
     is_nxd_checkpoint,
+    newest_tag_in_bucket,
     nxd_tags,
     read_tag,
     remove_tag,
@@ -58,6 +60,11 @@ class NxdTagFolders(FolderFormat):
         state_dicts = isinstance(targets.model, MutableMapping) or isinstance(targets.optimizer, MutableMapping)
 
         def read_nxd(request: Request) -> Staged:
+            if location[0] == "bucket":  # (NxD's own tag folder in a bucket, as NxD wrote it there)
+                tag = ObjectRoom(S3Path.parse(location[1]))
+                if state_dicts or tag.is_file(STATE_DICTS_FILE):
+                    return read_state_dicts(tag, targets, request)
+                return read_tag(tag, targets, request)
             if location[0] == "store":  # (a tag saved from state dicts to object storage: its committed version,
                 _, root, *located = location  # seen as its completion record lists it)
                 with open_store(root) as store, store.open_located(located) as version:
@@ -70,6 +77,10 @@ class NxdTagFolders(FolderFormat):
                 return read_tag(tag, targets, request)
 
         return read_nxd
+
+    def locate_in_bucket(self, path: S3Path) -> Any | None:
+        tag = newest_tag_in_bucket(path)
+        return None if tag is None else ["bucket", str(tag)]
 
     def holds(self, version: Room) -> bool:
         return version.is_file(STATE_DICTS_FILE)

@@ -29,13 +29,14 @@ from __future__ import annotations
 import re
 import stat
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Hashable
 
 import torch
 
 from ...checkpointing.files import Folder, check_name
+from ...checkpointing.object_store import S3Path, objects_below
 from ...checkpointing.room import Room
 from ...checkpointing.reader import check_distinct, load_file
 from ...checkpointing.unpickler import XserReference
@@ -224,6 +225,31 @@ def optimizer_files(tag: Room, tp: int, pp: int) -> list[str]:
         raise CheckpointError(f"{tag.where('optim')} has the DP ranks {sorted(ranks)} for tp {tp} pp {pp}; some are "
                               f"missing.")
     return [ranks[d] for d in range(len(ranks))]
+
+
+def _is_tag_listing(names: Iterable[str]) -> bool:
+    """Whether the files ``names`` (relative to a folder) are an NxD tag's: ``done`` and rank files."""
+    names = set(names)
+    return DONE_FILE in names and any(name.split("/")[0] in ("model", "optim") and "/dp_rank_" in name
+                                      for name in names)
+
+
+def newest_tag_in_bucket(path: S3Path) -> S3Path | None:
+    """NxD's own tag folder at ``path`` in a bucket (as NxD's S3 storage writes it: the files under the tag's
+    prefix, ``done`` last), or the newest complete one directly under it by its ``done``'s time (NxD's own
+    rule, as on disk); None if there is none. A tag without ``done`` (being written, or cut off) is none.
+
+    Raises:
+        CheckpointError: the bucket cannot be listed.
+    """
+    objects = objects_below(path)
+    if _is_tag_listing(objects):
+        return path
+    done = {name.split("/")[0]: mtime for name, (_, mtime) in objects.items()
+            if name.count("/") == 1 and name.endswith(f"/{DONE_FILE}") and not name.startswith(".")}
+    tags = [tag for tag in done if _is_tag_listing(name[len(tag) + 1:] for name in objects
+                                                   if name.startswith(f"{tag}/"))]
+    return path / max(tags, key=lambda tag: (done[tag], tag)) if tags else None
 
 
 def store_completion(version: Room) -> dict[str, tuple[int, int]]:
