@@ -9,6 +9,7 @@ a short grace), and never reclaims deleted objects' space (hence the fresh folde
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -31,6 +32,24 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in sockets:
             s.close()
+
+
+def quiet_port() -> int:
+    """A free port below the kernel's ephemeral range, which no ``bind(0)`` of another test (running beside
+    this one) and no outgoing connection is handed meanwhile: for a server that other processes start on
+    it seconds later (torchrun's rendezvous)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.Random().sample(range(10000, max(10001, low)), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return free_ports(1)[0]
 
 
 def weed_binary() -> str:

@@ -27,7 +27,7 @@ from nxd_smp.core.errors import CheckpointError
 from tests.checkpoint_scenario import build, load_then_continue, params_of, save_then_continue, train
 from tests.distributed import run_ranks
 from tests.oracle import assert_params_close
-from tests.s3_server import S3Server, free_ports
+from tests.s3_server import S3Server, quiet_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BUCKET = "ckpt"
@@ -437,10 +437,10 @@ def test_the_server_restarting_mid_save_is_retried_or_a_clear_error_never_half_a
 
 
 # ---------------------------------------------------------------------------- nodes without a shared disk
-def torchrun(nnodes: int, nproc: int, mode: str, prefix: str, out: Path, scratch: Path, timeout: float = 300) -> None:
+def torchrun(nnodes: int, nproc: int, mode: str, prefix: str, out: Path, scratch: Path, timeout: float = 180) -> None:
     """``torchrun --nnodes N --nproc-per-node P --rdzv-backend c10d`` on localhost, one agent per "node", each
     in a scratch folder of its own (its working directory and TMPDIR): no disk is shared but the bucket."""
-    (port,) = free_ports(1)
+    port = quiet_port()  # (no other test's bind(0) takes it while the agents start)
     agents = []
     for node in range(nnodes):
         home = scratch / f"node{node}"
@@ -449,14 +449,23 @@ def torchrun(nnodes: int, nproc: int, mode: str, prefix: str, out: Path, scratch
         agents.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
              "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=s3-{mode}-{port}",
+             f"--rdzv-conf=is_host={node == 0}",  # (node 0 serves the store: never a client of someone else's)
              str(ROOT / "tests" / "s3_nodes_worker.py"), mode, prefix, str(out)],
             cwd=home, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline, outputs = time.monotonic() + timeout, []
     try:
-        outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
+        for agent in agents:
+            try:
+                outputs.append(agent.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            except subprocess.TimeoutExpired:
+                for other in agents:
+                    other.kill()
+                told = "\n".join(other.communicate()[0] for other in agents)
+                raise AssertionError(f"torchrun {mode} did not end within {timeout} s:\n{told[-6000:]}") from None
     finally:
         for agent in agents:
             agent.kill()
-    assert all(agent.returncode == 0 for agent in agents), "\n".join(outputs)[-4000:]
+    assert all(agent.returncode == 0 for agent in agents), "\n".join(outputs)[-6000:]
 
 
 def test_two_nodes_without_a_shared_disk_save_to_s3_and_resume_at_another_world_size(server, prefix, tmp_path):
