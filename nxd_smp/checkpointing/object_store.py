@@ -3,17 +3,20 @@ extra): the ``Room`` and ``Store`` of ``room`` over S3's calls.
 
 S3 has no rename, so a version cannot be written under a temporary name and swapped in. Instead:
 
-* **Data.** Each save writes a new version under its own prefix, ``<root>/<name>/v-<sequence>-<id>/``: every rank
-  uploads its files there (``create``: one ``PutObject`` for a small file, a multipart upload with
-  parts in parallel for a large one; a multipart upload is invisible until completed), and rank 0
-  the index, the small files and ``COMPLETE.json``, as on local disk.
+* **Data.** Each save writes a new version under its own prefix, ``<root>/<name>/v-<sequence>-<id>/``
+  (the sequence it began at): every rank uploads its files there (``create``: one ``PutObject`` for a
+  small file, a multipart upload with parts in parallel for a large one; a multipart upload is
+  invisible until completed), and rank 0 the index, the small files and ``COMPLETE.json``, as on
+  local disk.
 * **The commit.** Once every rank's upload is agreed, rank 0 writes the root's next commit record,
   ``<root>/.nxd_smp_commits/<sequence>.json`` (the *manifest*: the checkpoint's name, its version,
   the save's id, the size and CRC-32 of its ``COMPLETE.json``, which lists every file's), with a
   conditional ``PutObject`` (``If-None-Match: *``). The sequence is chosen when the save begins (one
-  more than the highest committed), so two jobs that save into one root at once race for the same
-  key: exactly one commits, and the other is refused, its version removed. A retried PUT whose first
-  answer was lost meets its own manifest: it is read back and recognised by the save's id.
+  more than the highest committed), so two jobs that save one name at once race for the same key:
+  exactly one commits, and the other is refused, its version removed. A record taken by a save of
+  another name (sibling checkpoints saved at once) moves the commit to the next one, unless a save of
+  its own name committed since it began. A retried PUT whose first answer was lost meets its own
+  manifest: it is read back and recognised by the save's id.
 * **What a load trusts.** The manifests only, never a listing of data: a checkpoint's newest version is
   the one its highest-sequence manifest names, and a root's newest checkpoint is the highest
   sequence. There is no pointer that could lag a manifest: the commit record is the order.
@@ -58,6 +61,7 @@ from ..core.errors import CheckpointError, ChecksumError, ConfigError, LostCommi
 from .files import after_publish, check_name, warn_on_failure
 from .room import FileStat, Room, Store
 from .typed_json import loads
+from .versions import COMPLETE_FILE, is_link_name
 
 #: The boto3 release whose ``put_object`` and ``complete_multipart_upload`` take ``IfNoneMatch`` and ``IfMatch``.
 BOTO3_MIN = (1, 35, 69)
@@ -65,7 +69,6 @@ INSTALL = "pip install 'nxd_smp[s3]'"
 #: The folder of a root's commit records (manifests), beside its checkpoints' names (which are never hidden).
 COMMITS = ".nxd_smp_commits"
 COMMIT_FORMAT = "nxd_smp.commit/1"
-COMPLETE_FILE = "COMPLETE.json"  # (``versions.COMPLETE_FILE``; the same record on disk and in a bucket)
 _SEQUENCE_DIGITS = 16
 #: A version folder: the sequence its save began at (16 digits), then a random id.
 _VERSION = re.compile(r"v-(\d{16})-[0-9a-f]{12}")
@@ -610,8 +613,6 @@ def _manifest_bytes(manifest: Manifest) -> bytes:
 
 
 def _parse_manifest(data: bytes, sequence: int, source: str) -> Manifest:
-    from .versions import is_link_name
-
     value = loads(data, source)
     fields = {"format", "sequence", "name", "version", "save", "complete"}
     complete = value.get("complete") if isinstance(value, dict) else None

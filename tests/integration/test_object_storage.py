@@ -184,7 +184,8 @@ def test_nxd_own_tag_folders_in_a_bucket_load_as_they_do_from_disk(server, prefi
         tag = write_nxd_tag(tmp_path / layout, dict(model.state_dict()), optim_state, scheduler.state_dict(),
                             xser=layout == "xser")
         for file in sorted((p for p in tag.rglob("*") if p.is_file()), key=lambda p: p.name == "done"):
-            client.put_object(Bucket=BUCKET, Key=f"{key}/{layout}/{TAG}/{file.relative_to(tag)}", Body=file.read_bytes())
+            client.put_object(Bucket=BUCKET, Key=f"{key}/{layout}/{TAG}/{file.relative_to(tag)}",
+                              Body=file.read_bytes())
         loaded = []
         for where in (tmp_path / layout, f"{prefix}/{layout}"):
             fresh = make_model()
