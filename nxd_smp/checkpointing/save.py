@@ -1,19 +1,22 @@
 """Saving: this rank's tensors of a checkpoint, the small files, and how every rank writes and rank 0
-publishes.
+publishes, into either store (``room.Store``: a local directory, ``versions.LocalStore``; an S3
+prefix, ``object_store.ObjectStore``).
 
 Rank 0 decides (``agreement.decide``): it encodes the small files (a value nxd_smp's format cannot
-hold is refused on every rank with nothing on disk touched), creates the new version folder in the
-root (``files.Folder.mkdir``) and tells every rank its name and identity; every other rank opens it
-below the root without following a link and checks it is that folder (device and inode), so a
+hold is refused on every rank with nothing written), begins a new version in the store
+(``Store.begin``: on disk a new folder in the root, on S3 a new prefix and the commit record it will
+take) and tells every rank how to open it; every rank opens it and checks it is that very version
+(``Store.open_version``: on disk below the root without following a link, by device and inode), so a
 folder swapped in meanwhile is refused, not written into. Then every rank writes the pieces of the
 state it owns and its share of the (replicated) model tensors into files it creates there
 (``storage``), and through the ranks' write-and-publish (``write_and_publish``) rank 0 writes the
-index, the small files and the completion record, checks the version is still its own, swaps the
-link and applies the retention (``versions``). A failure anywhere before the swap is a
-``CheckpointError`` on every rank; after it (the old version's removal, the retention) a warning: a
-save that published never reports failure. With ``async_save`` the tensors are staged into host
-buffers and the rest happens on the background writer (``writer``), which owns duplicated
-descriptors of the root and the version.
+index and the small files, and the store commits the version with its completion record
+(``Store.publish``: the link swapped on disk, the commit record's conditional PUT on S3) and applies
+the retention; if a rank failed, rank 0 removes the version (``Store.discard``). A failure anywhere
+before the commit is a ``CheckpointError`` on every rank; after it (the old version's removal, the
+retention) a warning: a save that published never reports failure. With ``async_save`` the tensors
+are staged into host buffers and the rest happens on the background writer (``writer``), which owns
+its own handles of the store and the version.
 """
 
 from __future__ import annotations
