@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from .backend import Backend, select_backend, this_replica
 from .backend.agreement import decide
-from .checkpointing.files import Folder, entry_kind
+from .checkpointing.files import entry_kind
 from .checkpointing.locations import location_of, open_store
 from .checkpointing.object_store import S3Path
 from .checkpointing.pipeline import (
@@ -46,7 +46,6 @@ from .checkpointing.pipeline import (
 )
 from .checkpointing.save import save
 from .checkpointing.tools import consolidate, inspect_checkpoint, read_checkpoint
-from .checkpointing.versions import version_prefix
 from .checkpointing.writer import finalize_checkpoint, finish_save_in_flight, save_in_flight
 from .core.errors import CheckpointError, ConfigError, NotCommittedError
 from .optim.loading.check import SCHEDULER
@@ -463,25 +462,17 @@ def remove_checkpoint(path: str | os.PathLike) -> None:
     path = _tagged(path, None)
     if save_in_flight() == str(path):
         finish_save_in_flight(raise_error=False)
-    if isinstance(path, S3Path):
-        with open_store(path.parent) as store:
-            store.remove(path.name)
+    # another tool's folder (a directory, never a checkpoint link), else the store's own (``Store.remove``)
+    foreign = None if isinstance(path, S3Path) else next(
+        (f for f in registered_formats()[:-1] if f.is_folder(path)), None)
+    if foreign is not None:
+        foreign.remove(path)
         return
     try:
-        with Folder.open(path.parent) as root:
-            target = root.readlink(path.name)
-            ours = target is not None and Path(target).name.startswith(version_prefix(path.name))
-            there = root.exists(path.name)
+        with open_store(path.parent) as store:
+            store.remove(path.name)
     except FileNotFoundError:
         return
-    foreign = next((f for f in registered_formats()[:-1] if f.is_folder(path)), None)
-    if ours:
-        SmpFormat().remove(path)
-    elif foreign is not None:
-        foreign.remove(path)
-    elif there:
-        raise CheckpointError(f"{path} is not a checkpoint (an nxd_smp checkpoint link or an NxD tag folder); "
-                              f"nothing was removed.")
 
 
 def load_full_optimizer_state(

@@ -28,10 +28,10 @@ def build(seed=0, master_in_ckpt=True, master=True, optimizer=torch.optim.AdamW,
     return model, opt
 
 
-def train(model, opt, steps, start, rank=0, world_size=1):
+def train(model, opt, steps, start, rank=0, world_size=1, global_micro=GLOBAL_MICRO):
     """``steps`` steps from step ``start`` on rank ``rank`` of ``world_size``: the same global batch at
-    every DP size (``GLOBAL_MICRO`` micro-batches shared out)."""
-    per_rank = GLOBAL_MICRO // world_size
+    every DP size (``global_micro`` micro-batches shared out)."""
+    per_rank = global_micro // world_size
     for step in range(start, start + steps):
         for m in range(per_rank):
             x, y = batch(0, 0, step, rank * per_rank + m)

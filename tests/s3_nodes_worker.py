@@ -16,20 +16,9 @@ import torch
 import torch.distributed as dist
 
 from nxd_smp import finalize_checkpoint, load_checkpoint, save_checkpoint
-from tests.checkpoint_scenario import build, params_of
-from tests.oracle import batch, loss_fn
+from tests.checkpoint_scenario import build, params_of, train
 
-GLOBAL_MICRO = 12
-
-
-def train(model, opt, steps: int, start: int, rank: int, world_size: int) -> None:
-    per_rank = GLOBAL_MICRO // world_size
-    for step in range(start, start + steps):
-        for m in range(per_rank):
-            x, y = batch(0, 0, step, rank * per_rank + m)
-            (loss_fn(model, x, y) / per_rank).backward()
-        opt.step()
-        opt.zero_grad()
+GLOBAL_MICRO = 12  # (tests/checkpoint_scenario.py's 6 does not divide among 4 ranks)
 
 
 def main() -> None:
@@ -39,14 +28,14 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if mode == "save":
         model, opt = build(seed=0)
-        train(model, opt, 3, 0, rank, world)
+        train(model, opt, 3, 0, rank, world, GLOBAL_MICRO)
         save_checkpoint(url, "step_3", model, opt, user_content={"step": 3, "world": world}, async_save=True)
-        train(model, opt, 2, 3, rank, world)
+        train(model, opt, 2, 3, rank, world, GLOBAL_MICRO)
         finalize_checkpoint()
     else:
         model, opt = build(seed=5)  # everything must come from the checkpoint
         saved = load_checkpoint(url, model=model, optimizer=opt)
-        train(model, opt, 2, saved["step"], rank, world)
+        train(model, opt, 2, saved["step"], rank, world, GLOBAL_MICRO)
     if rank == 0:
         torch.save(params_of(model), out)
     print(f"rank {rank} of {world} in {os.getcwd()}: {mode} done", flush=True)

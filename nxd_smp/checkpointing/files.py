@@ -867,24 +867,20 @@ def after_publish(doing: str, left: str = "") -> Iterator[None]:
     removing what it replaced, retention): the save stands whatever happens there, so an exception
     (anything but ``KeyboardInterrupt`` and ``SystemExit``: an ``OSError``, a ``RecursionError``, a
     ``CheckpointError``) becomes a warning naming ``doing`` and, in ``left``, what it left behind."""
-    try:
+    with warn_on_failure(f"the save is in place, but {doing}", left):
         yield
-    except Exception as e:  # noqa: BLE001 - after the publish nothing fails the save
-        warnings.warn(f"nxd_smp: the save is in place, but {doing} failed ({type(e).__name__}: {str(e)[:300]})"
-                      f"{f'; {left}' if left else ''}.", stacklevel=3)
-
-
 
 
 @contextmanager
-def warn_on_failure(doing: str, left: str) -> Iterator[None]:
+def warn_on_failure(doing: str, left: str = "") -> Iterator[None]:
     """Run the block, clean-up that no save's outcome depends on (what a failed save wrote, what a killed
-    one left): an exception (but ``KeyboardInterrupt`` and ``SystemExit``) becomes a warning naming
-    ``doing`` and what it ``left``."""
+    one left, what a published one replaced): an exception (but ``KeyboardInterrupt`` and ``SystemExit``)
+    becomes a warning naming ``doing`` and what it ``left``."""
     try:
         yield
     except Exception as e:  # noqa: BLE001 - clean-up only
-        warnings.warn(f"nxd_smp: {doing} failed ({type(e).__name__}: {str(e)[:300]}); {left}.", stacklevel=3)
+        warnings.warn(f"nxd_smp: {doing} failed ({type(e).__name__}: {str(e)[:300]}){f'; {left}' if left else ''}.",
+                      stacklevel=3)
 
 
 def replace_file(folder: Folder, name: str, data: bytes) -> None:
