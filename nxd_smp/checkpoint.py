@@ -36,7 +36,7 @@ from .backend import Backend, select_backend, this_replica
 from .backend.agreement import decide
 from .checkpointing.files import entry_kind
 from .checkpointing.locations import location_of, open_store
-from .checkpointing.object_store import S3Path
+from .checkpointing.object_io import S3Path
 from .checkpointing.pipeline import (
     SmpFormat,
     format_named,

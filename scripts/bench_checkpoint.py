@@ -232,7 +232,7 @@ def measure_s3(params: float, width: int, repeats: int, url: str) -> dict:
 
     import boto3
 
-    from nxd_smp.checkpointing.object_store import S3Path
+    from nxd_smp.checkpointing.object_io import S3Path
 
     model, opt = build(params, width)
     n = sum(q.numel() for q in model.parameters())

@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 
 from .files import Folder, local_path, url_scheme
-from .object_store import ObjectStore, S3Path, require_boto3
+from .object_io import S3Path, require_boto3
+from .object_store import ObjectStore
 from .room import Store
 from .versions import LocalStore
 

@@ -1,5 +1,5 @@
 """Checkpoints on object storage (``s3://bucket/prefix``, through boto3: the optional ``nxd_smp[s3]``
-extra): the ``Room`` and ``Store`` of ``room`` over S3's calls.
+extra): the ``Room`` and ``Store`` of ``room`` over S3's calls (``object_io``).
 
 S3 has no rename, so a version cannot be written under a temporary name and swapped in. Instead:
 
@@ -33,10 +33,8 @@ S3 has no rename, so a version cannot be written under a temporary name and swap
   checked absent, written, and read back; two jobs saving into one root at once may then both
   believe they committed.
 
-Credentials, region and endpoint come from boto3's standard chain (``AWS_ENDPOINT_URL`` for a server
-other than AWS). Throttling, timeouts and dropped connections are retried by botocore's standard
-mode with jittered exponential backoff; a write that fails for good fails the save on every rank, and
-the previous checkpoint stays the newest.
+The calls themselves, their retries and their errors are ``object_io``'s; a write that fails for good
+fails the save on every rank, and the previous checkpoint stays the newest.
 """
 
 from __future__ import annotations
@@ -44,28 +42,33 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import random
 import re
 import secrets
-import threading
-import time
 import warnings
 import zlib
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.errors import CheckpointError, ChecksumError, ConfigError, LostCommitError, NotCommittedError
+from ..core.errors import CheckpointError, LostCommitError, NotCommittedError
 from .files import after_publish, check_name, warn_on_failure
+from .object_io import (
+    RangedReader,
+    S3Path,
+    Upload,
+    call,
+    delete_objects,
+    error_code,
+    get_range,
+    is_absent,
+    is_refused_condition,
+    list_objects,
+    s3_client,
+    s3_errors,
+)
 from .room import FileStat, Room, Store
 from .typed_json import loads
 from .versions import COMPLETE_FILE, is_link_name
 
-#: The boto3 release whose ``put_object`` and ``complete_multipart_upload`` take ``IfNoneMatch`` and ``IfMatch``.
-BOTO3_MIN = (1, 35, 69)
-INSTALL = "pip install 'nxd_smp[s3]'"
 #: The folder of a root's commit records (manifests), beside its checkpoints' names (which are never hidden).
 COMMITS = ".nxd_smp_commits"
 COMMIT_FORMAT = "nxd_smp.commit/1"
@@ -74,387 +77,7 @@ _SEQUENCE_DIGITS = 16
 _VERSION = re.compile(r"v-(\d{16})-[0-9a-f]{12}")
 _SAVE_ID = re.compile(r"[0-9a-f]{32}")
 _MANIFEST_LIMIT = 1 << 20
-_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-#: SeaweedFS hides keys below a folder of this name from listings: a prefix never holds one.
-_HIDDEN_BY_SERVERS = (".versions",)
-_KEY_LIMIT = 900  # S3 keys hold 1024 bytes; a version's own names take the rest
-#: Bytes per uploaded part (the first thousand parts; then larger, S3 allowing 10,000 parts) and per ranged GET.
-PART_BYTES = 16 << 20
-_PARTS_IN_FLIGHT = 4  # per file being uploaded: bounds the memory an upload holds
-_TRANSFER_THREADS = 16
-_CONFLICT_RETRIES = 8  # AWS answers 409 ConditionalRequestConflict to concurrent conditional writes
-_STREAM_RETRIES = 5
 _OTHER_NAMES_RETRIES = 1000  # commit records another name's save took while this one was written
-
-
-# ---------------------------------------------------------------------------- the URL
-@dataclass(frozen=True)
-class S3Path:
-    """``s3://bucket/key``: a bucket and a key of plain ``/``-separated components (``""``: the bucket)."""
-
-    bucket: str
-    key: str
-
-    @classmethod
-    def parse(cls, text: str, what: str = "path", *, bucket_alone: bool = False) -> S3Path:
-        """``s3://bucket/prefix`` (or the ``s3:/bucket/prefix`` ``pathlib`` folds it into; a trailing ``/`` is
-        dropped). ``bucket_alone``: ``s3://bucket`` too (a root of checkpoints; a user's path names a prefix).
-
-        Raises:
-            ConfigError: not a bucket name and a prefix of plain components, naming why.
-        """
-        rest = text.split(":", 1)[1].lstrip("/")
-        bucket, _, key = rest.partition("/")
-        key = key.rstrip("/")
-        if not _BUCKET.fullmatch(bucket) or ".." in bucket:
-            raise ConfigError(f"{what} {text!r} names the bucket {bucket!r}, which is not an S3 bucket name (3-63 "
-                              f"lowercase letters, digits, '.' and '-').")
-        if not key and not bucket_alone:
-            raise ConfigError(f"{what} {text!r} names a bucket only; name a prefix in it (s3://{bucket}/run1).")
-        return cls(bucket, "")._join(key, what, text) if key else cls(bucket, "")
-
-    def _join(self, key: str, what: str, text: str) -> S3Path:
-        parts = key.split("/")
-        bad = next((p for p in parts if p in ("", ".", "..") or "\0" in p or p in _HIDDEN_BY_SERVERS), None)
-        if bad is not None:
-            why = ("S3 servers hide keys below it" if bad in _HIDDEN_BY_SERVERS
-                   else "a prefix is a path of plain names")
-            raise ConfigError(f"{what} {text!r} holds the component {bad!r}; refused ({why}).")
-        joined = f"{self.key}/{key}" if self.key else key
-        if len(joined.encode()) > _KEY_LIMIT:
-            raise ConfigError(f"{what} {text!r} is too long for S3 keys (at most {_KEY_LIMIT} bytes of prefix).")
-        return S3Path(self.bucket, joined)
-
-    @property
-    def name(self) -> str:
-        return self.key.rsplit("/", 1)[-1]
-
-    @property
-    def parent(self) -> S3Path:
-        return S3Path(self.bucket, self.key.rsplit("/", 1)[0] if "/" in self.key else "")
-
-    @property
-    def prefix(self) -> str:
-        """The keys below this path begin with it."""
-        return f"{self.key}/" if self.key else ""
-
-    def __truediv__(self, name: str) -> S3Path:
-        return self._join(name, "the name", name)
-
-    def __str__(self) -> str:
-        return f"s3://{self.bucket}/{self.key}" if self.key else f"s3://{self.bucket}"
-
-
-# ---------------------------------------------------------------------------- the client and its errors
-_client: Any = None
-_client_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-
-
-def require_boto3() -> None:
-    """Refuse S3 where boto3 is missing or too old, before anything is made.
-
-    Raises:
-        ConfigError: naming the install line.
-    """
-    try:
-        import boto3
-    except ImportError:
-        raise ConfigError(f"s3:// checkpoints need boto3, which is not installed: {INSTALL}.") from None
-    found = tuple(int(p) for p in re.findall(r"\d+", boto3.__version__)[:3])
-    if found < BOTO3_MIN:
-        raise ConfigError(f"s3:// checkpoints need boto3>={'.'.join(map(str, BOTO3_MIN))} (conditional writes); found "
-                          f"{boto3.__version__}: {INSTALL} --upgrade.")
-
-
-def s3_client() -> Any:
-    """The process's boto3 S3 client (thread-safe): boto3's standard chain for credentials, region and
-    endpoint (``AWS_ENDPOINT_URL``), botocore's standard retries (jittered exponential backoff on
-    throttling, timeouts, 5xx and dropped connections).
-
-    Raises:
-        ConfigError: boto3 is missing or older than ``BOTO3_MIN``, naming the install line.
-    """
-    global _client
-    with _client_lock:
-        if _client is None:
-            require_boto3()
-            import boto3
-            from botocore.config import Config
-
-            config = Config(retries={"mode": "standard", "max_attempts": 10},
-                            max_pool_connections=4 * _TRANSFER_THREADS,
-                            connect_timeout=10, read_timeout=120)
-            _client = boto3.session.Session().client("s3", config=config)
-    return _client
-
-
-def _transfers() -> ThreadPoolExecutor:
-    """The threads that move parts and ranges (I/O bound: the GIL is released while they wait)."""
-    global _pool
-    with _client_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(_TRANSFER_THREADS, thread_name_prefix="nxd_smp-s3")
-    return _pool
-
-
-def _code(error: Exception) -> str:
-    response = getattr(error, "response", None) or {}
-    code = str(response.get("Error", {}).get("Code", ""))
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return {412: "PreconditionFailed", 404: "NoSuchKey"}.get(status, code) if code in ("", str(status)) else code
-
-
-def _absent(error: Exception) -> bool:
-    return _code(error) in ("NoSuchKey", "NotFound", "404")
-
-
-def _refused_condition(error: Exception) -> bool:
-    return _code(error) == "PreconditionFailed"
-
-
-@contextmanager
-def _s3(doing: str) -> Iterator[None]:
-    """Turn boto3's errors in the block into a ``CheckpointError`` naming ``doing`` and the fix."""
-    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
-
-    try:
-        yield
-    except NoCredentialsError:
-        raise CheckpointError(f"{doing} failed: boto3 found no AWS credentials (environment, ~/.aws, an instance "
-                              f"role); for a server other than AWS also set AWS_ENDPOINT_URL.") from None
-    except ClientError as e:
-        code = _code(e)
-        message = e.response.get("Error", {}).get("Message", "")
-        hint = {"NoSuchBucket": " (the bucket does not exist: create it first)",
-                "AccessDenied": " (the credentials may not do this)",
-                "InvalidAccessKeyId": " (unknown access key)", "SignatureDoesNotMatch": " (wrong secret key)"}
-        raise CheckpointError(f"{doing} failed: {code}: {message}{hint.get(code, '')}.") from None
-    except BotoCoreError as e:
-        raise CheckpointError(f"{doing} failed after botocore's retries: {e}.") from None
-
-
-def _call(operation: str, **kwargs: Any) -> Any:
-    """``client.<operation>(**kwargs)``, retried with jitter on ``ConditionalRequestConflict`` (botocore does
-    not retry it)."""
-    for attempt in range(_CONFLICT_RETRIES):
-        try:
-            return getattr(s3_client(), operation)(**kwargs)
-        except Exception as e:
-            if _code(e) != "ConditionalRequestConflict" or attempt == _CONFLICT_RETRIES - 1:
-                raise
-            time.sleep(random.uniform(0.05, 0.2) * 2**attempt)
-    raise AssertionError("unreachable")
-
-
-def _list(bucket: str, prefix: str) -> dict[str, int]:
-    """The objects below ``prefix``: key -> size."""
-    objects: dict[str, int] = {}
-    pages = s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-    with _s3(f"listing s3://{bucket}/{prefix}"):
-        for page in pages:
-            objects.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
-    return objects
-
-
-def objects_below(path: S3Path) -> dict[str, tuple[int, float]]:
-    """The objects below ``path``, by their names relative to it: (size, time last modified, in seconds since
-    the epoch): what a reader of another tool's folder orders by where that tool does (NxD's ``done``)."""
-    found: dict[str, tuple[int, float]] = {}
-    pages = s3_client().get_paginator("list_objects_v2").paginate(Bucket=path.bucket, Prefix=path.prefix)
-    with _s3(f"listing {path}"):
-        for page in pages:
-            for o in page.get("Contents", []):
-                found[o["Key"][len(path.prefix):]] = (o["Size"], o["LastModified"].timestamp())
-    return found
-
-
-def _get(bucket: str, key: str, start: int, length: int, into: memoryview | None = None) -> bytes | None:
-    """Bytes ``[start, start + length)`` of the object ``key`` (a ranged GET), or into ``into``.
-
-    Raises:
-        ChecksumError: the object ends before them.
-    """
-    from botocore.exceptions import ClientError, NoCredentialsError
-
-    where = f"s3://{bucket}/{key}"
-    if length == 0:
-        return b"" if into is None else None
-    with _s3(f"reading {where}"):
-        for attempt in range(_STREAM_RETRIES):  # (botocore retries a request, not a body cut off while it streams)
-            try:
-                body = _call("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")["Body"]
-                data = body.read()
-                break
-            except (ClientError, NoCredentialsError):  # (an answer, not a dropped stream)
-                raise
-            except Exception:
-                if attempt == _STREAM_RETRIES - 1:
-                    raise
-                time.sleep(random.uniform(0.5, 1.5) * 2**attempt)
-    if len(data) != length:
-        raise ChecksumError(f"{where}: {len(data)} bytes at {start}, expected {length} (truncated or replaced).")
-    if into is None:
-        return data
-    into[:] = data
-    return None
-
-
-def _delete(bucket: str, keys: list[str]) -> None:
-    """Remove the objects ``keys``, a thousand per call (``DeleteObjects``)."""
-    for first in range(0, len(keys), 1000):
-        batch = keys[first:first + 1000]
-        with _s3(f"removing {len(batch)} objects below s3://{bucket}/{batch[0].rsplit('/', 1)[0]}"):
-            answer = _call("delete_objects", Bucket=bucket,
-                           Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
-        if answer.get("Errors"):
-            error = answer["Errors"][0]
-            raise CheckpointError(f"removing s3://{bucket}/{error.get('Key')} failed: {error.get('Code')}: "
-                                  f"{error.get('Message')} ({len(answer['Errors'])} objects left).")
-
-
-# ---------------------------------------------------------------------------- reading and writing one object
-class _RangedReader(io.RawIOBase):
-    """An object opened for reading: each ``readinto`` is ranged GETs of exactly what it asks for, a large
-    one split into ``PART_BYTES`` ranges fetched in parallel."""
-
-    def __init__(self, bucket: str, key: str, size: int):
-        super().__init__()
-        self._bucket, self._key, self._size, self._pos = bucket, key, size, 0
-
-    @property
-    def key(self) -> str:
-        return self._key
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        if base + offset < 0:
-            raise ValueError("negative seek position")
-        self._pos = base + offset
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        n = max(0, min(len(view), self._size - self._pos))
-        ranges = [(a, min(n, a + PART_BYTES)) for a in range(0, n, PART_BYTES)]
-        if len(ranges) == 1:
-            _get(self._bucket, self._key, self._pos, n, view[:n])
-        elif ranges:
-            start = self._pos
-            futures = [_transfers().submit(_get, self._bucket, self._key, start + a, b - a, view[a:b])
-                       for a, b in ranges]
-            for future in futures:
-                future.result()
-        self._pos += n
-        return n
-
-
-class _Upload:
-    """A new object being written: a small one is one ``PutObject`` when it is closed; past ``PART_BYTES`` a
-    multipart upload whose parts go up in parallel as they fill (at most ``_PARTS_IN_FLIGHT`` held at once),
-    completed when the block ends and aborted if it ends by an exception (nothing of it is then visible)."""
-
-    def __init__(self, bucket: str, key: str):
-        self._bucket, self._key = bucket, key
-        self._where = f"s3://{bucket}/{key}"
-        self._pending = bytearray()
-        self._upload_id: str | None = None
-        self._parts: list[Future] = []
-        self._slots = threading.Semaphore(_PARTS_IN_FLIGHT)
-
-    def __enter__(self) -> _Upload:
-        return self
-
-    def __exit__(self, kind: type | None, *rest: object) -> None:
-        if kind is None:
-            self._finish()
-        else:
-            self._abort()
-
-    def _part_bytes(self) -> int:
-        return PART_BYTES * (1 + len(self._parts) // 1000)
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        n = len(view)
-        part = self._part_bytes()
-        if self._pending:
-            take = min(part - len(self._pending), len(view))
-            self._pending += view[:take]
-            view = view[take:]
-            if len(self._pending) == part:
-                self._send(bytes(self._pending))
-                self._pending = bytearray()
-        while len(view) >= part:
-            self._send(bytes(view[:part]))
-            view = view[part:]
-            part = self._part_bytes()
-        self._pending += view
-        return n
-
-    def _send(self, data: bytes) -> None:
-        failed = next((f for f in self._parts if f.done() and f.exception() is not None), None)
-        if failed is not None:
-            failed.result()
-        if self._upload_id is None:
-            with _s3(f"starting the upload of {self._where}"):
-                self._upload_id = _call("create_multipart_upload", Bucket=self._bucket, Key=self._key)["UploadId"]
-        number = len(self._parts) + 1
-        self._slots.acquire()
-        try:
-            future = _transfers().submit(self._upload_part, number, data)
-        except BaseException:
-            self._slots.release()
-            raise
-        future.add_done_callback(lambda _: self._slots.release())
-        self._parts.append(future)
-
-    def _upload_part(self, number: int, data: bytes) -> dict[str, Any]:
-        with _s3(f"uploading part {number} of {self._where}"):
-            answer = _call("upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
-                           PartNumber=number, Body=data)
-        return {"PartNumber": number, "ETag": answer["ETag"]}
-
-    def _finish(self) -> None:
-        if self._upload_id is None:
-            with _s3(f"writing {self._where}"):
-                _call("put_object", Bucket=self._bucket, Key=self._key, Body=bytes(self._pending))
-            return
-        try:
-            if self._pending:
-                self._send(bytes(self._pending))
-            parts = [future.result() for future in self._parts]
-            with _s3(f"completing the upload of {self._where}"):
-                _call("complete_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
-                      MultipartUpload={"Parts": parts})
-        except BaseException:
-            self._abort()
-            raise
-
-    def _abort(self) -> None:
-        for future in self._parts:
-            future.cancel()
-        for future in self._parts:
-            if not future.cancelled():
-                future.exception()
-        if self._upload_id is not None:
-            try:
-                _call("abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id)
-            except Exception:  # noqa: BLE001 - the next save of this checkpoint aborts it again
-                pass
 
 
 # ---------------------------------------------------------------------------- a version's files
@@ -478,7 +101,7 @@ class ObjectRoom(Room):
     def _sizes(self) -> dict[str, int]:
         """The version's objects (name -> size), listed once: a committed version never changes."""
         if self._listing is None:
-            objects = _list(self.path.bucket, self.path.prefix)
+            objects = list_objects(self.path.bucket, self.path.prefix)
             self._listing = {key[len(self.path.prefix):]: size for key, size in objects.items()}
         return self._listing
 
@@ -509,7 +132,7 @@ class ObjectRoom(Room):
 
     def open_file(self, name: str, *, source: str | None = None) -> io.BufferedReader:
         """Buffered for a parser's small reads; a large ``readinto`` goes straight to the ranged GETs."""
-        raw = _RangedReader(self.path.bucket, self._key(name, source), self._stat(name, source).size)
+        raw = RangedReader(self.path.bucket, self._key(name, source), self._stat(name, source).size)
         return io.BufferedReader(raw, buffer_size=1 << 20)
 
     def opened_stat(self, file: Any) -> FileStat:
@@ -542,7 +165,7 @@ class ObjectRoom(Room):
         if size > limit:
             raise CheckpointError(f"{self.where(name)} holds {size} bytes, more than the {limit} such a file may; "
                                   f"refused.")
-        data = _get(self.path.bucket, self._key(name), 0, size)
+        data = get_range(self.path.bucket, self._key(name), 0, size)
         if name in self._pinned and (len(data), zlib.crc32(data)) != self._pinned[name]:
             raise CheckpointError(f"{self.where(name)} is not the file its commit record names (size or CRC-32 "
                                   f"differ): altered after the save; refused.")
@@ -565,8 +188,8 @@ class ObjectRoom(Room):
         return ObjectRoom(self.path, pinned={**self._pinned, **files},
                           listing={name: size for name, (size, _) in files.items()})
 
-    def create(self, name: str) -> _Upload:
-        return _Upload(self.path.bucket, self._key(name))
+    def create(self, name: str) -> Upload:
+        return Upload(self.path.bucket, self._key(name))
 
     def sync_file(self, file: Any) -> None:
         """Nothing: an object is durable once its upload completes."""
@@ -645,12 +268,17 @@ class ObjectStore(Store):
     def _bucket(self) -> str:
         return self.root.bucket
 
+    @property
+    def _server(self) -> tuple[str, str]:
+        """(endpoint, bucket): what the probe of conditional writes is kept by."""
+        return getattr(s3_client().meta, "endpoint_url", ""), self._bucket
+
     def _commit_key(self, sequence: int) -> str:
         return f"{self.root.prefix}{COMMITS}/{sequence:0{_SEQUENCE_DIGITS}d}.json"
 
     def _sequences(self) -> list[int]:
         """The sequences committed, oldest first (a listing of the commit records; nothing else counts)."""
-        objects = _list(self._bucket, f"{self.root.prefix}{COMMITS}/")
+        objects = list_objects(self._bucket, f"{self.root.prefix}{COMMITS}/")
         found = []
         for key in objects:
             name = key.rsplit("/", 1)[-1]
@@ -665,11 +293,11 @@ class ObjectStore(Store):
             CheckpointError: it cannot be read, or it is not one nxd_smp writes.
         """
         key = self._commit_key(sequence)
-        with _s3(f"reading s3://{self._bucket}/{key}"):
+        with s3_errors(f"reading s3://{self._bucket}/{key}"):
             try:
-                answer = _call("get_object", Bucket=self._bucket, Key=key, Range=f"bytes=0-{_MANIFEST_LIMIT}")
+                answer = call("get_object", Bucket=self._bucket, Key=key, Range=f"bytes=0-{_MANIFEST_LIMIT}")
             except Exception as e:
-                if _absent(e):
+                if is_absent(e):
                     return None
                 raise
             data = answer["Body"].read()
@@ -685,7 +313,7 @@ class ObjectStore(Store):
         """(the version folders below ``<root>/<name>/`` that hold objects, the other objects there), from one
         listing of its objects (not of its folders: a server may list a folder it emptied)."""
         below = (self.root / name).prefix
-        objects = _list(self._bucket, below)
+        objects = list_objects(self._bucket, below)
         versions: set[str] = set()
         other = []
         for key in objects:
@@ -714,33 +342,33 @@ class ObjectStore(Store):
         prefix = (self.root / name).prefix
         with warn_on_failure(f"aborting the uploads left below {self.where(name)} by a save cut off",
                              "a lifecycle rule (AbortIncompleteMultipartUpload) removes them"):
-            with _s3(f"listing the uploads below {self.where(name)}"):
+            with s3_errors(f"listing the uploads below {self.where(name)}"):
                 pages = s3_client().get_paginator("list_multipart_uploads").paginate(Bucket=self._bucket, Prefix=prefix)
                 uploads = [(u["Key"], u["UploadId"]) for page in pages for u in page.get("Uploads", [])]
             for key, upload_id in uploads:
                 if _begun_at(key[len(prefix):].split("/", 1)[0]) <= sequence:
-                    with _s3(f"aborting the upload of s3://{self._bucket}/{key}"):
-                        _call("abort_multipart_upload", Bucket=self._bucket, Key=key, UploadId=upload_id)
+                    with s3_errors(f"aborting the upload of s3://{self._bucket}/{key}"):
+                        call("abort_multipart_upload", Bucket=self._bucket, Key=key, UploadId=upload_id)
 
     def _probe(self) -> None:
         """Whether the server honours ``If-None-Match: *`` (once per bucket): PUT one key twice."""
-        found = (getattr(s3_client().meta, "endpoint_url", ""), self._bucket)
+        found = self._server
         if found in _conditional_writes:
             return
         key = f"{self.root.prefix}{COMMITS}/probe-{secrets.token_hex(8)}"
-        with _s3(f"probing s3://{self._bucket} for conditional writes"):
-            _call("put_object", Bucket=self._bucket, Key=key, Body=b"")  # (unconditional: a resend changes nothing)
+        with s3_errors(f"probing s3://{self._bucket} for conditional writes"):
+            call("put_object", Bucket=self._bucket, Key=key, Body=b"")  # (unconditional: a resend changes nothing)
             try:
-                _call("put_object", Bucket=self._bucket, Key=key, Body=b"", IfNoneMatch="*")
+                call("put_object", Bucket=self._bucket, Key=key, Body=b"", IfNoneMatch="*")
                 honoured = False
             except Exception as e:
-                if _code(e) in ("NotImplemented", "InvalidArgument", "InvalidRequest"):  # (the header refused outright)
+                if error_code(e) in ("NotImplemented", "InvalidArgument", "InvalidRequest"):  # (the header refused outright)
                     honoured = False
-                elif not _refused_condition(e):
+                elif not is_refused_condition(e):
                     raise
                 else:
                     honoured = True
-            _call("delete_object", Bucket=self._bucket, Key=key)
+            call("delete_object", Bucket=self._bucket, Key=key)
         if not honoured:
             warnings.warn(f"nxd_smp: the S3 server of s3://{self._bucket} ignores conditional writes (If-None-Match); "
                           f"checkpoints are committed with the single-writer protocol (checked, written, read back), "
@@ -775,17 +403,17 @@ class ObjectStore(Store):
             LostCommitError: a save of the same name took the record (this one is not committed).
             CheckpointError: the outcome is unknown (the server stayed away): the version is kept.
         """
-        conditional = _conditional_writes.get((getattr(s3_client().meta, "endpoint_url", ""), self._bucket), True)
+        conditional = _conditional_writes.get(self._server, True)
         for _ in range(_OTHER_NAMES_RETRIES):
             key = self._commit_key(manifest.sequence)
-            with _s3(f"committing {self.where(manifest.name)} (s3://{self._bucket}/{key})"):
+            with s3_errors(f"committing {self.where(manifest.name)} (s3://{self._bucket}/{key})"):
                 found = None if conditional else self._manifest(manifest.sequence)
                 if found is None:
                     try:
-                        _call("put_object", Bucket=self._bucket, Key=key, Body=_manifest_bytes(manifest),
+                        call("put_object", Bucket=self._bucket, Key=key, Body=_manifest_bytes(manifest),
                               **({"IfNoneMatch": "*"} if conditional else {}))
                     except Exception as e:
-                        if not _refused_condition(e):
+                        if not is_refused_condition(e):
                             raise
                     found = self._manifest(manifest.sequence)  # (ours, also where a resent PUT met its first write)
             if found is not None and found.save == manifest.save:
@@ -822,15 +450,15 @@ class ObjectStore(Store):
                                and _begun_at(v.rstrip("/").rsplit("/", 1)[-1]) <= ours])
 
     def _delete_manifest(self, manifest: Manifest) -> None:
-        with _s3(f"removing the commit record {manifest.sequence} of {self.where()}"):
-            _call("delete_object", Bucket=self._bucket, Key=self._commit_key(manifest.sequence))
+        with s3_errors(f"removing the commit record {manifest.sequence} of {self.where()}"):
+            call("delete_object", Bucket=self._bucket, Key=self._commit_key(manifest.sequence))
 
     def _remove_versions(self, prefixes: list[str]) -> None:
         """Remove every object below each version folder in ``prefixes`` (keys ending in ``/``)."""
         for prefix in prefixes:
-            objects = _list(self._bucket, prefix)
+            objects = list_objects(self._bucket, prefix)
             if objects:
-                _delete(self._bucket, sorted(objects))
+                delete_objects(self._bucket, sorted(objects))
 
     def discard(self, begun: list) -> None:
         with warn_on_failure(f"removing {self.where(begun[0])}, the version of a save that failed",

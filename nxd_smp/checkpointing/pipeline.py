@@ -17,7 +17,7 @@ from ..optim.loading.run import Reader
 from ..optim.loading.staged import Request, Staged, Targets
 from .files import entry_kind
 from .locations import open_store
-from .object_store import S3Path
+from .object_io import S3Path
 from .room import Room
 from .smp_format import open_version, read
 

@@ -20,9 +20,10 @@ import torch
 
 from nxd_smp import ConfigError, has_checkpoint, load_checkpoint, save_checkpoint
 from nxd_smp.checkpoint import consolidate, inspect_checkpoint, remove_checkpoint
-from nxd_smp.checkpointing import object_store
+from nxd_smp.checkpointing import object_io, object_store
 from nxd_smp.checkpointing.locations import open_store
-from nxd_smp.checkpointing.object_store import COMMITS, S3Path
+from nxd_smp.checkpointing.object_io import S3Path
+from nxd_smp.checkpointing.object_store import COMMITS
 from nxd_smp.core.errors import CheckpointError
 from tests.checkpoint_scenario import build, load_then_continue, params_of, save_then_continue, train
 from tests.distributed import run_ranks
@@ -45,10 +46,10 @@ def server(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         for key, value in server.env.items():
             patch.setenv(key, value)
-        object_store._client = None  # (made again from this environment)
+        object_io._client = None  # (made again from this environment)
         object_store._conditional_writes.clear()
         yield server
-        object_store._client = None
+        object_io._client = None
     server.stop()
 
 
@@ -301,7 +302,7 @@ def test_a_retried_commit_that_meets_its_own_first_write_succeeds(server, prefix
 
 def test_without_conditional_writes_the_single_writer_protocol_commits_and_still_refuses_a_taken_record(
         server, prefix, monkeypatch):
-    endpoint = (object_store.s3_client().meta.endpoint_url, BUCKET)
+    endpoint = (object_io.s3_client().meta.endpoint_url, BUCKET)
     monkeypatch.setitem(object_store._conditional_writes, endpoint, False)
     model, opt = build(seed=0)
     store = open_store(S3Path.parse(prefix))
@@ -336,14 +337,14 @@ def test_a_save_that_fails_on_a_rank_removes_its_version_and_keeps_the_previous(
     model, opt = build(seed=0)
     save_checkpoint(f"{prefix}/ckpt", model=model, optimizer=opt, extra={"which": "first"})
     before = keys(server, f"{prefix}/ckpt")
-    real_write = object_store._Upload.write
+    real_write = object_io.Upload.write
 
     def failing(self, data):  # (fault injection: the server refuses one file's bytes midway)
         if self._key.endswith("__0_1.bin"):
             raise CheckpointError("injected: the upload was refused")
         return real_write(self, data)
 
-    monkeypatch.setattr(object_store._Upload, "write", failing)
+    monkeypatch.setattr(object_io.Upload, "write", failing)
     with pytest.raises(CheckpointError, match="injected"):
         save_checkpoint(f"{prefix}/ckpt", model=model, optimizer=opt, extra={"which": "second"})
     monkeypatch.undo()
@@ -485,7 +486,7 @@ def test_two_nodes_without_a_shared_disk_save_to_s3_and_resume_at_another_world_
 
 # ---------------------------------------------------------------------------- the doors
 def test_an_s3_path_without_boto3_is_refused_with_the_install_line(monkeypatch, tmp_path):
-    monkeypatch.setattr(object_store, "_client", None)
+    monkeypatch.setattr(object_io, "_client", None)
     monkeypatch.setitem(sys.modules, "boto3", None)
     model, opt = build(seed=0)
     with pytest.raises(ConfigError, match=re.escape("pip install 'nxd_smp[s3]'")):

@@ -12,7 +12,8 @@ from typing import Any
 from ...backend import Backend
 from ...checkpointing.files import Folder, user_path
 from ...checkpointing.locations import open_store
-from ...checkpointing.object_store import ObjectRoom, S3Path
+from ...checkpointing.object_io import S3Path
+from ...checkpointing.object_store import ObjectRoom
 from ...checkpointing.pipeline import FolderFormat, register_format
 from ...checkpointing.room import Room
 from ...optim.loading.run import Reader

@@ -36,7 +36,7 @@ from typing import Any, Hashable
 import torch
 
 from ...checkpointing.files import Folder, check_name
-from ...checkpointing.object_store import S3Path, objects_below
+from ...checkpointing.object_io import S3Path, objects_below
 from ...checkpointing.room import Room
 from ...checkpointing.reader import check_distinct, load_file
 from ...checkpointing.unpickler import XserReference

@@ -30,7 +30,7 @@ from ...backend.coordination import Coordinator
 from ...checkpointing.files import Folder, after_publish, place_directory
 from ...checkpointing.reader import check_distinct, load_bytes
 from ...checkpointing.locations import open_store
-from ...checkpointing.object_store import S3Path
+from ...checkpointing.object_io import S3Path
 from ...checkpointing.room import Room, Store
 from ...checkpointing.save import check_async_save, close_opened, open_begun, open_made, write_and_publish
 from ...checkpointing.typed_json import loads
