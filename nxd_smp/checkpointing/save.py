@@ -66,26 +66,17 @@ def save(path: Any, model: nn.Module, optimizer: Zero1Optimizer | None, backend:
         layout["save"] = decide(backend.world_coordinator, lambda: secrets.token_hex(16))
     state, meta, copied = entries_to_save(model, optimizer, bool(save_master_weights), backend, layout)
     small: dict[str, bytes] = {}
-    store: Store | None = None
 
-    def begin() -> list:
-        """Rank 0: the small files encoded, a new version begun; how every rank opens it."""
-        nonlocal small, store
+    def encode() -> None:
+        """Rank 0, before the version is begun: the small files (what they cannot hold is refused)."""
+        nonlocal small
         try:
             small, tensors = small_files(meta, extra, objects)
         except TypeError as e:
             raise TypeError(f"nothing was saved to {path}: {e}") from None
         state.update(tensors)
-        store = open_store(path.parent, create=True)
-        return store.begin(path.name)
 
-    try:
-        begun = decide(coordinator, begin)
-    except (CheckpointError, FileNotFoundError) as e:
-        if store is not None:
-            store.close()
-        raise CheckpointError(f"nothing was saved to {path}: {e}") from None
-    opened = open_begun(store, path.parent, begun)  # (a failure: told to every rank by the write)
+    begun, opened = begin_version(coordinator, path, encode, refused=f"nothing was saved to {path}")
     # (a bar in bytes from the background writer would cut through the training loop's output: it logs)
     job = dict(opened=opened, path=path, begun=begun, num_kept=num_kept_ckpts,
                progress=False if async_save else progress)
@@ -114,6 +105,41 @@ def save(path: Any, model: nn.Module, optimizer: Zero1Optimizer | None, backend:
 
     start_save(str(path), work)
     return path.parent / begun[0]
+
+
+def begin_version(coordinator: Coordinator, path: Any, first: Callable[[], None], *, refused: str
+                  ) -> tuple[list, tuple[Store, Room] | Exception]:
+    """Rank 0 runs ``first()`` (what it checks or encodes before anything is made), then begins a version of
+    the checkpoint ``path`` in its parent's store (a local directory made where missing); every rank opens
+    it (``open_begun``). Returns what ``Store.begin`` answered and what this rank opened, or why it could not
+    (which the ranks' write-and-publish tells every rank). nxd_smp's format and NxD's state-dict tags on S3
+    both save through it.
+
+    Raises:
+        CheckpointError: rank 0 could not begin (``refused`` leads the message), on every rank.
+        TypeError: ``first()``'s, on every rank.
+    """
+    store: Store | None = None
+
+    def begin() -> list:
+        nonlocal store
+        first()
+        store = open_store(path.parent, create=True)
+        return store.begin(path.name)
+
+    try:
+        begun = decide(coordinator, begin)
+    except (CheckpointError, FileNotFoundError) as e:
+        if store is not None:
+            store.close()
+        raise CheckpointError(f"{refused}: {e}") from None
+    return begun, open_begun(store, path.parent, begun)
+
+
+def discard_version(opened: tuple[Store, Room] | Exception, begun: list) -> None:
+    """Rank 0, once a rank failed to write: the version ``begun`` removed from the store that ``opened`` it."""
+    if not isinstance(opened, BaseException):
+        opened[0].discard(begun)
 
 
 def open_begun(store: Store | None, parent: Any, begun: list) -> tuple[Store, Room] | Exception:
@@ -203,11 +229,8 @@ def _write_and_publish(state: Mapping[str, torch.Tensor], small: Mapping[str, by
         if num_kept is not None:  # (published: the retention warns, never fails the save)
             store.retain(num_kept, newest=path.name)
 
-    def discard() -> None:
-        if not isinstance(opened, BaseException):
-            opened[0].discard(begun)
-
-    write_and_publish(coordinator, write, publish, what=str(path), discard=discard, advance=advance)
+    write_and_publish(coordinator, write, publish, what=str(path), discard=lambda: discard_version(opened, begun),
+                      advance=advance)
 
 
 def write_and_publish(coordinator: Coordinator, write: Callable[[], Any], publish: Callable[[list[Any]], None], *,

@@ -377,9 +377,10 @@ class LocalStore(Store):
         root = self.root
         if root.exists(name) and not root.is_link(name):
             if not replaceable_folder(root, name):
-                raise CheckpointError(f"{root.where(name)} exists and is not an nxd_smp checkpoint link; pass a new path "
-                                      f"(or tag) or remove it.")
-            clear_folder(root, name)  # an empty folder made for us (or NxD's markers only): the link takes its place
+                raise CheckpointError(f"{root.where(name)} exists and is not an nxd_smp checkpoint link; pass a new "
+                                      f"path (or tag) or remove it.")
+            # an empty folder made for us (or NxD's markers only): the link takes its place
+            clear_folder(root, name)
         version = f"{version_prefix(name)}{secrets.token_hex(6)}"
         with root.mkdir(version) as made:
             return [version, *made.identity()]
@@ -425,8 +426,8 @@ class LocalStore(Store):
         if target is not None and target.rsplit("/", 1)[-1].startswith(version_prefix(name)):
             unpublish(self.root, name)
         elif self.root.exists(name):
-            raise CheckpointError(f"{self.root.where(name)} is not a checkpoint (an nxd_smp checkpoint link or an NxD tag "
-                                  f"folder); nothing was removed.")
+            raise CheckpointError(f"{self.root.where(name)} is not a checkpoint (an nxd_smp checkpoint link or an NxD "
+                                  f"tag folder); nothing was removed.")
 
     def dup(self) -> LocalStore:
         return LocalStore(self.root.dup())

@@ -29,10 +29,16 @@ from ...backend.agreement import decide
 from ...backend.coordination import Coordinator
 from ...checkpointing.files import Folder, after_publish, place_directory
 from ...checkpointing.reader import check_distinct, load_bytes
-from ...checkpointing.locations import open_store
 from ...checkpointing.object_io import S3Path
-from ...checkpointing.room import Room, Store
-from ...checkpointing.save import check_async_save, close_opened, open_begun, open_made, write_and_publish
+from ...checkpointing.room import Room
+from ...checkpointing.save import (
+    begin_version,
+    check_async_save,
+    close_opened,
+    discard_version,
+    open_made,
+    write_and_publish,
+)
 from ...checkpointing.typed_json import loads
 from ...checkpointing.unpickler import MAX_DEPTH
 from ...checkpointing.versions import DONE_FILE, LEFT, MARKER_FILE
@@ -197,20 +203,11 @@ def _save_to_store(tag: S3Path, files: Mapping[str, bytes], refusal: TypeError |
     """``save_state_dicts`` into object storage: the same files into a new version of the store at the tag's
     parent, committed as the tag with ``done`` in it (``checkpointing.object_store``: no rename there);
     the retention counts the store's tags."""
-    store: Store | None = None
-
-    def begin() -> list:
-        nonlocal store
+    def check() -> None:
         if refusal is not None:
             raise TypeError(f"nothing was saved to {tag}: {refusal}")
-        store = open_store(tag.parent)
-        return store.begin(tag.name)
 
-    try:
-        begun = decide(coordinator, begin)
-    except (CheckpointError, FileNotFoundError) as e:
-        raise CheckpointError(f"the save of {tag} was refused: {e}") from None
-    opened = open_begun(store, tag.parent, begun)  # (a failure: told to every rank by the write)
+    begun, opened = begin_version(coordinator, tag, check, refused=f"the save of {tag} was refused")
 
     def write() -> dict[str, list[int]]:
         if isinstance(opened, BaseException):
@@ -228,13 +225,10 @@ def _save_to_store(tag: S3Path, files: Mapping[str, bytes], refusal: TypeError |
         if num_kept is not None:  # (published: the retention warns, never fails the save)
             store.retain(num_kept, newest=tag.name)
 
-    def discard() -> None:
-        if not isinstance(opened, BaseException):
-            opened[0].discard(begun)
-
     def work() -> None:
         try:
-            write_and_publish(coordinator, write, publish, what=str(tag), discard=discard)
+            write_and_publish(coordinator, write, publish, what=str(tag),
+                              discard=lambda: discard_version(opened, begun))
         finally:
             close_opened(opened)
 
